@@ -1,0 +1,46 @@
+"""dgpo-ops: fused, exact RL policy losses for LLM reasoning."""
+
+from .aggregation import AGGREGATIONS, token_scales
+from .methods import (
+    METHODS,
+    AspoConfig,
+    CeGppoConfig,
+    CispoConfig,
+    DcpoConfig,
+    DgpoConfig,
+    DispoConfig,
+    GppoConfig,
+    GrpoConfig,
+    MethodConfig,
+    Region,
+    SapoConfig,
+    TokenTerms,
+    method_config,
+    token_terms,
+)
+from .options import LossOptions
+from .output import PolicyLossOutput
+from .reference import reference_loss
+
+__all__ = [
+    "AGGREGATIONS",
+    "METHODS",
+    "AspoConfig",
+    "CeGppoConfig",
+    "CispoConfig",
+    "DcpoConfig",
+    "DgpoConfig",
+    "DispoConfig",
+    "GppoConfig",
+    "GrpoConfig",
+    "LossOptions",
+    "MethodConfig",
+    "PolicyLossOutput",
+    "Region",
+    "SapoConfig",
+    "TokenTerms",
+    "method_config",
+    "reference_loss",
+    "token_scales",
+    "token_terms",
+]

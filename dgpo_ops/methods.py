@@ -1,0 +1,508 @@
+"""The per-token method table: one row per policy loss of ``LOSS_FAMILY.md``.
+
+Every method is two per-token functions of ``(log_ratio, advantage, old_logp)``:
+the loss value ``L`` and the gradient weight ``psi`` with ``dL/dl = -A * psi``.
+A row holds the method's typed config and its torch function; the Triton mirror
+(``dgpo_ops.kernels.method_table``) reads the same config through ``kernel_params``.
+
+The torch functions write ``L`` in the authors' autograd form (so autograd of ``L``
+can be checked against the closed-form ``psi``) and select branches with region
+masks built from detached values, so that ties on a boundary resolve exactly as the
+region table says instead of by autograd's tie-breaking of ``max``/``clamp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar, NamedTuple
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+
+
+class Region(enum.IntEnum):
+    """Region code of a token (LOSS_FAMILY.md, "Token regions"); DUAL replaces HN/LP where a dual clip fires."""
+
+    M = 0
+    LN = 1
+    HP = 2
+    LP = 3
+    HN = 4
+    DUAL = 5
+
+
+class Gate(enum.IntEnum):
+    SIGMOID = 0
+    ERF = 1
+    ARCTAN = 2
+    SOFTSIGN = 3
+
+
+class MethodId(enum.IntEnum):
+    """Kernel-side method switch (a constexpr); several table rows may share one id."""
+
+    PPO_CLIP = 0  # grpo and dcpo (dcpo supplies per-token bounds)
+    CAPPED_IS = 1  # cispo and dispo
+    GRADIENT_PRESERVING = 2  # gppo and ce_gppo
+    ASPO = 3
+    DGPO = 4
+    SAPO = 5
+
+
+class KernelParam(enum.IntEnum):
+    """Slots of the fp32 parameter vector the kernels read (runtime values: no recompile per value)."""
+
+    EPS_LOW_POS = 0
+    EPS_HIGH_POS = 1
+    EPS_LOW_NEG = 2
+    EPS_HIGH_NEG = 3
+    DUAL_CLIP = 4  # +inf when off
+    BETA1 = 5
+    BETA2 = 6
+    N = 7
+    M = 8
+    R_MAX = 9
+    TAU_POS = 10
+    TAU_NEG = 11
+
+
+NUM_KERNEL_PARAMS = len(KernelParam)
+
+
+def _check_range(method: str, name: str, value, low=None, high=None, low_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{method}: {name} must be a finite number, got {value!r}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        lo = "-inf" if low is None else f"{low}"
+        hi = "inf" if high is None else f"{high}"
+        bracket = "(" if low_open or low is None else "["
+        closing = ")" if high is None else "]"
+        raise ValueError(f"{method}: {name} must be in {bracket}{lo}, {hi}{closing}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Base of the per-method configs. Field names are the public keyword names."""
+
+    name: ClassVar[str]
+    method_id: ClassVar[MethodId]
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            self._validate_field(field.name, getattr(self, field.name))
+
+    def _validate_field(self, name: str, value) -> None:
+        if name in ("eps_low", "eps_low_pos", "eps_low_neg"):
+            _check_range(self.name, name, value, 0.0, 1.0)
+        elif name in ("eps_high", "eps_high_pos", "eps_high_neg"):
+            _check_range(self.name, name, value, 0.0)
+        elif name == "dual_clip":
+            if value is not None:
+                _check_range(self.name, name, value, 1.0, low_open=True)
+        elif name in ("beta1", "beta2"):
+            _check_range(self.name, name, value, 0.0)
+        elif name == "n":
+            _check_range(self.name, name, value, 0.0)
+        elif name == "m":
+            _check_range(self.name, name, value, 1.0)
+        elif name == "r_max":
+            _check_range(self.name, name, value, 1.0, low_open=True)
+        elif name in ("tau_pos", "tau_neg"):
+            _check_range(self.name, name, value, 0.0, low_open=True)
+        elif name == "gate":
+            if value not in GATES:
+                raise ValueError(f"{self.name}: gate must be one of {sorted(GATES)}, got {value!r}")
+        else:  # pragma: no cover - a new field without a rule is a bug in this file
+            raise AssertionError(f"no validation rule for {name}")
+
+    def kernel_params(self) -> list[float]:
+        """The fp32 parameter vector of ``KernelParam`` slots; slots a method does not read stay 0."""
+        values = [0.0] * NUM_KERNEL_PARAMS
+        values[KernelParam.DUAL_CLIP] = math.inf
+        for slot, value in self._kernel_slots().items():
+            values[slot] = math.inf if value is None else float(value)
+        return values
+
+    def _kernel_slots(self) -> dict[KernelParam, float | None]:
+        raise NotImplementedError
+
+    @property
+    def gate_id(self) -> Gate:
+        return Gate.SIGMOID
+
+
+def _symmetric_bounds(cfg) -> dict[KernelParam, float]:
+    return {
+        KernelParam.EPS_LOW_POS: cfg.eps_low,
+        KernelParam.EPS_HIGH_POS: cfg.eps_high,
+        KernelParam.EPS_LOW_NEG: cfg.eps_low,
+        KernelParam.EPS_HIGH_NEG: cfg.eps_high,
+    }
+
+
+@dataclass(frozen=True)
+class GrpoConfig(MethodConfig):
+    name: ClassVar[str] = "grpo"
+    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+
+    def _kernel_slots(self):
+        return {**_symmetric_bounds(self), KernelParam.DUAL_CLIP: self.dual_clip}
+
+
+@dataclass(frozen=True)
+class CispoConfig(MethodConfig):
+    name: ClassVar[str] = "cispo"
+    method_id: ClassVar[MethodId] = MethodId.CAPPED_IS
+    eps_low: float = 1.0
+    eps_high: float = 4.0
+
+    def _kernel_slots(self):
+        return _symmetric_bounds(self)
+
+
+@dataclass(frozen=True)
+class DispoConfig(MethodConfig):
+    name: ClassVar[str] = "dispo"
+    method_id: ClassVar[MethodId] = MethodId.CAPPED_IS
+    eps_low_pos: float = 0.2
+    eps_high_pos: float = 10.0
+    eps_low_neg: float = 1.0
+    eps_high_neg: float = 100.0
+
+    def _kernel_slots(self):
+        return {
+            KernelParam.EPS_LOW_POS: self.eps_low_pos,
+            KernelParam.EPS_HIGH_POS: self.eps_high_pos,
+            KernelParam.EPS_LOW_NEG: self.eps_low_neg,
+            KernelParam.EPS_HIGH_NEG: self.eps_high_neg,
+        }
+
+
+@dataclass(frozen=True)
+class GppoConfig(MethodConfig):
+    name: ClassVar[str] = "gppo"
+    method_id: ClassVar[MethodId] = MethodId.GRADIENT_PRESERVING
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = 3.0
+
+    beta1: ClassVar[float] = 1.0
+    beta2: ClassVar[float] = 1.0
+
+    def _kernel_slots(self):
+        return {
+            **_symmetric_bounds(self),
+            KernelParam.DUAL_CLIP: self.dual_clip,
+            KernelParam.BETA1: self.beta1,
+            KernelParam.BETA2: self.beta2,
+        }
+
+
+@dataclass(frozen=True)
+class CeGppoConfig(MethodConfig):
+    name: ClassVar[str] = "ce_gppo"
+    method_id: ClassVar[MethodId] = MethodId.GRADIENT_PRESERVING
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = 3.0
+    beta1: float = 0.75
+    beta2: float = 1.0
+
+    _kernel_slots = GppoConfig._kernel_slots
+
+
+@dataclass(frozen=True)
+class AspoConfig(MethodConfig):
+    name: ClassVar[str] = "aspo"
+    method_id: ClassVar[MethodId] = MethodId.ASPO
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float = 3.0
+
+    def _validate_field(self, name, value):
+        if name == "dual_clip" and value is None:
+            raise ValueError("aspo: dual_clip must be in (1.0, inf); aspo's soft dual clip cannot be turned off")
+        super()._validate_field(name, value)
+
+    def _kernel_slots(self):
+        return {**_symmetric_bounds(self), KernelParam.DUAL_CLIP: self.dual_clip}
+
+
+@dataclass(frozen=True)
+class DgpoConfig(MethodConfig):
+    name: ClassVar[str] = "dgpo"
+    method_id: ClassVar[MethodId] = MethodId.DGPO
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    n: float = 1.0
+    m: float = 2.0
+
+    def _kernel_slots(self):
+        return {**_symmetric_bounds(self), KernelParam.N: self.n, KernelParam.M: self.m}
+
+
+@dataclass(frozen=True)
+class DcpoConfig(MethodConfig):
+    name: ClassVar[str] = "dcpo"
+    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP
+    eps_low: float = 0.16
+    eps_high: float = 0.2
+    r_max: float = 10.0
+
+    def _kernel_slots(self):
+        return {**_symmetric_bounds(self), KernelParam.R_MAX: self.r_max, KernelParam.DUAL_CLIP: self.r_max}
+
+
+GATES = {"sigmoid": Gate.SIGMOID, "erf": Gate.ERF, "arctan": Gate.ARCTAN, "softsign": Gate.SOFTSIGN}
+
+
+@dataclass(frozen=True)
+class SapoConfig(MethodConfig):
+    name: ClassVar[str] = "sapo"
+    method_id: ClassVar[MethodId] = MethodId.SAPO
+    gate: str = "sigmoid"
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def _kernel_slots(self):
+        return {KernelParam.TAU_POS: self.tau_pos, KernelParam.TAU_NEG: self.tau_neg}
+
+    @property
+    def gate_id(self) -> Gate:
+        return GATES[self.gate]
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token torch functions: (config, TokenInputs) -> TokenTerms, psi detached.
+# --------------------------------------------------------------------------------------------
+
+
+class TokenInputs(NamedTuple):
+    log_ratio: torch.Tensor  # clamped straight-through; differentiable
+    ratio: torch.Tensor  # exp(log_ratio); differentiable
+    ratio_detached: torch.Tensor
+    advantage: torch.Tensor
+    logp: torch.Tensor  # l = log_ratio + old_logp; differentiable
+    old_logp: torch.Tensor
+
+
+class TokenTerms(NamedTuple):
+    loss: torch.Tensor
+    psi: torch.Tensor
+    region: torch.Tensor
+
+
+def _full(value, like):
+    return value if torch.is_tensor(value) else torch.full_like(like, value)
+
+
+def _regions(rd, adv, low, high):
+    """Region codes from the trust region [low, high] (tensors or floats) and the sign of A."""
+    pos, neg = adv > 0, adv < 0
+    below, above = rd < low, rd > high
+    region = torch.full_like(rd, Region.M, dtype=torch.int8)
+    region = torch.where(below & neg, Region.LN, region)
+    region = torch.where(above & pos, Region.HP, region)
+    region = torch.where(below & pos, Region.LP, region)
+    return torch.where(above & neg, Region.HN, region).to(torch.int8)
+
+
+def _ppo_clip(x: TokenInputs, low, high, dual_clip) -> TokenTerms:
+    rd, adv = x.ratio_detached, x.advantage
+    region = _regions(rd, adv, low, high)
+    in_ln = region == Region.LN
+    clipped = in_ln | (region == Region.HP)
+    dual = (adv < 0) & (rd > dual_clip)
+    loss = torch.where(clipped, -adv * torch.where(in_ln, _full(low, rd), _full(high, rd)), -adv * x.ratio)
+    loss = torch.where(dual, -adv * dual_clip, loss)
+    psi = torch.where(clipped | dual, torch.zeros_like(rd), rd)
+    return TokenTerms(loss, psi, torch.where(dual, Region.DUAL, region).to(torch.int8))
+
+
+def _capped_is(x: TokenInputs, low, high) -> TokenTerms:
+    rd, adv = x.ratio_detached, x.advantage
+    weight = torch.minimum(torch.maximum(rd, _full(low, rd)), _full(high, rd))
+    return TokenTerms(-adv * weight * x.logp, weight, _regions(rd, adv, low, high))
+
+
+def _grpo(cfg: GrpoConfig, x: TokenInputs) -> TokenTerms:
+    dual = math.inf if cfg.dual_clip is None else cfg.dual_clip
+    return _ppo_clip(x, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, dual)
+
+
+def dcpo_bounds(cfg: DcpoConfig, old_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DCPO's trust region [lower(q), upper(q)] from the old probability q."""
+    q = old_logp.exp()
+    low = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * cfg.eps_low / q, min=0.0))
+    high = torch.clamp(0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * cfg.eps_high / q), max=cfg.r_max)
+    return low, high
+
+
+def _dcpo(cfg: DcpoConfig, x: TokenInputs) -> TokenTerms:
+    low, high = dcpo_bounds(cfg, x.old_logp)
+    return _ppo_clip(x, low, high, cfg.r_max)
+
+
+def _cispo(cfg: CispoConfig, x: TokenInputs) -> TokenTerms:
+    return _capped_is(x, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+
+
+def _dispo(cfg: DispoConfig, x: TokenInputs) -> TokenTerms:
+    neg = x.advantage < 0
+    low = torch.where(neg, 1.0 - cfg.eps_low_neg, 1.0 - cfg.eps_low_pos).to(x.ratio_detached.dtype)
+    high = torch.where(neg, 1.0 + cfg.eps_high_neg, 1.0 + cfg.eps_high_pos).to(x.ratio_detached.dtype)
+    return _capped_is(x, low, high)
+
+
+def _gppo(cfg: GppoConfig | CeGppoConfig, x: TokenInputs) -> TokenTerms:
+    r, rd, adv = x.ratio, x.ratio_detached, x.advantage
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    dual_clip = math.inf if cfg.dual_clip is None else cfg.dual_clip
+    region = _regions(rd, adv, low, high)
+    in_ln, in_hp = region == Region.LN, region == Region.HP
+    unit = r / rd  # value 1, gradient r/sg(r): the gradient-preserving trick
+    loss = torch.where(in_ln, -adv * cfg.beta1 * low * unit, -adv * r)
+    loss = torch.where(in_hp, -adv * cfg.beta2 * high * unit, loss)
+    psi = torch.where(in_ln, _full(cfg.beta1 * low, rd), rd)
+    psi = torch.where(in_hp, _full(cfg.beta2 * high, rd), psi)
+    dual = (adv < 0) & (-adv * dual_clip < loss.detach())
+    loss = torch.where(dual, -adv * dual_clip, loss)
+    psi = torch.where(dual, torch.zeros_like(rd), psi)
+    return TokenTerms(loss, psi, torch.where(dual, Region.DUAL, region).to(torch.int8))
+
+
+def _aspo(cfg: AspoConfig, x: TokenInputs) -> TokenTerms:
+    r, rd, adv, logp = x.ratio, x.ratio_detached, x.advantage, x.logp
+    low, high, c = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, cfg.dual_clip
+    zero = torch.zeros_like(rd)
+    pos = adv >= 0
+    # A >= 0: flipped ratio 1/p with p = min(r, high); soft dual clip where 1/p > c.
+    p = torch.where(rd <= high, r, _full(high, rd))
+    pd = p.detach()
+    pos_dual = 1.0 / pd > c
+    pos_loss = torch.where(pos_dual, -adv * c * logp, -adv * (p / pd) / pd)
+    pos_psi = torch.where(pos_dual, _full(c, rd), torch.where(rd <= high, 1.0 / rd, zero))
+    # A < 0: u = max(r, low); soft dual clip where u > c.
+    u = torch.where(rd >= low, r, _full(low, rd))
+    neg_dual = u.detach() > c
+    neg_loss = torch.where(neg_dual, -adv * c * logp, -adv * u)
+    neg_psi = torch.where(neg_dual, _full(c, rd), torch.where(rd >= low, rd, zero))
+    dual = torch.where(pos, pos_dual, neg_dual) & (adv != 0)
+    region = torch.where(dual, Region.DUAL, _regions(rd, adv, low, high)).to(torch.int8)
+    return TokenTerms(
+        torch.where(pos, pos_loss, neg_loss), torch.where(pos, pos_psi, neg_psi), region
+    )
+
+
+def _dgpo(cfg: DgpoConfig, x: TokenInputs) -> TokenTerms:
+    log_r, rd, adv = x.log_ratio, x.ratio_detached, x.advantage
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    region = _regions(rd, adv, low, high)
+    in_ln, in_hp = region == Region.LN, region == Region.HP
+    log_rd = log_r.detach()
+    # LN: exp(l + n sg(l) - (n+1) l_old) / low^n. Exponents are zeroed outside their region so
+    # an overflow there cannot turn into 0 * inf = nan in the backward of torch.where.
+    log_low = math.log(low) if low > 0 else 0.0  # low = 0 leaves LN empty
+    ln_exponent = torch.where(in_ln, log_r + cfg.n * (log_rd - log_low), log_r.detach() * 0)
+    # HP: exp(l + log(high)/m - l_old (m-1)/m - sg(l)/m).
+    hp_exponent = torch.where(in_hp, log_r + (math.log(high) - log_rd) / cfg.m, log_r.detach() * 0)
+    weight = torch.where(in_ln, torch.exp(ln_exponent), torch.where(in_hp, torch.exp(hp_exponent), x.ratio))
+    return TokenTerms(-adv * weight, weight, region)
+
+
+def _sapo_gate(gate: Gate, x, tau):
+    """Gate value f_tau(x) and slope f'_tau(x); tau is a tensor."""
+    u = x - 1.0
+    if gate == Gate.SIGMOID:
+        s = torch.sigmoid(tau * u)
+        return s * 4.0 / tau, 4.0 * s * (1.0 - s)
+    if gate == Gate.ERF:
+        k = math.sqrt(math.pi / 2.0) / tau
+        return k * (1.0 + torch.erf(tau * u / math.sqrt(2.0))) + 1.0 - k, torch.exp(-0.5 * (tau * u) ** 2)
+    if gate == Gate.ARCTAN:
+        return 1.0 + torch.atan(tau * u) / tau, 1.0 / (1.0 + (tau * u) ** 2)
+    if gate == Gate.SOFTSIGN:
+        d = 1.0 + (tau * u) ** 2
+        return 1.0 + u / torch.sqrt(d), d**-1.5
+    raise AssertionError(gate)
+
+
+def _sapo(cfg: SapoConfig, x: TokenInputs) -> TokenTerms:
+    rd = x.ratio_detached
+    tau = torch.where(x.advantage >= 0, cfg.tau_pos, cfg.tau_neg).to(rd.dtype)
+    value, _ = _sapo_gate(cfg.gate_id, x.ratio, tau)
+    _, slope = _sapo_gate(cfg.gate_id, rd, tau)
+    # SAPO has no trust region: every token is in M.
+    return TokenTerms(-x.advantage * value, slope * rd, torch.zeros_like(rd, dtype=torch.int8))
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    config: type[MethodConfig]
+    token_fn: Callable[..., TokenTerms]
+    summary: str
+
+
+METHODS: dict[str, MethodSpec] = {
+    "grpo": MethodSpec(GrpoConfig, _grpo, "PPO clip; DAPO is eps_high=0.28; optional dual clip"),
+    "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob"),
+    "dispo": MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A"),
+    "gppo": MethodSpec(GppoConfig, _gppo, "gradient-preserving clip, constant boundary weight"),
+    "ce_gppo": MethodSpec(CeGppoConfig, _gppo, "GPPO with boundary scales beta1, beta2"),
+    "aspo": MethodSpec(AspoConfig, _aspo, "flipped ratio for A>0, soft dual clip"),
+    "dgpo": MethodSpec(DgpoConfig, _dgpo, "decoupled polynomial / radical decay of the probability gradient"),
+    "dcpo": MethodSpec(DcpoConfig, _dcpo, "PPO clip with bounds from the old probability"),
+    "sapo": MethodSpec(SapoConfig, _sapo, "soft gates instead of clipping"),
+}
+
+
+def method_config(method: str | MethodConfig, **params) -> MethodConfig:
+    """Build (and validate) the config of a method by name; unknown names and parameters raise ValueError."""
+    if isinstance(method, MethodConfig):
+        if params:
+            return dataclasses.replace(method, **params)
+        return method
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
+    config_cls = METHODS[method].config
+    allowed = [f.name for f in dataclasses.fields(config_cls)]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"{method} does not take parameter(s) {', '.join(unknown)}; it takes {', '.join(allowed)}"
+        )
+    return config_cls(**params)
+
+
+def token_terms(
+    cfg: MethodConfig,
+    log_ratio: torch.Tensor,
+    advantage: torch.Tensor,
+    old_logp: torch.Tensor,
+    logp: torch.Tensor | None = None,
+) -> TokenTerms:
+    """Loss value, gradient weight psi and region of every token.
+
+    ``log_ratio`` may carry autograd (l - l_old, or its sequence mean); ``old_logp`` is detached.
+    ``logp`` is the token's own log-prob for the methods whose value uses ``l`` (cispo, dispo,
+    aspo's dual branch); it defaults to ``log_ratio + old_logp``, which is ``l`` at token level.
+    The log ratio is clamped to [-20, 20] straight-through: values are clamped, the gradient
+    passes, so psi is evaluated at the clamped ratio instead of being zeroed.
+    """
+    if logp is None:
+        logp = log_ratio + old_logp
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = log_ratio + (clamped - log_ratio).detach()
+    ratio = torch.exp(log_ratio)
+    inputs = TokenInputs(log_ratio, ratio, ratio.detach(), advantage, logp, old_logp)
+    terms = METHODS[cfg.name].token_fn(cfg, inputs)
+    return TokenTerms(terms.loss, terms.psi.detach(), terms.region)

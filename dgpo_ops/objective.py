@@ -1,0 +1,61 @@
+"""The per-token policy objective on O(N) vectors: log ratio (token or sequence), the method
+table, KL, entropy bonus, rollout weights and aggregation.
+
+Every backend runs this on the per-token log-probs and entropies: the reference with autograd
+back to the logits, the fused ops with autograd back to those two vectors only (then a kernel
+expands the two per-token coefficients over the vocabulary).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .inputs import TokenBatch
+from .methods import LOG_RATIO_CLAMP, TokenTerms, token_terms
+from .options import LossOptions
+
+
+class ObjectiveTerms(NamedTuple):
+    loss: torch.Tensor  # scalar
+    tokens: TokenTerms  # the method's per-token L (differentiable), psi, region
+    log_ratio: torch.Tensor  # what psi was evaluated at (sequence mean under GSPO), detached
+    kl: torch.Tensor | None  # per-token k3 value, detached
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked mean over each response, broadcast back to its tokens."""
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return ((values * mask).sum(dim=1, keepdim=True) / lengths).expand_as(values)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def policy_objective(
+    logp: torch.Tensor, entropy: torch.Tensor | None, batch: TokenBatch, options: LossOptions
+) -> ObjectiveTerms:
+    """Scalar loss from per-token log-probs ``(B, T)`` and entropies (differentiable in both)."""
+    old_logp = batch.old_logps if batch.old_logps is not None else logp.detach()
+    log_ratio = logp - old_logp
+    if options.sequence_level:
+        log_ratio = sequence_mean(log_ratio, batch.mask)
+    tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp)
+    per_token = tokens.loss
+    if batch.rollout_weights is not None:
+        per_token = per_token * batch.rollout_weights
+    kl = None
+    if options.beta != 0.0:
+        if batch.ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps")
+        kl_value = kl_k3(logp, batch.ref_logps)
+        per_token = per_token + options.beta * kl_value
+        kl = kl_value.detach()
+    if options.entropy_coef != 0.0:
+        per_token = per_token - options.entropy_coef * entropy
+    loss = torch.where(batch.mask, per_token, 0.0).mul(batch.scale).sum()
+    clamped = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return ObjectiveTerms(loss, tokens, clamped, kl)

@@ -1,0 +1,53 @@
+"""``LossOptions``: every non-tensor option of a loss call, in one validated dataclass."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .aggregation import check_aggregation
+from .methods import DgpoConfig, MethodConfig, method_config
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    method: MethodConfig = field(default_factory=DgpoConfig)
+    temperature: float = 1.0
+    aggregation: str = "token_mean"
+    beta: float = 0.0  # KL (k3) coefficient to the reference policy
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * H
+    importance_sampling_level: str = "token"  # "sequence" is GSPO's ratio
+    inplace: bool = False  # fused ops only: write d(loss)/d(logits) into the logits' storage
+    backend: str = "auto"  # fused ops only
+
+    def __post_init__(self):
+        if not isinstance(self.method, MethodConfig):
+            raise ValueError(f"method must be a MethodConfig, got {type(self.method).__name__}")
+        for name, low_open in (("temperature", True), ("beta", False)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)) or value < 0 or (low_open and value == 0):
+                raise ValueError(f"{name} must be a finite number {'> 0' if low_open else '>= 0'}, got {value!r}")
+        if not (isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)):
+            raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef!r}")
+        check_aggregation(self.aggregation)
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.importance_sampling_level == "sequence"
+
+    @classmethod
+    def build(cls, method="dgpo", **kwargs) -> "LossOptions":
+        """Split keyword arguments into loss options and method parameters (validated by the method)."""
+        option_names = cls.__dataclass_fields__.keys() - {"method"}
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
+        return cls(method=method_config(method, **kwargs), **options)

@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class PolicyLossOutput(NamedTuple):
+    """What every policy-loss entry point returns."""
+
+    loss: torch.Tensor  # scalar, differentiable
+    logps: torch.Tensor  # per-token log-probs of the targets, fp32, detached; (B, T) or (N,)
+    entropy: torch.Tensor  # per-token entropy, fp32, detached
+    metrics: dict[str, torch.Tensor]

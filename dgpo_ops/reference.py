@@ -1,0 +1,74 @@
+"""Plain-PyTorch reference: log_softmax + gather + the method table + autograd.
+
+It materialises the full (N, V) fp32 log-softmax: it is the ground truth the fused ops are
+tested against, not a path to train with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .inputs import prepare_batch
+from .metrics import policy_metrics
+from .objective import policy_objective
+from .options import LossOptions
+from .output import PolicyLossOutput
+
+
+def reference_loss(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    *,
+    method="dgpo",
+    temperature: float = 1.0,
+    aggregation: str = "token_mean",
+    loss_normalizer: float | torch.Tensor | None = None,
+    beta: float = 0.0,
+    entropy_coef: float = 0.0,
+    importance_sampling_level: str = "token",
+    rollout_weights: torch.Tensor | None = None,
+    **method_params,
+) -> PolicyLossOutput:
+    """Policy loss of ``method`` from ``(B, T, V)`` or ``(N, V)`` logits; see ``fused_dgpo_loss``."""
+    options = LossOptions.build(
+        method,
+        temperature=temperature,
+        aggregation=aggregation,
+        beta=beta,
+        entropy_coef=entropy_coef,
+        importance_sampling_level=importance_sampling_level,
+        **method_params,
+    )
+    return reference_loss_from_options(
+        logits, target_ids, advantages, mask, old_logps, ref_logps, options, loss_normalizer, rollout_weights
+    )
+
+
+def reference_loss_from_options(
+    logits, target_ids, advantages, mask, old_logps, ref_logps, options: LossOptions, loss_normalizer=None,
+    rollout_weights=None,
+) -> PolicyLossOutput:
+    batch = prepare_batch(
+        logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps, ref_logps,
+        rollout_weights, options.aggregation, loss_normalizer, options.sequence_level,
+    )
+    grid = batch.mask.shape
+    x = logits.reshape(*grid, logits.shape[-1])
+    x = x.to(torch.promote_types(x.dtype, torch.float32)) / options.temperature
+    log_probs = torch.log_softmax(x, dim=-1)
+    logp = log_probs.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
+    probs = log_probs.exp()
+    # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf.
+    entropy = -torch.where(probs > 0, probs * log_probs, 0.0).sum(-1)
+    terms = policy_objective(logp, entropy, batch, options)
+    metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, batch.mask)
+    return PolicyLossOutput(
+        loss=terms.loss,
+        logps=batch.unflatten(logp.detach().float()),
+        entropy=batch.unflatten(entropy.detach().float()),
+        metrics=metrics,
+    )
