@@ -33,7 +33,7 @@ class TokenBatch:
         return per_token.reshape(-1) if self.flat else per_token
 
 
-def _per_token_float(name, value, grid_shape, mask, device, allow_per_response=False):
+def _per_token_float(name, value, grid_shape, mask, device, dtype, allow_per_response=False):
     if value is None:
         return None
     if not torch.is_tensor(value):
@@ -47,7 +47,7 @@ def _per_token_float(name, value, grid_shape, mask, device, allow_per_response=F
     elif value.shape != grid_shape:
         wanted = f"{tuple(grid_shape)}" + (f" or {tuple(grid_shape[:1])}" if allow_per_response else "")
         raise ValueError(f"{name} must have shape {wanted}, got {tuple(value.shape)}")
-    value = value.detach().to(torch.float32)
+    value = value.detach().to(dtype)
     if not torch.isfinite(value[mask]).all():
         raise ValueError(f"{name} has non-finite values on unmasked tokens")
     return torch.where(mask, value, 0.0)
@@ -110,10 +110,13 @@ def prepare_batch(
     if advantages is None:
         raise ValueError("advantages are required")
 
+    # Per-token math runs in fp32, or fp64 for fp64 logits (gradcheck).
+    per_token_dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
+
     def per_token(name, value, allow_per_response=False):
         if flat and torch.is_tensor(value) and value.shape == logits_shape[:1]:
             value = value.reshape(grid_shape)
-        return _per_token_float(name, value, grid_shape, token_mask, device, allow_per_response)
+        return _per_token_float(name, value, grid_shape, token_mask, device, per_token_dtype, allow_per_response)
 
     return TokenBatch(
         target_ids=torch.where(token_mask, target_ids, 0),
@@ -122,6 +125,6 @@ def prepare_batch(
         old_logps=per_token("old_logps", old_logps),
         ref_logps=per_token("ref_logps", ref_logps),
         rollout_weights=per_token("rollout_weights", rollout_weights),
-        scale=token_scales(token_mask, aggregation, loss_normalizer),
+        scale=token_scales(token_mask, aggregation, loss_normalizer).to(per_token_dtype),
         flat=flat,
     )

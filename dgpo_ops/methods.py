@@ -357,9 +357,9 @@ def _cispo(cfg: CispoConfig, x: TokenInputs) -> TokenTerms:
 
 
 def _dispo(cfg: DispoConfig, x: TokenInputs) -> TokenTerms:
-    neg = x.advantage < 0
-    low = torch.where(neg, 1.0 - cfg.eps_low_neg, 1.0 - cfg.eps_low_pos).to(x.ratio_detached.dtype)
-    high = torch.where(neg, 1.0 + cfg.eps_high_neg, 1.0 + cfg.eps_high_pos).to(x.ratio_detached.dtype)
+    neg, rd = x.advantage < 0, x.ratio_detached
+    low = torch.where(neg, _full(1.0 - cfg.eps_low_neg, rd), _full(1.0 - cfg.eps_low_pos, rd))
+    high = torch.where(neg, _full(1.0 + cfg.eps_high_neg, rd), _full(1.0 + cfg.eps_high_pos, rd))
     return _capped_is(x, low, high)
 
 
@@ -438,7 +438,7 @@ def _sapo_gate(gate: Gate, x, tau):
 
 def _sapo(cfg: SapoConfig, x: TokenInputs) -> TokenTerms:
     rd = x.ratio_detached
-    tau = torch.where(x.advantage >= 0, cfg.tau_pos, cfg.tau_neg).to(rd.dtype)
+    tau = torch.where(x.advantage >= 0, _full(cfg.tau_pos, rd), _full(cfg.tau_neg, rd))
     value, _ = _sapo_gate(cfg.gate_id, x.ratio, tau)
     _, slope = _sapo_gate(cfg.gate_id, rd, tau)
     # SAPO has no trust region: every token is in M.

@@ -1,0 +1,94 @@
+"""Inputs that put tokens in every region of every method, shared by the test modules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import dgpo_ops
+
+METHOD_VARIANTS = [
+    ("grpo", {}),
+    ("grpo", {"eps_high": 0.28, "dual_clip": 3.0}),
+    ("cispo", {}),
+    ("cispo", {"eps_low": 0.2, "eps_high": 0.28}),
+    ("dispo", {}),
+    ("gppo", {}),
+    ("ce_gppo", {}),
+    ("aspo", {}),
+    ("dgpo", {}),
+    ("dgpo", {"n": 2.0, "m": 3.0}),
+    ("dgpo", {"n": 0.0, "m": 1.0}),
+    ("dcpo", {}),
+    ("sapo", {"gate": "sigmoid"}),
+    ("sapo", {"gate": "erf", "tau_pos": 10.0, "tau_neg": 12.0}),
+    ("sapo", {"gate": "arctan"}),
+    ("sapo", {"gate": "softsign", "tau_pos": 2.0, "tau_neg": 3.0}),
+]
+
+
+def variant_id(variant) -> str:
+    name, params = variant
+    return name + "".join(f"-{k}={v}" for k, v in params.items())
+
+
+def trust_region(cfg) -> list[float]:
+    """Ratios on and around the method's boundaries (per sign of A where they differ)."""
+    edges = []
+    for low_name, high_name in (("eps_low", "eps_high"), ("eps_low_pos", "eps_high_pos"), ("eps_low_neg", "eps_high_neg")):
+        if hasattr(cfg, low_name):
+            edges += [1.0 - getattr(cfg, low_name), 1.0 + getattr(cfg, high_name)]
+    for name in ("dual_clip", "r_max"):
+        value = getattr(cfg, name, None)
+        if value is not None:
+            edges += [value, 1.0 / value]
+    return edges
+
+
+def spanning_ratios(cfg) -> torch.Tensor:
+    """Ratios covering every region: a log-spaced sweep plus each boundary, just below and above it."""
+    ratios = [math.exp(x) for x in torch.linspace(-6.0, 6.0, 49).tolist()] + [1.0]
+    for edge in trust_region(cfg):
+        if edge > 0:
+            ratios += [edge, edge * (1 - 1e-3), edge * (1 + 1e-3)]
+    return torch.tensor(ratios, dtype=torch.float64)
+
+
+def spanning_tokens(cfg, old_prob: float = 0.3):
+    """(log_ratio, advantage, old_logp) in float64 for every spanning ratio and A in {+1.3, -0.7, 0}."""
+    ratios = spanning_ratios(cfg)
+    log_ratio = ratios.log().repeat(3)
+    advantage = torch.tensor([1.3, -0.7, 0.0], dtype=torch.float64).repeat_interleave(len(ratios))
+    old_logp = torch.full_like(log_ratio, math.log(old_prob))
+    return log_ratio, advantage, old_logp
+
+
+def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask_fraction=0.2, per_token_adv=False):
+    """Random logits with old log-probs set so that ratios spread over all regions.
+
+    Returns a dict of inputs for reference_loss / fused_dgpo_loss. The old log-probs are derived
+    from the logits' own log-probs (computed in float64) minus a log-ratio drawn in
+    [-ratio_spread, ratio_spread] * 2, so every region of every method gets tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2.0).to(dtype)
+    target = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) >= mask_fraction
+    mask[:, 0] = True
+    target[0, -1] = -100  # an ignored token besides the mask
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    log_ratio = (torch.rand(B, T, generator=g, dtype=torch.float64) * 2 - 1) * 2 * ratio_spread
+    old_logps = (logp - log_ratio).float()
+    ref_logps = (logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).float()
+    shape = (B, T) if per_token_adv else (B,)
+    advantages = torch.randn(*shape, generator=g)
+    advantages[0] = 0.0 if not per_token_adv else advantages[0]
+    return dict(
+        logits=logits, target_ids=target, advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps
+    )
+
+
+def config(variant):
+    name, params = variant
+    return dgpo_ops.method_config(name, **params)
