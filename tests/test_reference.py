@@ -102,7 +102,7 @@ def test_sequence_level_ratio_is_the_response_mean():
 
 
 def test_sequence_level_gradient_flows_through_the_mean():
-    # One response, grpo in the trust region: d loss / d l_t = -A r_seq / |o| * s for every token.
+    # One response, grpo in the trust region: d loss / d l_t = sum_t s_t (-A r_seq) / |o|.
     logits = torch.randn(1, 4, 6, dtype=torch.float64, requires_grad=True)
     target = torch.tensor([[1, 2, 3, 4]])
     logp = torch.log_softmax(logits.detach(), -1).gather(-1, target[..., None])[..., 0]
