@@ -1,0 +1,79 @@
+"""The psi(r) atlas: gradient weights of every method, straight from the method table."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .methods import METHODS, MethodConfig, method_config, token_terms
+
+# One curve per row; sapo appears once per gate.
+ATLAS_METHODS: list[tuple[str, dict]] = [(name, {}) for name in METHODS if name != "sapo"] + [
+    ("sapo", {"gate": gate}) for gate in ("sigmoid", "erf", "arctan", "softsign")
+]
+OLD_PROB = 0.5
+
+
+def label(name: str, params: dict) -> str:
+    return name + "".join(f" {v}" for v in params.values())
+
+
+def psi_curve(cfg: MethodConfig, ratios: torch.Tensor, advantage: float, old_prob: float = OLD_PROB) -> torch.Tensor:
+    ratios = ratios.to(torch.float64)
+    return token_terms(
+        cfg, ratios.log(), torch.full_like(ratios, advantage), torch.full_like(ratios, math.log(old_prob))
+    ).psi
+
+
+def psi_table(ratios=(0.05, 0.5, 0.79, 0.8, 0.9, 1.0, 1.1, 1.2, 1.21, 2.0, 5.0)) -> str:
+    """Plain-text psi(r) for every method at A = +1 and A = -1 (old probability 0.5)."""
+    ratios_t = torch.tensor(ratios, dtype=torch.float64)
+    header = f"{'method':<18}{'A':>3} " + "".join(f"{r:>8g}" for r in ratios)
+    lines = ["psi(r): gradient weight, dL/dl = -A psi (old probability 0.5)", header, "-" * len(header)]
+    for name, params in ATLAS_METHODS:
+        cfg = method_config(name, **params)
+        for adv in (1.0, -1.0):
+            psi = psi_curve(cfg, ratios_t, adv)
+            lines.append(f"{label(name, params):<18}{adv:>+3.0f} " + "".join(f"{v:>8.3f}" for v in psi.tolist()))
+    return "\n".join(lines)
+
+
+def plot_atlas(path: str) -> str:
+    """Write the atlas PNG: psi(r) for A > 0 and A < 0, and DGPO's W = psi/pi against pi."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = torch.logspace(math.log10(0.02), math.log10(4.0), 600, dtype=torch.float64)
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    for ax, adv in zip(axes[:2], (1.0, -1.0)):
+        for name, params in ATLAS_METHODS:
+            psi = psi_curve(method_config(name, **params), ratios, adv)
+            ax.plot(ratios, psi, label=label(name, params), lw=1.6 if name == "dgpo" else 1.0,
+                    ls="-" if name != "sapo" else "--")
+        for edge in (0.8, 1.2):
+            ax.axvline(edge, color="grey", lw=0.6, ls=":")
+        ax.set(xscale="log", ylim=(-0.1, 3.2), xlabel="importance ratio r", ylabel="psi (dL/dl = -A psi)",
+               title=f"A {'> 0' if adv > 0 else '< 0'}: gradient weight psi(r)")
+    axes[0].legend(fontsize=7, ncol=2)
+
+    ax = axes[2]
+    q = OLD_PROB
+    small = torch.logspace(-6, 0, 400, dtype=torch.float64)  # pi = r q
+    # grpo's W is 0 left of the boundary (hard clip), so it has no curve on a log axis.
+    for (name, params), style in zip(
+        [("gppo", {}), ("cispo", {"eps_low": 0.2, "eps_high": 0.2}), ("dgpo", {"n": 1.0}), ("dgpo", {"n": 2.0})],
+        ["-", "--", "-", "-"],
+    ):
+        w = psi_curve(method_config(name, **params), small / q, -1.0) / small
+        ax.plot(small, w, style, label=label(name, params))
+    ax.axvline((1 - 0.2) * q, color="grey", lw=0.6, ls=":")
+    ax.set(xscale="log", yscale="log", ylim=(1e-7, 1e7), xlabel="pi_theta(o_t)", ylabel="W = psi / pi",
+           title="A < 0, left side: probability-gradient weight (q = 0.5)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

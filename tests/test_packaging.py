@@ -1,0 +1,46 @@
+"""Install layout: kernels/ and trainer/ install as dgpo_ops.kernels and dgpo_ops.trainer."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+IMPORT_CHECK = """
+import sys, dgpo_ops, dgpo_ops.kernels, dgpo_ops.trainer
+heavy = sorted(m for m in ("trl", "transformers", "vllm") if m in sys.modules)
+print(dgpo_ops.__file__); print(dgpo_ops.kernels.__file__); print(dgpo_ops.trainer.__file__); print(heavy)
+"""
+
+
+def run_import_check(python: str, cwd) -> list[str]:
+    result = subprocess.run([python, "-c", IMPORT_CHECK], cwd=cwd, capture_output=True, text=True, check=True)
+    return result.stdout.splitlines()
+
+
+def test_editable_install_maps_the_top_level_folders(tmp_path):
+    pkg, kernels, trainer, heavy = run_import_check(sys.executable, tmp_path)
+    assert pathlib.Path(pkg).parent == REPO / "dgpo_ops"
+    assert pathlib.Path(kernels).parent == REPO / "kernels"
+    assert pathlib.Path(trainer).parent == REPO / "trainer"
+    assert heavy == "[]", "importing dgpo_ops must not import TRL, transformers or vLLM"
+
+
+def test_regular_install_in_a_new_venv(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", str(REPO)],
+        check=True, capture_output=True,
+    )
+    pkg, kernels, trainer, heavy = run_import_check(python, tmp_path)
+    site = pathlib.Path(pkg).parents[1]
+    assert str(venv) in pkg and pathlib.Path(kernels).parent == site / "dgpo_ops" / "kernels"
+    assert pathlib.Path(trainer).parent == site / "dgpo_ops" / "trainer"
+    assert not (site / "kernels").exists() and not (site / "trainer").exists()
+    assert heavy == "[]"
+    console = subprocess.run([str(venv / "bin" / "dgpo-ops"), "table"], capture_output=True, text=True, check=True)
+    assert "dgpo" in console.stdout
