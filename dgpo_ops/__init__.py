@@ -1,6 +1,7 @@
 """dgpo-ops: fused, exact RL policy losses for LLM reasoning."""
 
 from .aggregation import AGGREGATIONS, token_scales
+from .fused import DGPOLoss, fused_dgpo_loss
 from .methods import (
     METHODS,
     AspoConfig,
@@ -28,6 +29,7 @@ __all__ = [
     "AspoConfig",
     "CeGppoConfig",
     "CispoConfig",
+    "DGPOLoss",
     "DcpoConfig",
     "DgpoConfig",
     "DispoConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "Region",
     "SapoConfig",
     "TokenTerms",
+    "fused_dgpo_loss",
     "method_config",
     "reference_loss",
     "token_scales",

@@ -45,12 +45,13 @@ class Gate(enum.IntEnum):
 class MethodId(enum.IntEnum):
     """Kernel-side method switch (a constexpr); several table rows may share one id."""
 
-    PPO_CLIP = 0  # grpo and dcpo (dcpo supplies per-token bounds)
-    CAPPED_IS = 1  # cispo and dispo
-    GRADIENT_PRESERVING = 2  # gppo and ce_gppo
-    ASPO = 3
-    DGPO = 4
-    SAPO = 5
+    GRPO = 0
+    DCPO = 1
+    CAPPED_IS = 2  # cispo and dispo
+    GRADIENT_PRESERVING = 3  # gppo and ce_gppo
+    ASPO = 4
+    DGPO = 5
+    SAPO = 6
 
 
 class KernelParam(enum.IntEnum):
@@ -149,7 +150,7 @@ def _symmetric_bounds(cfg) -> dict[KernelParam, float]:
 @dataclass(frozen=True)
 class GrpoConfig(MethodConfig):
     name: ClassVar[str] = "grpo"
-    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP
+    method_id: ClassVar[MethodId] = MethodId.GRPO
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None
@@ -253,13 +254,13 @@ class DgpoConfig(MethodConfig):
 @dataclass(frozen=True)
 class DcpoConfig(MethodConfig):
     name: ClassVar[str] = "dcpo"
-    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP
+    method_id: ClassVar[MethodId] = MethodId.DCPO
     eps_low: float = 0.16
     eps_high: float = 0.2
     r_max: float = 10.0
 
     def _kernel_slots(self):
-        return {**_symmetric_bounds(self), KernelParam.R_MAX: self.r_max, KernelParam.DUAL_CLIP: self.r_max}
+        return {**_symmetric_bounds(self), KernelParam.R_MAX: self.r_max}
 
 
 GATES = {"sigmoid": Gate.SIGMOID, "erf": Gate.ERF, "arctan": Gate.ARCTAN, "softsign": Gate.SOFTSIGN}

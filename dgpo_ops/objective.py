@@ -35,6 +35,11 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def check_kl_inputs(batch: TokenBatch, options: LossOptions) -> None:
+    if options.beta != 0.0 and batch.ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps")
+
+
 def policy_objective(
     logp: torch.Tensor, entropy: torch.Tensor | None, batch: TokenBatch, options: LossOptions
 ) -> ObjectiveTerms:
@@ -49,8 +54,7 @@ def policy_objective(
         per_token = per_token * batch.rollout_weights
     kl = None
     if options.beta != 0.0:
-        if batch.ref_logps is None:
-            raise ValueError("beta > 0 needs ref_logps")
+        check_kl_inputs(batch, options)
         kl_value = kl_k3(logp, batch.ref_logps)
         per_token = per_token + options.beta * kl_value
         kl = kl_value.detach()

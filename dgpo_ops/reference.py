@@ -66,9 +66,7 @@ def reference_loss_from_options(
     entropy = -torch.where(probs > 0, probs * log_probs, 0.0).sum(-1)
     terms = policy_objective(logp, entropy, batch, options)
     metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, batch.mask)
-    return PolicyLossOutput(
-        loss=terms.loss,
-        logps=batch.unflatten(logp.detach().float()),
-        entropy=batch.unflatten(entropy.detach().float()),
-        metrics=metrics,
-    )
+    def per_token_output(values):  # fp32, 0 on masked tokens (where the fused kernels read nothing)
+        return batch.unflatten(torch.where(batch.mask, values.detach(), 0.0).float())
+
+    return PolicyLossOutput(terms.loss, per_token_output(logp), per_token_output(entropy), metrics)

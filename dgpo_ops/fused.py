@@ -1,0 +1,236 @@
+"""``fused_dgpo_loss``: the policy loss from logits without any vocabulary-sized temporary
+beyond the gradient itself (none with ``inplace=True``).
+
+Forward: a row kernel reads each logits row once and returns log-sum-exp, the target's
+log-prob and the entropy (plus, for token-level methods on Triton, the method's per-token terms
+from its epilogue). The rest of the objective lives on O(N) vectors. Backward: a row kernel
+expands two per-token coefficients, d loss/d l and d loss/d H, over the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .inputs import TokenBatch, prepare_batch
+from .methods import LOG_RATIO_CLAMP
+from .metrics import policy_metrics
+from .objective import check_kl_inputs, policy_objective
+from .options import LossOptions
+from .output import PolicyLossOutput
+
+
+@dataclass(frozen=True)
+class RowKernels:
+    forward: Callable
+    backward: Callable
+    has_epilogue: bool  # evaluates token-level methods in the forward pass
+
+
+def triton_is_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .kernels.logprob_entropy import logprob_entropy_fwd_kernel
+
+    return isinstance(logprob_entropy_fwd_kernel, InterpretedFunction)
+
+
+def select_kernels(backend: str, logits: torch.Tensor) -> RowKernels:
+    if backend == "auto":
+        backend = "triton" if logits.is_cuda else "torch"
+    if backend == "torch":
+        from .kernels.torch_twins import logits_grad_torch, logprob_entropy_torch
+
+        return RowKernels(logprob_entropy_torch, logits_grad_torch, has_epilogue=False)
+    if logits.dtype == torch.float64:
+        raise ValueError("backend='triton' supports float32, bfloat16 and float16 logits; use backend='torch' for float64")
+    if not logits.is_cuda and not triton_is_interpreted():
+        raise ValueError(
+            "backend='triton' on CPU tensors runs the Triton interpreter: set TRITON_INTERPRET=1 before "
+            "importing dgpo_ops (or use backend='torch', the default on CPU)"
+        )
+    from .kernels.logits_grad import logits_grad
+    from .kernels.logprob_entropy import logprob_entropy
+
+    return RowKernels(logprob_entropy, logits_grad, has_epilogue=True)
+
+
+def _epilogue_inputs(batch: TokenBatch, options: LossOptions, device):
+    from .kernels.row_io import EpilogueInputs
+
+    params = torch.tensor(options.method.kernel_params(), dtype=torch.float32, device=device)
+    return EpilogueInputs(
+        method=options.method,
+        method_params=params,
+        advantages=batch.advantages,
+        old_logps=batch.old_logps,
+        ref_logps=batch.ref_logps if options.beta != 0.0 else None,
+        rollout_weights=batch.rollout_weights,
+        beta=float(options.beta),
+    )
+
+
+@dataclass
+class TokenCoefficients:
+    """The per-token results of the objective: the loss and what backward expands over V."""
+
+    loss: torch.Tensor
+    dloss_dlogp: torch.Tensor
+    dloss_dentropy: torch.Tensor | None
+    log_ratio: torch.Tensor
+    psi: torch.Tensor
+    region: torch.Tensor
+    kl: torch.Tensor | None
+
+
+def _coefficients_from_epilogue(rows, batch: TokenBatch, options: LossOptions) -> TokenCoefficients:
+    out = rows.epilogue
+    per_token = out.token_loss
+    dloss_dentropy = None
+    if options.entropy_coef != 0.0:
+        per_token = per_token - options.entropy_coef * rows.entropy
+        dloss_dentropy = -options.entropy_coef * batch.scale
+    old_logp = rows.logp if batch.old_logps is None else batch.old_logps
+    log_ratio = (rows.logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return TokenCoefficients(
+        loss=(per_token * batch.scale).sum(),
+        dloss_dlogp=out.dloss_dlogp * batch.scale,
+        dloss_dentropy=dloss_dentropy,
+        log_ratio=log_ratio,
+        psi=out.psi,
+        region=out.region,
+        kl=out.kl,
+    )
+
+
+def _coefficients_from_objective(rows, batch: TokenBatch, options: LossOptions) -> TokenCoefficients:
+    # Autograd on O(N) vectors only: exact for every method, GSPO's per-response mean included.
+    with torch.enable_grad():
+        logp = rows.logp.detach().requires_grad_(True)
+        entropy = rows.entropy.detach().requires_grad_(True)
+        terms = policy_objective(logp, entropy, batch, options)
+        dloss_dlogp, dloss_dentropy = torch.autograd.grad(terms.loss, [logp, entropy], allow_unused=True)
+    if dloss_dlogp is None:
+        dloss_dlogp = torch.zeros_like(logp)
+    if options.entropy_coef == 0.0:
+        dloss_dentropy = None
+    return TokenCoefficients(
+        loss=terms.loss.detach(),
+        dloss_dlogp=dloss_dlogp,
+        dloss_dentropy=dloss_dentropy,
+        log_ratio=terms.log_ratio,
+        psi=terms.tokens.psi,
+        region=terms.tokens.region,
+        kl=terms.kl,
+    )
+
+
+class FusedPolicyLossFunction(torch.autograd.Function):
+    """Autograd over the row kernels. Non-tensor options travel as one ``LossOptions``; the
+    per-token results are handed back through ``results`` (a dict the caller owns)."""
+
+    @staticmethod
+    def forward(ctx, logits, batch: TokenBatch, options: LossOptions, kernels: RowKernels, results: dict):
+        logits3d = logits.unsqueeze(0) if batch.flat else logits
+        inv_temperature = 1.0 / options.temperature
+        use_epilogue = kernels.has_epilogue and not options.sequence_level
+        epilogue = _epilogue_inputs(batch, options, logits.device) if use_epilogue else None
+        rows = kernels.forward(logits3d, batch.target_ids, batch.mask, inv_temperature, epilogue)
+        if use_epilogue:
+            coefficients = _coefficients_from_epilogue(rows, batch, options)
+        else:
+            coefficients = _coefficients_from_objective(rows, batch, options)
+        results.update(rows=rows, coefficients=coefficients)
+        ctx.save_for_backward(logits, batch.target_ids, rows.lse, rows.entropy, coefficients.dloss_dlogp,
+                              coefficients.dloss_dentropy)
+        ctx.options, ctx.kernels, ctx.flat = options, kernels, batch.flat
+        return coefficients.loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target_ids, lse, entropy, dloss_dlogp, dloss_dentropy = ctx.saved_tensors
+        grad_logits = logits if ctx.options.inplace else torch.empty_like(logits)
+        dloss_dlogp = dloss_dlogp * grad_loss
+        if dloss_dentropy is not None:
+            dloss_dentropy = dloss_dentropy * grad_loss
+        unsqueeze = (lambda t: t.unsqueeze(0)) if ctx.flat else (lambda t: t)
+        ctx.kernels.backward(unsqueeze(logits), unsqueeze(grad_logits), target_ids, lse, entropy, dloss_dlogp,
+                             dloss_dentropy, 1.0 / ctx.options.temperature)
+        return grad_logits, None, None, None, None
+
+
+def fused_loss_from_options(
+    logits, target_ids, advantages, mask, old_logps, ref_logps, options: LossOptions, loss_normalizer=None,
+    rollout_weights=None,
+) -> PolicyLossOutput:
+    if not torch.is_tensor(logits):
+        raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
+    batch = prepare_batch(
+        logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps, ref_logps,
+        rollout_weights, options.aggregation, loss_normalizer, options.sequence_level,
+    )
+    check_kl_inputs(batch, options)
+    kernels = select_kernels(options.backend, logits)
+    results: dict = {}
+    loss = FusedPolicyLossFunction.apply(logits, batch, options, kernels, results)
+    rows, coefficients = results["rows"], results["coefficients"]
+    metrics = policy_metrics(coefficients.log_ratio, coefficients.psi, coefficients.region, rows.entropy,
+                             coefficients.kl, batch.mask)
+    return PolicyLossOutput(loss, batch.unflatten(rows.logp), batch.unflatten(rows.entropy), metrics)
+
+
+def fused_dgpo_loss(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    *,
+    method="dgpo",
+    temperature: float = 1.0,
+    aggregation: str = "token_mean",
+    loss_normalizer: float | torch.Tensor | None = None,
+    beta: float = 0.0,
+    entropy_coef: float = 0.0,
+    importance_sampling_level: str = "token",
+    rollout_weights: torch.Tensor | None = None,
+    inplace: bool = False,
+    backend: str = "auto",
+    **method_params,
+) -> PolicyLossOutput:
+    """Fused policy loss of ``method`` from ``(B, T, V)`` or ``(N, V)`` logits.
+
+    Same arguments and output as ``reference_loss``, plus:
+
+    * ``inplace``: write d(loss)/d(logits) into the logits' storage during backward (no extra
+      logits-sized buffer). The caller promises not to read the logits after backward.
+    * ``backend``: ``"auto"`` (Triton on CUDA, the chunked torch path on CPU), ``"triton"``
+      (on CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
+
+    Per-token outputs are fp32 and 0 on masked tokens; the gradient has the logits' dtype.
+    """
+    options = LossOptions.build(
+        method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
+        importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend, **method_params,
+    )
+    return fused_loss_from_options(logits, target_ids, advantages, mask, old_logps, ref_logps, options,
+                                   loss_normalizer, rollout_weights)
+
+
+class DGPOLoss(torch.nn.Module):
+    """``fused_dgpo_loss`` with its options held in a module: ``DGPOLoss("dgpo", n=2)(logits, ...)``."""
+
+    def __init__(self, method="dgpo", **options):
+        super().__init__()
+        self.options = LossOptions.build(method, **options)
+
+    def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
+                loss_normalizer=None, rollout_weights=None) -> PolicyLossOutput:
+        return fused_loss_from_options(logits, target_ids, advantages, mask, old_logps, ref_logps, self.options,
+                                       loss_normalizer, rollout_weights)
+
+    def extra_repr(self) -> str:
+        return repr(self.options)

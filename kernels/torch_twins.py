@@ -1,0 +1,66 @@
+"""Torch twins of the row kernels for CPU tensors: the same per-token outputs and gradient,
+computed one chunk of rows at a time so no (N, V) fp32 temporary exists beyond one chunk."""
+
+from __future__ import annotations
+
+import torch
+
+from .row_io import RowForward
+
+CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
+
+
+def _row_chunks(tensors: list[torch.Tensor], chunk_rows: int | None):
+    """Yield (flat token slice, [(rows, V) view of each tensor]) over same-shaped ``(B, T, V)``
+    tensors, without copying them."""
+    B, T, V = tensors[0].shape
+    chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(V, 1))
+    try:
+        flats = [t.view(B * T, V) for t in tensors]
+    except RuntimeError:  # rows not evenly strided (e.g. a [:, :-1] slice): walk each response
+        for b in range(B):
+            for start in range(0, T, chunk_rows):
+                stop = min(start + chunk_rows, T)
+                yield slice(b * T + start, b * T + stop), [t[b, start:stop] for t in tensors]
+        return
+    for start in range(0, B * T, chunk_rows):
+        stop = min(start + chunk_rows, B * T)
+        yield slice(start, stop), [f[start:stop] for f in flats]
+
+
+def _compute_dtype(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def logprob_entropy_torch(logits, target_ids, mask, inv_temperature, chunk_rows=None) -> RowForward:
+    B, T, _ = logits.shape
+    dtype = _compute_dtype(logits)
+    lse, logp, entropy = (torch.zeros(B * T, dtype=dtype, device=logits.device) for _ in range(3))
+    targets, valid = target_ids.reshape(-1), mask.reshape(-1)
+    for rows, (chunk,) in _row_chunks([logits], chunk_rows):
+        x = chunk.to(dtype) * inv_temperature
+        log_probs = torch.log_softmax(x, dim=-1)
+        lse[rows] = torch.logsumexp(x, dim=-1)
+        logp[rows] = log_probs.gather(-1, targets[rows, None])[:, 0]
+        probs = log_probs.exp()
+        entropy[rows] = -torch.where(probs > 0, probs * log_probs, 0.0).sum(-1)
+    lse, logp, entropy = (torch.where(valid, v, 0.0).view(B, T) for v in (lse, logp, entropy))
+    return RowForward(lse, logp, entropy, None)
+
+
+def logits_grad_torch(logits, grad_logits, target_ids, lse, entropy, dloss_dlogp, dloss_dentropy, inv_temperature,
+                      chunk_rows=None):
+    B, T, V = logits.shape
+    dtype = _compute_dtype(logits)
+    targets = target_ids.reshape(-1)
+    g, lse, entropy = dloss_dlogp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
+    h = None if dloss_dentropy is None else dloss_dentropy.reshape(-1)
+    for rows, (chunk, grad_chunk) in _row_chunks([logits, grad_logits], chunk_rows):
+        log_p = chunk.to(dtype) * inv_temperature - lse[rows, None]
+        p = log_p.exp()
+        grad = -g[rows, None] * p
+        grad.scatter_add_(1, targets[rows, None], g[rows, None])
+        if h is not None:
+            grad -= h[rows, None] * torch.where(p > 0, p * (log_p + entropy[rows, None]), 0.0)
+        grad_chunk.copy_(grad * inv_temperature)
+    return grad_logits
