@@ -62,8 +62,8 @@ def reference_loss_from_options(
     log_probs = torch.log_softmax(x, dim=-1)
     logp = log_probs.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
     probs = log_probs.exp()
-    # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf.
-    entropy = -torch.where(probs > 0, probs * log_probs, 0.0).sum(-1)
+    # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf, in the value and in its gradient.
+    entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1)
     terms = policy_objective(logp, entropy, batch, options)
     metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, batch.mask)
     def per_token_output(values):  # fp32, 0 on masked tokens (where the fused kernels read nothing)

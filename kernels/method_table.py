@@ -113,7 +113,8 @@ def _sapo_gate(r, tau, GATE: tl.constexpr):
 @triton.jit
 def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
     """(L, psi, region) of one token; ``logp`` is the token's own log-prob (cispo's value uses it)."""
-    log_ratio = tl.minimum(tl.maximum(log_ratio, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP)
+    # NaN must survive the clamp (a non-finite logit gives a non-finite loss, as in torch.clamp).
+    log_ratio = tl.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, propagate_nan=tl.PropagateNan.ALL)
     r = tl.exp(log_ratio)
     low_pos = 1.0 - tl.load(params_ptr + P_EPS_LOW_POS)
     high_pos = 1.0 + tl.load(params_ptr + P_EPS_HIGH_POS)

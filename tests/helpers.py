@@ -64,12 +64,17 @@ def spanning_tokens(cfg, old_prob: float = 0.3):
     return log_ratio, advantage, old_logp
 
 
+# Log-ratios that land in LN/LP (< log 0.8), M, HP/HN (r = 2) and beyond a dual clip of 3 (r = 4.95, 20).
+LOG_RATIO_GRID = [-3.0, 0.7, -1.0, 1.6, 0.05, -0.4, 3.0, 0.2, -0.1]
+
+
 def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask_fraction=0.2, per_token_adv=False):
     """Random logits with old log-probs set so that ratios spread over all regions.
 
-    Returns a dict of inputs for reference_loss / fused_dgpo_loss. The old log-probs are derived
-    from the logits' own log-probs (computed in float64) minus a log-ratio drawn in
-    [-ratio_spread, ratio_spread] * 2, so every region of every method gets tokens.
+    Returns a dict of inputs for reference_loss / fused_dgpo_loss. The old log-probs are the
+    logits' own log-probs (in float64) minus a log-ratio; each response's log-ratios are a shuffled
+    shuffled ``LOG_RATIO_GRID`` (scaled by ratio_spread / 1.5), and the responses alternate the sign
+    of their advantage (the first has A = 0), so every region of every method gets tokens.
     """
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2.0).to(dtype)
@@ -78,12 +83,21 @@ def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask
     mask[:, 0] = True
     target[0, -1] = -100  # an ignored token besides the mask
     logp = torch.log_softmax(logits.double(), -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
-    log_ratio = (torch.rand(B, T, generator=g, dtype=torch.float64) * 2 - 1) * 2 * ratio_spread
+    grid = torch.tensor(LOG_RATIO_GRID, dtype=torch.float64).repeat(T // len(LOG_RATIO_GRID) + 1)[:T]
+    grid = grid * (ratio_spread / 1.5)
+    log_ratio = torch.empty(B, T, dtype=torch.float64)
+    for b in range(B):  # the grid's first values go to the unmasked tokens, in random order
+        kept = mask[b] & (target[b] != -100)
+        order = torch.cat([kept.nonzero()[:, 0], (~kept).nonzero()[:, 0]])
+        shuffled = torch.randperm(int(kept.sum()), generator=g)
+        order[: len(shuffled)] = order[shuffled]
+        log_ratio[b, order] = grid
     old_logps = (logp - log_ratio).float()
     ref_logps = (logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).float()
     shape = (B, T) if per_token_adv else (B,)
-    advantages = torch.randn(*shape, generator=g)
-    advantages[0] = 0.0 if not per_token_adv else advantages[0]
+    signs = torch.tensor([0.0] + [(-1.0) ** b for b in range(B - 1)])
+    advantages = torch.rand(*shape, generator=g) + 0.2
+    advantages = advantages * (signs if not per_token_adv else torch.sign(torch.randn(B, T, generator=g)))
     return dict(
         logits=logits, target_ids=target, advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps
     )

@@ -1,0 +1,232 @@
+"""fused_dgpo_loss against reference_loss: every method x aggregation x dtype, with and without
+old/ref log-probs, entropy bonus, temperature, rollout weights and GSPO, on both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgpo_ops
+from helpers import METHOD_VARIANTS, logits_batch, variant_id
+
+AGGREGATIONS = list(dgpo_ops.AGGREGATIONS)
+
+# Option bundles: each method x aggregation x dtype runs all of them.
+FEATURE_BUNDLES = {
+    "on_policy": dict(old_logps=None),
+    "kl_entropy": dict(beta=0.05, entropy_coef=0.01),
+    "temperature_weights": dict(temperature=0.7, rollout_weights=True, ref_logps=None),
+    "gspo_entropy": dict(importance_sampling_level="sequence", entropy_coef=0.02, beta=0.02),
+}
+
+# Low precision: the kernels accumulate in fp32 and round only the stored gradient, so the loss and
+# per-token outputs keep fp32 accuracy against an fp32 reference on the same (exactly upcast)
+# logits, and the gradient is off by its final rounding alone. bf16 keeps 8 significant bits:
+# one ulp is at most 2^-7 relative. Round-to-nearest (the GPU's cvt.rn, and torch) stays within
+# half of it, but the Triton interpreter truncates fp32 -> bf16, so a full ulp is allowed.
+# fp16 (11 bits, rounded to nearest everywhere) stays within 2^-11.
+TOLERANCES = {
+    torch.float32: dict(loss=1e-5, grad_rtol=1e-5, grad_atol=1e-7),
+    torch.bfloat16: dict(loss=1e-5, grad_rtol=2.0**-7, grad_atol=1e-7),
+    torch.float16: dict(loss=1e-5, grad_rtol=2.0**-11, grad_atol=1e-7),
+}
+
+
+def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=300):
+    name, params = variant
+    inputs = logits_batch(B, T, V, seed=seed, dtype=dtype)
+    options = dict(FEATURE_BUNDLES[bundle])
+    if options.pop("rollout_weights", False):
+        inputs["rollout_weights"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) + 0.5
+    for key in ("old_logps", "ref_logps"):
+        if key in options:
+            inputs[key] = options.pop(key)
+    logits = inputs.pop("logits")
+    ref_logits = logits.detach().float().clone().requires_grad_(True)
+    fused_logits = logits.clone().requires_grad_(True)
+    common = dict(method=name, aggregation=aggregation, **params, **options)
+    ref = dgpo_ops.reference_loss(ref_logits, **inputs, **common)
+    out = dgpo_ops.fused_dgpo_loss(fused_logits, **inputs, **common, backend=backend)
+    ref.loss.backward()
+    out.loss.backward()
+    return ref, out, ref_logits.grad, fused_logits.grad
+
+
+def assert_parity(ref, out, ref_grad, grad, dtype):
+    tol = TOLERANCES[dtype]
+    # The loss is a signed sum of O(1) per-token terms: fp32 summation order alone moves it by ~1e-7,
+    # which is a large relative error when the terms cancel, hence the absolute floor.
+    torch.testing.assert_close(out.loss, ref.loss.float(), rtol=tol["loss"], atol=1e-6)
+    torch.testing.assert_close(out.logps, ref.logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+    assert grad.dtype == dtype and out.logps.dtype == torch.float32
+    torch.testing.assert_close(grad.float(), ref_grad, rtol=tol["grad_rtol"], atol=tol["grad_atol"])
+    assert ref.metrics.keys() == out.metrics.keys()
+    for key in ref.metrics:
+        torch.testing.assert_close(out.metrics[key], ref.metrics[key].float(), rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_matches_reference(backend, variant, aggregation, dtype):
+    for index, bundle in enumerate(FEATURE_BUNDLES):
+        ref, out, ref_grad, grad = run_case(variant, aggregation, dtype, bundle, backend, seed=index)
+        assert_parity(ref, out, ref_grad, grad, dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp16_logits(backend):
+    ref, out, ref_grad, grad = run_case(("dgpo", {}), "token_mean", torch.float16, "kl_entropy", backend)
+    assert_parity(ref, out, ref_grad, grad, torch.float16)
+
+
+def test_parity_inputs_reach_every_region():
+    inputs = logits_batch(3, 6, 300, seed=0)
+    out = dgpo_ops.reference_loss(**inputs, method="grpo", dual_clip=3.0)
+    for name in ("ln_fraction", "hp_fraction", "lp_fraction", "hn_fraction", "dual_clip_fraction"):
+        assert out.metrics[name] > 0, name
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_per_token_advantages_and_flat_logits(backend):
+    inputs = logits_batch(2, 5, 130, seed=3, per_token_adv=True)
+    flat = {k: v.reshape(10, *v.shape[2:]) for k, v in inputs.items()}
+    ref = dgpo_ops.reference_loss(**flat, method="dispo")
+    logits = flat.pop("logits").requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(logits, **flat, method="dispo", backend=backend)
+    out.loss.backward()
+    assert out.logps.shape == (10,) and logits.grad.shape == (10, 130)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("layout", ["sliced_time", "vocab_strided"])
+def test_strided_logits_need_no_copy(backend, layout):
+    B, T, V = 2, 5, 70
+    inputs = logits_batch(B, T, V, seed=4)
+    logits = inputs.pop("logits")
+    if layout == "sliced_time":  # logits[:, :-1] as TRL slices them
+        base = torch.cat([logits, torch.randn(B, 1, V)], dim=1)
+        strided = base[:, :-1]
+    else:  # vocabulary not the innermost axis
+        strided = logits.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    ref = dgpo_ops.reference_loss(logits, **inputs)
+    leaf = strided.detach().requires_grad_(True) if layout == "vocab_strided" else None
+    source = leaf if leaf is not None else strided
+    if leaf is None:
+        base.requires_grad_(True)
+        source = base[:, :-1]
+    out = dgpo_ops.fused_dgpo_loss(source, **inputs, backend=backend)
+    out.loss.backward()
+    grad = leaf.grad if leaf is not None else base.grad[:, :-1]
+    ref_logits = logits.clone().requires_grad_(True)
+    dgpo_ops.reference_loss(ref_logits, **inputs).loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, ref_logits.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_writes_the_gradient_into_the_logits(backend):
+    inputs = logits_batch(2, 4, 90, seed=5)
+    logits = inputs.pop("logits")
+    expected = logits.clone().requires_grad_(True)
+    dgpo_ops.fused_dgpo_loss(expected, **inputs, backend=backend).loss.backward()
+
+    leaf = logits.clone().requires_grad_(True)
+    produced = leaf * 1.0  # what a model hands over: a non-leaf the caller will not read again
+    out = dgpo_ops.fused_dgpo_loss(produced, **inputs, backend=backend, inplace=True)
+    (grad,) = torch.autograd.grad(out.loss, produced)
+    torch.testing.assert_close(grad, expected.grad)
+    torch.testing.assert_close(produced.detach(), expected.grad)  # the logits' storage now holds it
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_masked_tokens_get_zero_gradient_and_zero_outputs(backend):
+    inputs = logits_batch(2, 6, 40, seed=6, mask_fraction=0.5)
+    logits = inputs.pop("logits").requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(logits, **inputs, backend=backend, entropy_coef=0.1)
+    out.loss.backward()
+    masked = ~inputs["mask"] | (inputs["target_ids"] == -100)
+    assert masked.any()
+    assert logits.grad[masked].abs().max() == 0
+    assert out.logps[masked].abs().max() == 0 and out.entropy[masked].abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_minus_inf_logits_off_target_are_exact(backend):
+    inputs = logits_batch(2, 3, 50, seed=7)
+    logits = inputs.pop("logits")
+    banned = torch.zeros(50, dtype=torch.bool)
+    banned[10:40] = True  # a whole tile of -inf with a small block
+    inputs["target_ids"] = torch.where(inputs["target_ids"] == -100, -100, inputs["target_ids"] % 10)
+    logits[..., banned] = float("-inf")
+    fused_logits = logits.clone().requires_grad_(True)
+    ref_logits = logits.clone().requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(fused_logits, **inputs, backend=backend, entropy_coef=0.1)
+    ref = dgpo_ops.reference_loss(ref_logits, **inputs, entropy_coef=0.1)
+    out.loss.backward()
+    ref.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(fused_logits.grad).all()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(fused_logits.grad, ref_logits.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_give_non_finite_loss(backend, bad):
+    inputs = logits_batch(2, 3, 20, seed=8)
+    inputs["logits"][0, 0, 3] = bad
+    out = dgpo_ops.fused_dgpo_loss(**inputs, backend=backend)
+    assert not torch.isfinite(out.loss)
+
+
+def test_fused_validates_like_the_reference():
+    inputs = logits_batch(2, 3, 20, seed=9)
+    inputs["target_ids"][0, 0] = 20
+    with pytest.raises(ValueError, match="target_ids"):
+        dgpo_ops.fused_dgpo_loss(**inputs)
+    with pytest.raises(ValueError, match="backend"):
+        dgpo_ops.fused_dgpo_loss(**logits_batch(2, 3, 20), backend="cuda")
+    with pytest.raises(ValueError, match="float64"):
+        dgpo_ops.fused_dgpo_loss(**logits_batch(2, 3, 20, dtype=torch.float64), backend="triton")
+
+
+def test_dgpo_loss_module_holds_its_options():
+    inputs = logits_batch(2, 4, 30, seed=10)
+    module = dgpo_ops.DGPOLoss("dgpo", n=2.0, m=3.0, aggregation="seq_mean_token_mean")
+    expected = dgpo_ops.reference_loss(**inputs, method="dgpo", n=2.0, m=3.0, aggregation="seq_mean_token_mean")
+    torch.testing.assert_close(module(**inputs).loss, expected.loss, rtol=1e-5, atol=1e-7)
+    assert "n=2.0" in repr(module)
+
+
+# gradcheck compares the analytic gradient with finite differences of the loss VALUE. The
+# stop-gradient surrogates (cispo's sg(w) l, gppo's r/sg(r), dgpo's boundary forms, aspo's flipped
+# ratio) have by design a gradient that is not the derivative of their value, so they are checked
+# where the two agree: sapo everywhere, the clip methods with every token inside the trust region;
+# KL, entropy, temperature and GSPO's mean ride along. The clipped regions are covered by the
+# psi-vs-autograd table tests and the parity tests against the reference.
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(method="dgpo", eps_low=1.0, eps_high=50.0, beta=0.1, ref=True),
+        dict(method="grpo", eps_low=1.0, eps_high=50.0, importance_sampling_level="sequence"),
+        dict(method="sapo", gate="erf", entropy_coef=0.1, beta=0.1, ref=True),
+        dict(method="sapo", gate="softsign", temperature=0.8, entropy_coef=0.05),
+        dict(method="sapo", gate="arctan", importance_sampling_level="sequence", entropy_coef=0.05),
+    ],
+)
+def test_torch_path_gradcheck_fp64(kwargs):
+    kwargs = dict(kwargs)
+    inputs = logits_batch(2, 4, 7, seed=11, dtype=torch.float64)
+    if not kwargs.pop("ref", False):
+        inputs["ref_logps"] = None
+    logits = inputs.pop("logits").requires_grad_(True)
+    aggregation = "seq_mean_token_mean" if kwargs.get("importance_sampling_level") else "token_mean"
+
+    def loss(x):
+        return dgpo_ops.fused_dgpo_loss(x, **inputs, backend="torch", aggregation=aggregation, **kwargs).loss
+
+    assert torch.autograd.gradcheck(loss, (logits,), eps=1e-6, atol=1e-8, rtol=1e-6)
