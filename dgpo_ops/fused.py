@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .inputs import TokenBatch, prepare_batch
 from .methods import LOG_RATIO_CLAMP
@@ -105,7 +106,11 @@ def _coefficients_from_epilogue(rows, batch: TokenBatch, options: LossOptions) -
     )
 
 
-def _coefficients_from_objective(rows, batch: TokenBatch, options: LossOptions) -> TokenCoefficients:
+def _coefficients_from_objective(rows, batch: TokenBatch, options: LossOptions, needs_grad: bool) -> TokenCoefficients:
+    if not needs_grad:  # forward only (no_grad / inference_mode): the loss and metrics, no coefficients
+        terms = policy_objective(rows.logp, rows.entropy, batch, options)
+        return TokenCoefficients(terms.loss, None, None, terms.log_ratio, terms.tokens.psi, terms.tokens.region,
+                                 terms.kl)
     # Autograd on O(N) vectors only: exact for every method, GSPO's per-response mean included.
     with torch.enable_grad():
         logp = rows.logp.detach().requires_grad_(True)
@@ -132,7 +137,8 @@ class FusedPolicyLossFunction(torch.autograd.Function):
     per-token results are handed back through ``results`` (a dict the caller owns)."""
 
     @staticmethod
-    def forward(ctx, logits, batch: TokenBatch, options: LossOptions, kernels: RowKernels, results: dict):
+    def forward(ctx, logits, batch: TokenBatch, options: LossOptions, kernels: RowKernels, needs_grad: bool,
+                results: dict):
         logits3d = logits.unsqueeze(0) if batch.flat else logits
         inv_temperature = 1.0 / options.temperature
         use_epilogue = kernels.has_epilogue and not options.sequence_level
@@ -141,7 +147,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         if use_epilogue:
             coefficients = _coefficients_from_epilogue(rows, batch, options)
         else:
-            coefficients = _coefficients_from_objective(rows, batch, options)
+            coefficients = _coefficients_from_objective(rows, batch, options, needs_grad)
         results.update(rows=rows, coefficients=coefficients)
         ctx.save_for_backward(logits, batch.target_ids, rows.lse, rows.entropy, coefficients.dloss_dlogp,
                               coefficients.dloss_dentropy)
@@ -149,6 +155,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         return coefficients.loss
 
     @staticmethod
+    @once_differentiable  # the gradient kernel is not itself differentiable
     def backward(ctx, grad_loss):
         logits, target_ids, lse, entropy, dloss_dlogp, dloss_dentropy = ctx.saved_tensors
         grad_logits = logits if ctx.options.inplace else torch.empty_like(logits)
@@ -158,7 +165,11 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         unsqueeze = (lambda t: t.unsqueeze(0)) if ctx.flat else (lambda t: t)
         ctx.kernels.backward(unsqueeze(logits), unsqueeze(grad_logits), target_ids, lse, entropy, dloss_dlogp,
                              dloss_dentropy, 1.0 / ctx.options.temperature)
-        return grad_logits, None, None, None, None
+        if ctx.options.inplace:
+            # The logits now hold their gradient: anything else that saved them must fail loudly
+            # when it unpacks them, not compute with the gradient.
+            torch.autograd.graph.increment_version(logits)
+        return grad_logits, None, None, None, None, None
 
 
 def fused_loss_from_options(
@@ -172,9 +183,15 @@ def fused_loss_from_options(
         rollout_weights, options.aggregation, loss_normalizer, options.sequence_level,
     )
     check_kl_inputs(batch, options)
+    if options.inplace and logits.is_leaf and logits.requires_grad:
+        raise ValueError(
+            "inplace=True overwrites the logits with their gradient: pass logits computed by the model "
+            "(a non-leaf tensor), not a leaf whose values you keep"
+        )
     kernels = select_kernels(options.backend, logits)
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
     results: dict = {}
-    loss = FusedPolicyLossFunction.apply(logits, batch, options, kernels, results)
+    loss = FusedPolicyLossFunction.apply(logits, batch, options, kernels, needs_grad, results)
     rows, coefficients = results["rows"], results["coefficients"]
     metrics = policy_metrics(coefficients.log_ratio, coefficients.psi, coefficients.region, rows.entropy,
                              coefficients.kl, batch.mask)

@@ -50,7 +50,7 @@ def _per_token_float(name, value, grid_shape, mask, device, dtype, allow_per_res
     value = value.detach().to(dtype)
     if not torch.isfinite(value[mask]).all():
         raise ValueError(f"{name} has non-finite values on unmasked tokens")
-    return torch.where(mask, value, 0.0)
+    return torch.where(mask, value, 0.0).contiguous()  # the kernels index per-token data as ptr + token
 
 
 def prepare_batch(
@@ -89,7 +89,7 @@ def prepare_batch(
         raise ValueError(f"target_ids must have shape {tuple(logits_shape[:-1])}, got {tuple(target_ids.shape)}")
     if target_ids.device != device:
         raise ValueError(f"target_ids is on {target_ids.device} but logits are on {device}")
-    target_ids = target_ids.reshape(grid_shape).to(torch.int64)
+    target_ids = target_ids.reshape(grid_shape).to(torch.int64).contiguous()
     ignored = target_ids == IGNORE_INDEX
     out_of_range = ~ignored & ((target_ids < 0) | (target_ids >= vocab))
     if out_of_range.any():
@@ -119,8 +119,8 @@ def prepare_batch(
         return _per_token_float(name, value, grid_shape, token_mask, device, per_token_dtype, allow_per_response)
 
     return TokenBatch(
-        target_ids=torch.where(token_mask, target_ids, 0),
-        mask=token_mask,
+        target_ids=torch.where(token_mask, target_ids, 0).contiguous(),
+        mask=token_mask.contiguous(),
         advantages=per_token("advantages", advantages, allow_per_response=not flat),
         old_logps=per_token("old_logps", old_logps),
         ref_logps=per_token("ref_logps", ref_logps),

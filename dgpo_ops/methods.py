@@ -55,20 +55,26 @@ class MethodId(enum.IntEnum):
 
 
 class KernelParam(enum.IntEnum):
-    """Slots of the fp32 parameter vector the kernels read (runtime values: no recompile per value)."""
+    """Slots of the fp32 parameter vector the kernels read (runtime values: no recompile per value).
 
-    EPS_LOW_POS = 0
-    EPS_HIGH_POS = 1
-    EPS_LOW_NEG = 2
-    EPS_HIGH_NEG = 3
-    DUAL_CLIP = 4  # +inf when off
-    BETA1 = 5
-    BETA2 = 6
-    N = 7
-    M = 8
-    R_MAX = 9
-    TAU_POS = 10
-    TAU_NEG = 11
+    Bounds are stored, not eps: computed here in double and rounded once, they equal the fp32
+    values torch compares against, so the mirror's regions agree with the table's to the bit.
+    """
+
+    LOW_POS = 0  # trust region [low, high] for A >= 0 (every method but dispo uses these)
+    HIGH_POS = 1
+    LOW_NEG = 2  # ... and for A < 0
+    HIGH_NEG = 3
+    EPS_LOW = 4  # dcpo's raw eps for its q-dependent bounds
+    EPS_HIGH = 5
+    DUAL_CLIP = 6  # +inf when off
+    LN_WEIGHT = 7  # gppo: beta1 * low
+    HP_WEIGHT = 8  # gppo: beta2 * high
+    N = 9
+    M = 10
+    R_MAX = 11
+    TAU_POS = 12
+    TAU_NEG = 13
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)
@@ -140,10 +146,10 @@ class MethodConfig:
 
 def _symmetric_bounds(cfg) -> dict[KernelParam, float]:
     return {
-        KernelParam.EPS_LOW_POS: cfg.eps_low,
-        KernelParam.EPS_HIGH_POS: cfg.eps_high,
-        KernelParam.EPS_LOW_NEG: cfg.eps_low,
-        KernelParam.EPS_HIGH_NEG: cfg.eps_high,
+        KernelParam.LOW_POS: 1.0 - cfg.eps_low,
+        KernelParam.HIGH_POS: 1.0 + cfg.eps_high,
+        KernelParam.LOW_NEG: 1.0 - cfg.eps_low,
+        KernelParam.HIGH_NEG: 1.0 + cfg.eps_high,
     }
 
 
@@ -181,10 +187,10 @@ class DispoConfig(MethodConfig):
 
     def _kernel_slots(self):
         return {
-            KernelParam.EPS_LOW_POS: self.eps_low_pos,
-            KernelParam.EPS_HIGH_POS: self.eps_high_pos,
-            KernelParam.EPS_LOW_NEG: self.eps_low_neg,
-            KernelParam.EPS_HIGH_NEG: self.eps_high_neg,
+            KernelParam.LOW_POS: 1.0 - self.eps_low_pos,
+            KernelParam.HIGH_POS: 1.0 + self.eps_high_pos,
+            KernelParam.LOW_NEG: 1.0 - self.eps_low_neg,
+            KernelParam.HIGH_NEG: 1.0 + self.eps_high_neg,
         }
 
 
@@ -203,8 +209,8 @@ class GppoConfig(MethodConfig):
         return {
             **_symmetric_bounds(self),
             KernelParam.DUAL_CLIP: self.dual_clip,
-            KernelParam.BETA1: self.beta1,
-            KernelParam.BETA2: self.beta2,
+            KernelParam.LN_WEIGHT: self.beta1 * (1.0 - self.eps_low),
+            KernelParam.HP_WEIGHT: self.beta2 * (1.0 + self.eps_high),
         }
 
 
@@ -260,7 +266,7 @@ class DcpoConfig(MethodConfig):
     r_max: float = 10.0
 
     def _kernel_slots(self):
-        return {**_symmetric_bounds(self), KernelParam.R_MAX: self.r_max}
+        return {KernelParam.EPS_LOW: self.eps_low, KernelParam.EPS_HIGH: self.eps_high, KernelParam.R_MAX: self.r_max}
 
 
 GATES = {"sigmoid": Gate.SIGMOID, "erf": Gate.ERF, "arctan": Gate.ARCTAN, "softsign": Gate.SOFTSIGN}
@@ -387,16 +393,17 @@ def _aspo(cfg: AspoConfig, x: TokenInputs) -> TokenTerms:
     zero = torch.zeros_like(rd)
     pos = adv >= 0
     # A >= 0: flipped ratio 1/p with p = min(r, high); soft dual clip where 1/p > c.
-    p = torch.where(rd <= high, r, _full(high, rd))
+    # Selects written so that a NaN ratio takes the ratio's branch: NaN must reach the loss.
+    p = torch.where(rd > high, _full(high, rd), r)
     pd = p.detach()
     pos_dual = 1.0 / pd > c
     pos_loss = torch.where(pos_dual, -adv * c * logp, -adv * (p / pd) / pd)
-    pos_psi = torch.where(pos_dual, _full(c, rd), torch.where(rd <= high, 1.0 / rd, zero))
+    pos_psi = torch.where(pos_dual, _full(c, rd), torch.where(rd > high, zero, 1.0 / rd))
     # A < 0: u = max(r, low); soft dual clip where u > c.
-    u = torch.where(rd >= low, r, _full(low, rd))
+    u = torch.where(rd < low, _full(low, rd), r)
     neg_dual = u.detach() > c
     neg_loss = torch.where(neg_dual, -adv * c * logp, -adv * u)
-    neg_psi = torch.where(neg_dual, _full(c, rd), torch.where(rd >= low, rd, zero))
+    neg_psi = torch.where(neg_dual, _full(c, rd), torch.where(rd < low, zero, rd))
     dual = torch.where(pos, pos_dual, neg_dual) & (adv != 0)
     region = torch.where(dual, Region.DUAL, _regions(rd, adv, low, high)).to(torch.int8)
     return TokenTerms(
@@ -469,19 +476,18 @@ METHODS: dict[str, MethodSpec] = {
 def method_config(method: str | MethodConfig, **params) -> MethodConfig:
     """Build (and validate) the config of a method by name; unknown names and parameters raise ValueError."""
     if isinstance(method, MethodConfig):
-        if params:
-            return dataclasses.replace(method, **params)
-        return method
-    if method not in METHODS:
+        config_cls, base = type(method), dataclasses.asdict(method)
+    elif method in METHODS:
+        config_cls, base = METHODS[method].config, {}
+    else:
         raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
-    config_cls = METHODS[method].config
     allowed = [f.name for f in dataclasses.fields(config_cls)]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise ValueError(
-            f"{method} does not take parameter(s) {', '.join(unknown)}; it takes {', '.join(allowed)}"
+            f"{config_cls.name} does not take parameter(s) {', '.join(unknown)}; it takes {', '.join(allowed)}"
         )
-    return config_cls(**params)
+    return config_cls(**{**base, **params})
 
 
 def token_terms(

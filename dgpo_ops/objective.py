@@ -27,7 +27,7 @@ class ObjectiveTerms(NamedTuple):
 def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked mean over each response, broadcast back to its tokens."""
     lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
-    return ((values * mask).sum(dim=1, keepdim=True) / lengths).expand_as(values)
+    return (torch.where(mask, values, 0.0).sum(dim=1, keepdim=True) / lengths).expand_as(values)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,11 @@ class LossOptions:
             raise ValueError(f"method must be a MethodConfig, got {type(self.method).__name__}")
         for name, low_open in (("temperature", True), ("beta", False)):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value)) or value < 0 or (low_open and value == 0):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)) or value < 0 or (low_open and value == 0):
                 raise ValueError(f"{name} must be a finite number {'> 0' if low_open else '>= 0'}, got {value!r}")
-        if not (isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)):
+        if isinstance(self.entropy_coef, bool) or not (
+            isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)
+        ):
             raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef!r}")
         check_aggregation(self.aggregation)
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:

@@ -64,9 +64,12 @@ def reference_loss_from_options(
     probs = log_probs.exp()
     # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf, in the value and in its gradient.
     entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1)
+    # Masked positions take no part: their (replacement) target may even have a -inf logit.
+    logp = torch.where(batch.mask, logp, 0.0)
+    entropy = torch.where(batch.mask, entropy, 0.0)
     terms = policy_objective(logp, entropy, batch, options)
     metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, batch.mask)
     def per_token_output(values):  # fp32, 0 on masked tokens (where the fused kernels read nothing)
-        return batch.unflatten(torch.where(batch.mask, values.detach(), 0.0).float())
+        return batch.unflatten(values.detach().float())
 
     return PolicyLossOutput(terms.loss, per_token_output(logp), per_token_output(entropy), metrics)

@@ -10,7 +10,7 @@ write zeros. The gradient may be written into the logits' own storage (same stri
 import triton
 import triton.language as tl
 
-from .logprob_entropy import default_block_v
+from .logprob_entropy import check_vocab_stride, default_block_v
 
 
 @triton.jit
@@ -66,6 +66,8 @@ def logits_grad(logits, grad_logits, target_ids, lse, entropy, dloss_dlogp, dlos
 
     ``dloss_dentropy`` is ``None`` when no entropy term is differentiated.
     """
+    check_vocab_stride(logits)
+    check_vocab_stride(grad_logits)
     B, T, V = logits.shape
     block_v = block_v or default_block_v(V)
     logits_grad_kernel[(B * T,)](

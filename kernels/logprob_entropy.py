@@ -53,9 +53,11 @@ def logprob_entropy_fwd_kernel(
     target = tl.load(target_ids_ptr + token)
     vocab_end = tl.where(valid, vocab, 0)
 
+    # Running over the row: max m, S = sum exp(x - m) and U = sum exp(x - m) (x - m). Centring U on
+    # the running max keeps the entropy H = log S - U / S accurate for peaked rows with large logits.
     row_max = -float("inf")
     sum_exp = 0.0
-    sum_exp_x = 0.0
+    sum_exp_dx = 0.0
     for start in range(0, vocab_end, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offsets * stride_v, mask=offsets < vocab, other=-float("inf")).to(tl.float32)
@@ -65,15 +67,17 @@ def logprob_entropy_fwd_kernel(
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)
         e = tl.exp(x - shift)
         rescale = tl.exp(row_max - shift)
+        recentre = tl.where(sum_exp > 0.0, (row_max - shift) * sum_exp, 0.0)  # (x - m) = (x - m') + (m' - m)
+        sum_exp_dx = rescale * (sum_exp_dx + recentre) + tl.sum(tl.where(e > 0.0, e * (x - shift), 0.0), axis=0)
         sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
-        sum_exp_x = sum_exp_x * rescale + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
         row_max = new_max
 
     shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-    lse = shift + tl.log(sum_exp)
+    log_sum_exp = tl.log(tl.where(valid, sum_exp, 1.0))
+    lse = shift + log_sum_exp
     target_logit = tl.load(row_ptr + target * stride_v, mask=valid, other=0.0).to(tl.float32) * inv_temperature
     logp = tl.where(valid, target_logit - lse, 0.0)
-    entropy = tl.where(valid, lse - sum_exp_x / sum_exp, 0.0)
+    entropy = tl.where(valid, log_sum_exp - sum_exp_dx / sum_exp, 0.0)
     tl.store(lse_ptr + token, tl.where(valid, lse, 0.0))
     tl.store(logp_ptr + token, logp)
     tl.store(entropy_ptr + token, entropy)
@@ -108,12 +112,20 @@ def default_block_v(vocab: int) -> int:
     return min(triton.next_power_of_2(vocab), 4096)
 
 
+def check_vocab_stride(logits: torch.Tensor) -> None:
+    # Tile offsets times the vocabulary stride are int32 in the hot loop (unit stride, the usual
+    # case, is specialised away); a wider stride would overflow.
+    if logits.stride(2) * logits.shape[2] >= 2**31:
+        raise ValueError("logits whose vocabulary stride times V reaches 2^31 are not supported: pass .contiguous() logits")
+
+
 def logprob_entropy(logits, target_ids, mask, inv_temperature, epilogue=None, block_v=None) -> RowForward:
     """Launch the forward kernel on ``(B, T, V)`` logits (any strides).
 
     ``target_ids`` (int64) and ``mask`` (bool) are contiguous ``(B, T)``; with ``epilogue``
     (an ``EpilogueInputs``) the method's per-token terms are computed in the same program.
     """
+    check_vocab_stride(logits)
     B, T, V = logits.shape
     lse, logp, entropy = (torch.empty((B, T), device=logits.device, dtype=torch.float32) for _ in range(3))
     out = EpilogueOutputs.empty(epilogue, (B, T), logits.device) if epilogue is not None else None

@@ -30,13 +30,15 @@ REGION_LP = tl.constexpr(Region.LP.value)
 REGION_HN = tl.constexpr(Region.HN.value)
 REGION_DUAL = tl.constexpr(Region.DUAL.value)
 
-P_EPS_LOW_POS = tl.constexpr(KernelParam.EPS_LOW_POS.value)
-P_EPS_HIGH_POS = tl.constexpr(KernelParam.EPS_HIGH_POS.value)
-P_EPS_LOW_NEG = tl.constexpr(KernelParam.EPS_LOW_NEG.value)
-P_EPS_HIGH_NEG = tl.constexpr(KernelParam.EPS_HIGH_NEG.value)
+P_LOW_POS = tl.constexpr(KernelParam.LOW_POS.value)
+P_HIGH_POS = tl.constexpr(KernelParam.HIGH_POS.value)
+P_LOW_NEG = tl.constexpr(KernelParam.LOW_NEG.value)
+P_HIGH_NEG = tl.constexpr(KernelParam.HIGH_NEG.value)
+P_EPS_LOW = tl.constexpr(KernelParam.EPS_LOW.value)
+P_EPS_HIGH = tl.constexpr(KernelParam.EPS_HIGH.value)
 P_DUAL_CLIP = tl.constexpr(KernelParam.DUAL_CLIP.value)
-P_BETA1 = tl.constexpr(KernelParam.BETA1.value)
-P_BETA2 = tl.constexpr(KernelParam.BETA2.value)
+P_LN_WEIGHT = tl.constexpr(KernelParam.LN_WEIGHT.value)
+P_HP_WEIGHT = tl.constexpr(KernelParam.HP_WEIGHT.value)
 P_N = tl.constexpr(KernelParam.N.value)
 P_M = tl.constexpr(KernelParam.M.value)
 P_R_MAX = tl.constexpr(KernelParam.R_MAX.value)
@@ -44,6 +46,7 @@ P_TAU_POS = tl.constexpr(KernelParam.TAU_POS.value)
 P_TAU_NEG = tl.constexpr(KernelParam.TAU_NEG.value)
 
 LOG_RATIO_CLAMP = tl.constexpr(20.0)
+NAN_PROPAGATING = tl.constexpr(tl.PropagateNan.ALL)
 HALF_SQRT_PI_OVER_2 = tl.constexpr(1.2533141373155003)  # sqrt(pi / 2)
 INV_SQRT2 = tl.constexpr(0.7071067811865476)
 
@@ -113,33 +116,35 @@ def _sapo_gate(r, tau, GATE: tl.constexpr):
 @triton.jit
 def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
     """(L, psi, region) of one token; ``logp`` is the token's own log-prob (cispo's value uses it)."""
-    # NaN must survive the clamp (a non-finite logit gives a non-finite loss, as in torch.clamp).
-    log_ratio = tl.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, propagate_nan=tl.PropagateNan.ALL)
+    log_ratio = tl.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, propagate_nan=NAN_PROPAGATING)
     r = tl.exp(log_ratio)
-    low_pos = 1.0 - tl.load(params_ptr + P_EPS_LOW_POS)
-    high_pos = 1.0 + tl.load(params_ptr + P_EPS_HIGH_POS)
+    # min/max/clamp here propagate NaN (plain tl.minimum returns the other operand): a NaN ratio
+    # must give a NaN loss, as torch does. Divisions and square roots that decide a region are
+    # IEEE-rounded (div_rn, sqrt_rn) so ties resolve as in torch on a GPU too.
+    low_pos = tl.load(params_ptr + P_LOW_POS)
+    high_pos = tl.load(params_ptr + P_HIGH_POS)
     if METHOD == GRPO:
         loss, psi, region = _ppo_clip(r, adv, low_pos, high_pos, tl.load(params_ptr + P_DUAL_CLIP))
     elif METHOD == DCPO:
         q = tl.exp(old_logp)
-        eps_low = tl.load(params_ptr + P_EPS_LOW_POS)
-        eps_high = tl.load(params_ptr + P_EPS_HIGH_POS)
+        eps_low = tl.load(params_ptr + P_EPS_LOW)
+        eps_high = tl.load(params_ptr + P_EPS_HIGH)
         r_max = tl.load(params_ptr + P_R_MAX)
-        low = 0.5 + 0.5 * tl.sqrt(tl.maximum(1.0 - 4.0 * eps_low / q, 0.0))
-        high = tl.minimum(0.5 + 0.5 * tl.sqrt(1.0 + 4.0 * eps_high / q), r_max)
+        low = 0.5 + 0.5 * tl.sqrt_rn(tl.maximum(1.0 - tl.div_rn(4.0 * eps_low, q), 0.0))
+        high = tl.minimum(0.5 + 0.5 * tl.sqrt_rn(1.0 + tl.div_rn(4.0 * eps_high, q)), r_max)
         loss, psi, region = _ppo_clip(r, adv, low, high, r_max)
     elif METHOD == CAPPED_IS:
         neg = adv < 0
-        low = tl.where(neg, 1.0 - tl.load(params_ptr + P_EPS_LOW_NEG), low_pos)
-        high = tl.where(neg, 1.0 + tl.load(params_ptr + P_EPS_HIGH_NEG), high_pos)
-        psi = tl.minimum(tl.maximum(r, low), high)
+        low = tl.where(neg, tl.load(params_ptr + P_LOW_NEG), low_pos)
+        high = tl.where(neg, tl.load(params_ptr + P_HIGH_NEG), high_pos)
+        psi = tl.minimum(tl.maximum(r, low, propagate_nan=NAN_PROPAGATING), high, propagate_nan=NAN_PROPAGATING)
         loss = -adv * psi * logp
         region = _regions(r, adv, low, high)
     elif METHOD == GRADIENT_PRESERVING:
         dual_clip = tl.load(params_ptr + P_DUAL_CLIP)
         region = _regions(r, adv, low_pos, high_pos)
-        ln_weight = tl.load(params_ptr + P_BETA1) * low_pos
-        hp_weight = tl.load(params_ptr + P_BETA2) * high_pos
+        ln_weight = tl.load(params_ptr + P_LN_WEIGHT)
+        hp_weight = tl.load(params_ptr + P_HP_WEIGHT)
         psi = tl.where(region == REGION_LN, ln_weight, tl.where(region == REGION_HP, hp_weight, r))
         loss = -adv * psi
         dual = (adv < 0) & (-adv * dual_clip < loss)
@@ -149,14 +154,14 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
     elif METHOD == ASPO:
         c = tl.load(params_ptr + P_DUAL_CLIP)
         pos = adv >= 0
-        p = tl.minimum(r, high_pos)
-        pos_dual = 1.0 / p > c
+        p = tl.where(r > high_pos, high_pos, r)
+        pos_dual = tl.div_rn(1.0, p) > c
         pos_loss = tl.where(pos_dual, -adv * c * logp, -adv / p)
-        pos_psi = tl.where(pos_dual, c, tl.where(r <= high_pos, 1.0 / r, 0.0))
-        u = tl.maximum(r, low_pos)
+        pos_psi = tl.where(pos_dual, c, tl.where(r > high_pos, 0.0, tl.div_rn(1.0, r)))
+        u = tl.where(r < low_pos, low_pos, r)
         neg_dual = u > c
         neg_loss = tl.where(neg_dual, -adv * c * logp, -adv * u)
-        neg_psi = tl.where(neg_dual, c, tl.where(r >= low_pos, r, 0.0))
+        neg_psi = tl.where(neg_dual, c, tl.where(r < low_pos, 0.0, r))
         loss = tl.where(pos, pos_loss, neg_loss)
         psi = tl.where(pos, pos_psi, neg_psi)
         dual = tl.where(pos, pos_dual, neg_dual) & (adv != 0)

@@ -55,6 +55,7 @@ def logits_grad_torch(logits, grad_logits, target_ids, lse, entropy, dloss_dlogp
     targets = target_ids.reshape(-1)
     g, lse, entropy = dloss_dlogp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
     h = None if dloss_dentropy is None else dloss_dentropy.reshape(-1)
+    active = g != 0 if h is None else (g != 0) | (h != 0)  # masked rows: zeros, whatever their logits
     for rows, (chunk, grad_chunk) in _row_chunks([logits, grad_logits], chunk_rows):
         log_p = chunk.to(dtype) * inv_temperature - lse[rows, None]
         p = log_p.exp()
@@ -62,5 +63,5 @@ def logits_grad_torch(logits, grad_logits, target_ids, lse, entropy, dloss_dlogp
         grad.scatter_add_(1, targets[rows, None], g[rows, None])
         if h is not None:
             grad -= h[rows, None] * torch.where(p > 0, p * (log_p + entropy[rows, None]), 0.0)
-        grad_chunk.copy_(grad * inv_temperature)
+        grad_chunk.copy_(torch.where(active[rows, None], grad * inv_temperature, 0.0))
     return grad_logits

@@ -230,3 +230,85 @@ def test_torch_path_gradcheck_fp64(kwargs):
         return dgpo_ops.fused_dgpo_loss(x, **inputs, backend="torch", aggregation=aggregation, **kwargs).loss
 
     assert torch.autograd.gradcheck(loss, (logits,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_non_contiguous_per_token_inputs(backend):
+    inputs = logits_batch(3, 5, 40, seed=12, per_token_adv=True)
+    for key in ("target_ids", "advantages", "old_logps", "mask"):
+        inputs[key] = inputs[key].t().contiguous().t()  # same values, transposed strides
+        assert not inputs[key].is_contiguous()
+    ref = dgpo_ops.reference_loss(**inputs)
+    out = dgpo_ops.fused_dgpo_loss(**inputs, backend=backend)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logps, ref.logps, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_masked_rows_with_extreme_logits_get_zero_gradient(backend):
+    inputs = logits_batch(2, 4, 30, seed=13, mask_fraction=0.5)
+    masked = ~inputs["mask"] | (inputs["target_ids"] == -100)
+    inputs["logits"][masked] = 100.0
+    b, t = masked.nonzero()[0].tolist()
+    inputs["logits"][b, t, 3] = float("nan")
+    logits = inputs.pop("logits").requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(logits, **inputs, backend=backend, temperature=0.1)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(logits.grad).all()
+    assert logits.grad[masked].abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_rejects_a_leaf_and_invalidates_other_users_of_the_logits(backend):
+    inputs = logits_batch(2, 3, 20, seed=14)
+    logits = inputs.pop("logits").requires_grad_(True)
+    with pytest.raises(ValueError, match="inplace"):
+        dgpo_ops.fused_dgpo_loss(logits, **inputs, backend=backend, inplace=True)
+    produced = logits * 1.0
+    z_loss = produced.logsumexp(-1).pow(2).mean()  # saves `produced` for its own backward
+    out = dgpo_ops.fused_dgpo_loss(produced, **inputs, backend=backend, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.loss + z_loss).backward()
+
+
+def test_double_backward_is_refused():
+    inputs = logits_batch(2, 3, 20, seed=15)
+    logits = inputs.pop("logits").requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(logits, **inputs, backend="torch")
+    (grad,) = torch.autograd.grad(out.loss, logits, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|differentiate twice"):
+        grad.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_forward_only_under_no_grad(backend, mode, level):
+    inputs = logits_batch(2, 4, 30, seed=16)
+    kwargs = dict(importance_sampling_level=level, aggregation="seq_mean_token_mean")
+    ref = dgpo_ops.reference_loss(**inputs, **kwargs)
+    with mode():
+        out = dgpo_ops.fused_dgpo_loss(**inputs, backend=backend, **kwargs)
+    torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.metrics["ratio_mean"], ref.metrics["ratio_mean"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_entropy_of_peaked_rows_with_large_logits(backend):
+    # One dominant logit far above the rest, shifted by a large constant: H ~ 1e-5 must keep its digits.
+    logits = torch.full((1, 2, 300), -12.0)
+    logits[..., 7] = 0.0
+    logits = logits + torch.tensor([50.0, 500.0])[None, :, None]
+    target = torch.full((1, 2), 7)
+    exact = torch.distributions.Categorical(logits=logits.double()).entropy().float()
+    out = dgpo_ops.fused_dgpo_loss(logits, target, torch.ones(1), backend=backend)
+    torch.testing.assert_close(out.entropy, exact, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_nan_logit_gives_nan_loss_for_every_method(backend):
+    for name, params in METHOD_VARIANTS:
+        inputs = logits_batch(3, 3, 20, seed=17)
+        inputs["logits"][1, 0, 5] = float("nan")
+        out = dgpo_ops.fused_dgpo_loss(**inputs, method=name, **params, backend=backend)
+        assert torch.isnan(out.loss), name

@@ -84,7 +84,8 @@ def test_kl_and_entropy_terms_and_their_gradients():
     kl = torch.exp(ref - logp) - (ref - logp) - 1
     p = torch.softmax(logits.detach(), -1)
     entropy = -(p * p.log()).sum(-1)
-    torch.testing.assert_close(full.entropy.double(), entropy.float().double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(full.entropy[mask].double(), entropy[mask].float().double(), rtol=1e-6, atol=1e-6)
+    assert (full.entropy[~mask] == 0).all()
     extra = ((0.04 * kl - 0.01 * entropy) * mask).sum() / mask.sum()
     assert (full.loss - base.loss).item() == pytest.approx(extra.item(), rel=1e-5)
     assert full.metrics["kl_mean"].item() == pytest.approx((kl * mask).sum().item() / mask.sum().item(), rel=1e-5)
@@ -217,3 +218,12 @@ def test_non_finite_logits_give_non_finite_loss():
     inputs = valid_inputs()
     inputs["logits"][0, 1, 2] = float("nan")
     assert not torch.isfinite(reference_loss(**inputs).loss)
+
+
+def test_config_instance_with_overrides_is_validated():
+    cfg = dgpo_ops.method_config(dgpo_ops.GrpoConfig(), eps_high=0.28)
+    assert cfg.eps_high == 0.28
+    with pytest.raises(ValueError, match="does not take"):
+        dgpo_ops.method_config(dgpo_ops.GrpoConfig(), n=2)
+    with pytest.raises(ValueError, match="temperature"):
+        reference_loss(**valid_inputs(), temperature=True)

@@ -1,0 +1,86 @@
+"""The Triton mirror of the method table (kernels/method_table.py) against the torch table, row by
+row, on tokens in every region, exactly on the fp32 boundaries, and with NaN ratios."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import dgpo_ops
+from dgpo_ops.kernels.method_table import token_terms as mirror_token_terms
+from helpers import METHOD_VARIANTS, config, spanning_tokens, trust_region, variant_id
+
+
+@triton.jit
+def evaluate_mirror_kernel(log_ratio_ptr, adv_ptr, old_logp_ptr, params_ptr, loss_ptr, psi_ptr, region_ptr, n,
+                           METHOD: tl.constexpr, GATE: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    log_ratio = tl.load(log_ratio_ptr + offsets, mask=inside, other=0.0)
+    adv = tl.load(adv_ptr + offsets, mask=inside, other=0.0)
+    old_logp = tl.load(old_logp_ptr + offsets, mask=inside, other=0.0)
+    loss, psi, region = mirror_token_terms(log_ratio, adv, old_logp, log_ratio + old_logp, params_ptr, METHOD, GATE)
+    tl.store(loss_ptr + offsets, loss, mask=inside)
+    tl.store(psi_ptr + offsets, psi, mask=inside)
+    tl.store(region_ptr + offsets, region.to(tl.int8), mask=inside)
+
+
+def mirror(cfg, log_ratio, adv, old_logp):
+    n = log_ratio.numel()
+    loss, psi = torch.empty(n), torch.empty(n)
+    region = torch.empty(n, dtype=torch.int8)
+    params = torch.tensor(cfg.kernel_params(), dtype=torch.float32)
+    evaluate_mirror_kernel[(triton.cdiv(n, 64),)](log_ratio, adv, old_logp, params, loss, psi, region, n,
+                                                  METHOD=int(cfg.method_id), GATE=int(cfg.gate_id), BLOCK=64)
+    return loss, psi, region
+
+
+def fp32_tokens(cfg):
+    # Tokens 0.1% either side of every boundary, not on it: the ratio is exp(log r), and torch's
+    # exp and Triton's (numpy here, ex2-based on a GPU) may round it differently by one ulp, which
+    # can put a token sitting exactly on a bound on either side. The bounds themselves agree to the
+    # bit (test_kernel_params_are_the_bounds_rounded_once).
+    log_ratio, adv, old_logp = spanning_tokens(cfg)
+    edges = torch.tensor([e for e in trust_region(cfg) if e > 0] + [1.0], dtype=torch.float64)
+    away = ((log_ratio[:, None] - edges.log()[None]).abs() > 1e-5).all(dim=1)
+    return tuple(t[away].float().contiguous() for t in (log_ratio, adv, old_logp))
+
+
+EXTRA_VARIANTS = [("grpo", {"eps_low": 0.16, "eps_high": 0.09}), ("dgpo", {"eps_low": 0.111, "eps_high": 0.16}),
+                  ("ce_gppo", {"beta1": 0.3, "beta2": 1.7, "dual_clip": 2.0}), ("dcpo", {"r_max": 3.0})]
+
+
+@pytest.mark.parametrize("variant", METHOD_VARIANTS + EXTRA_VARIANTS, ids=variant_id)
+def test_mirror_matches_the_table(variant):
+    cfg = config(variant)
+    log_ratio, adv, old_logp = fp32_tokens(cfg)
+    want = dgpo_ops.token_terms(cfg, log_ratio, adv, old_logp)
+    loss, psi, region = mirror(cfg, log_ratio, adv, old_logp)
+    assert torch.equal(region, want.region)
+    torch.testing.assert_close(psi, want.psi, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(loss, want.loss, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+def test_nan_ratio_gives_nan_loss_in_table_and_mirror(variant):
+    cfg = config(variant)
+    log_ratio = torch.tensor([float("nan")] * 2)
+    adv = torch.tensor([1.0, -1.0])
+    old_logp = torch.tensor([math.log(0.3)] * 2)
+    loss, psi, _ = mirror(cfg, log_ratio, adv, old_logp)
+    want = dgpo_ops.token_terms(cfg, log_ratio, adv, old_logp)
+    assert torch.isnan(want.loss).all() and torch.isnan(loss).all()
+    assert torch.isnan(psi).all() == torch.isnan(want.psi).all()
+
+
+def test_kernel_params_are_the_bounds_rounded_once():
+    cfg = dgpo_ops.method_config("dispo", eps_low_pos=0.16, eps_high_pos=0.09, eps_low_neg=0.3, eps_high_neg=2.0)
+    params = torch.tensor(cfg.kernel_params(), dtype=torch.float32)
+    assert params[0] == torch.tensor(1 - 0.16, dtype=torch.float32)
+    assert params[1] == torch.tensor(1 + 0.09, dtype=torch.float32)
+    assert params[2] == torch.tensor(1 - 0.3, dtype=torch.float32)
+    assert params[3] == torch.tensor(1 + 2.0, dtype=torch.float32)
