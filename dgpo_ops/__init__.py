@@ -2,6 +2,7 @@
 
 from .aggregation import AGGREGATIONS, token_scales
 from .fused import DGPOLoss, fused_dgpo_loss
+from .fused_linear import fused_linear_dgpo_loss, fused_linear_logprobs
 from .methods import (
     METHODS,
     AspoConfig,
@@ -42,6 +43,8 @@ __all__ = [
     "SapoConfig",
     "TokenTerms",
     "fused_dgpo_loss",
+    "fused_linear_dgpo_loss",
+    "fused_linear_logprobs",
     "method_config",
     "reference_loss",
     "token_scales",

@@ -30,7 +30,32 @@ class TokenBatch:
     flat: bool  # the caller passed (N, V) logits: outputs are (N,)
 
     def unflatten(self, per_token: torch.Tensor) -> torch.Tensor:
-        return per_token.reshape(-1) if self.flat else per_token
+        return per_token.reshape(-1) if self.flat else per_token.reshape(self.mask.shape)
+
+    def select(self, indices: torch.Tensor) -> "TokenBatch":
+        """The tokens at ``indices`` of the flattened grid, as a (1, n) batch (scales kept)."""
+
+        def pick(values):
+            return None if values is None else values.reshape(-1).index_select(0, indices)[None]
+
+        return TokenBatch(
+            target_ids=pick(self.target_ids), mask=pick(self.mask), advantages=pick(self.advantages),
+            old_logps=pick(self.old_logps), ref_logps=pick(self.ref_logps),
+            rollout_weights=pick(self.rollout_weights), scale=pick(self.scale), flat=True,
+        )
+
+    def token_slice(self, start: int, stop: int) -> "TokenBatch":
+        """Tokens [start, stop) of the flattened grid as a (1, n) batch: enough for everything
+        token-level (the scales were computed over the whole batch)."""
+
+        def cut(values):
+            return None if values is None else values.reshape(1, -1)[:, start:stop]
+
+        return TokenBatch(
+            target_ids=cut(self.target_ids), mask=cut(self.mask), advantages=cut(self.advantages),
+            old_logps=cut(self.old_logps), ref_logps=cut(self.ref_logps),
+            rollout_weights=cut(self.rollout_weights), scale=cut(self.scale), flat=True,
+        )
 
 
 def _per_token_float(name, value, grid_shape, mask, device, dtype, allow_per_response=False):

@@ -68,16 +68,19 @@ def spanning_tokens(cfg, old_prob: float = 0.3):
 LOG_RATIO_GRID = [-3.0, 0.7, -1.0, 1.6, 0.05, -0.4, 3.0, 0.2, -0.1]
 
 
-def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask_fraction=0.2, per_token_adv=False):
+def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask_fraction=0.2, per_token_adv=False,
+                 logits=None):
     """Random logits with old log-probs set so that ratios spread over all regions.
 
     Returns a dict of inputs for reference_loss / fused_dgpo_loss. The old log-probs are the
     logits' own log-probs (in float64) minus a log-ratio; each response's log-ratios are a shuffled
     shuffled ``LOG_RATIO_GRID`` (scaled by ratio_spread / 1.5), and the responses alternate the sign
     of their advantage (the first has A = 0), so every region of every method gets tokens.
+    ``logits`` may be given (e.g. a model's); they are returned as they are.
     """
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2.0).to(dtype)
+    if logits is None:
+        logits = (torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2.0).to(dtype)
     target = torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) >= mask_fraction
     mask[:, 0] = True

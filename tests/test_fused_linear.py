@@ -1,0 +1,183 @@
+"""fused_linear_dgpo_loss against reference_loss on the materialised logits: every method, token
+and sequence level, bias, logit_scale, softcap, temperature, KL, entropy; both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgpo_ops
+from helpers import METHOD_VARIANTS, logits_batch, variant_id
+
+
+def make_logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None):
+    y = hidden @ weight.T
+    if bias is not None:
+        y = y + bias
+    y = y * logit_scale
+    return softcap * torch.tanh(y / softcap) if softcap is not None else y
+
+
+def linear_case(B=3, T=6, H=16, V=70, seed=0, dtype=torch.float32, bias=True, logit_scale=1.0, softcap=None):
+    """hidden, weight, bias and loss inputs whose old log-probs put the model's tokens in every region."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
+    logits = make_logits(hidden, weight, b, logit_scale, softcap)
+    inputs = logits_batch(B, T, V, seed=seed, logits=logits)
+    inputs.pop("logits")
+    params = [t.to(dtype) if t is not None else None for t in (hidden, weight, b)]
+    return params, inputs
+
+
+def run_linear(variant, backend, options, dtype=torch.float32, seed=0, **case):
+    name, params = variant
+    (hidden, weight, bias), inputs = linear_case(seed=seed, dtype=dtype, **case)
+    projection = dict(logit_scale=case.get("logit_scale", 1.0), softcap=case.get("softcap"))
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
+    ref_leaves = [t.detach().double().clone().requires_grad_(True) if t is not None else None for t in leaves]
+    logits = make_logits(*ref_leaves, **projection)
+    ref = dgpo_ops.reference_loss(logits, **inputs, method=name, **params, **options)
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], method=name, **params,
+                                          **projection, **options, backend=backend,
+                                          memory_budget=2 * 70 * 4 * 2)  # two-token tiles: many chunks
+    wanted = [t for t in ref_leaves if t is not None]
+    ref_grads = torch.autograd.grad(ref.loss, wanted)
+    grads = torch.autograd.grad(out.loss, [t for t in leaves if t is not None])
+    return ref, out, ref_grads, grads
+
+
+OPTION_SETS = {
+    "plain": dict(),
+    "kl_entropy_temperature": dict(beta=0.05, entropy_coef=0.02, temperature=0.8),
+    "gspo": dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", entropy_coef=0.01),
+}
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
+@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_linear_matches_reference(backend, variant, options):
+    case = dict(logit_scale=1.3, softcap=4.0) if options == "kl_entropy_temperature" else {}
+    ref, out, ref_grads, grads = run_linear(variant, backend, OPTION_SETS[options], **case)
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy.double(), ref.entropy.double(), rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    for key in ref.metrics:
+        torch.testing.assert_close(out.metrics[key].double(), ref.metrics[key].double(), rtol=1e-5, atol=1e-6,
+                                   msg=key)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bf16_weights(backend):
+    # CPU GEMMs upcast the bf16 operands once, so the loss keeps fp32 accuracy against an fp32
+    # reference on the same values; gradients are fp32-accumulated and rounded once to bf16
+    # (one bf16 ulp, 2^-7 relative, plus the fp32 accumulation error near zero).
+    ref, out, ref_grads, grads = run_linear(("dgpo", {}), backend, {"beta": 0.02}, dtype=torch.bfloat16)
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-4, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=2.0**-7, atol=1e-4)
+
+
+def test_tied_embeddings_accumulate_both_gradients():
+    torch.manual_seed(0)
+    V, H, B, T = 40, 12, 2, 5
+    embedding = torch.randn(V, H, requires_grad=True)
+    tokens = torch.randint(0, V, (B, T))
+    inputs = logits_batch(B, T, V, seed=1)
+    inputs.pop("logits")
+    inputs["old_logps"] = None
+
+    def hidden_of(weight):
+        return torch.tanh(weight[tokens] * 1.5)
+
+    out = dgpo_ops.fused_linear_dgpo_loss(hidden_of(embedding), embedding, **inputs)
+    (grad,) = torch.autograd.grad(out.loss, embedding)
+    ref_weight = embedding.detach().clone().requires_grad_(True)
+    ref = dgpo_ops.reference_loss(hidden_of(ref_weight) @ ref_weight.T, **inputs)
+    (ref_grad,) = torch.autograd.grad(ref.loss, ref_weight)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_incoming_gradient_scales_every_parameter():
+    (hidden, weight, bias), inputs = linear_case()
+    leaves = [t.requires_grad_(True) for t in (hidden, weight, bias)]
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2])
+    once = torch.autograd.grad(out.loss, leaves, retain_graph=True)
+    thrice = torch.autograd.grad(3.0 * out.loss, leaves)
+    for a, b in zip(once, thrice):
+        torch.testing.assert_close(b, 3.0 * a)
+
+
+def test_masked_tokens_get_zero_hidden_gradient():
+    (hidden, weight, _), inputs = linear_case(bias=False)
+    hidden.requires_grad_(True)
+    out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, entropy_coef=0.1)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    masked = ~inputs["mask"] | (inputs["target_ids"] == -100)
+    assert masked.any() and grad[masked].abs().max() == 0 and grad[~masked].abs().max() > 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_forward_only_logprobs(backend):
+    (hidden, weight, bias), inputs = linear_case(softcap=5.0)
+    logps, entropy = dgpo_ops.fused_linear_logprobs(hidden, weight, inputs["target_ids"], inputs["mask"], bias=bias,
+                                                    softcap=5.0, temperature=0.7, backend=backend)
+    ref = dgpo_ops.reference_loss(make_logits(hidden, weight, bias, softcap=5.0), inputs["target_ids"],
+                                  inputs["advantages"], inputs["mask"], temperature=0.7)
+    torch.testing.assert_close(logps, ref.logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(method="sapo", gate="erf", entropy_coef=0.1, beta=0.1),
+     dict(method="grpo", eps_low=1.0, eps_high=50.0, importance_sampling_level="sequence",
+          aggregation="seq_mean_token_mean", softcap=3.0, logit_scale=0.7)],
+)
+def test_cpu_path_gradcheck_fp64(kwargs):
+    # Methods and regions whose gradient is the derivative of their value (see test_fused_parity).
+    (hidden, weight, bias), inputs = linear_case(B=2, T=3, H=4, V=6, seed=2, dtype=torch.float64)
+    leaves = tuple(t.requires_grad_(True) for t in (hidden, weight, bias))
+
+    def loss(h, w, b):
+        return dgpo_ops.fused_linear_dgpo_loss(h, w, **inputs, bias=b, backend="torch", **kwargs).loss
+
+    assert torch.autograd.gradcheck(loss, leaves, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_no_allocation_of_n_by_v_elements():
+    from test_row_kernels import largest_allocations
+
+    N, H, V = 512, 32, 4096
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, N, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    target = torch.randint(0, V, (1, N), generator=g)
+    advantages = torch.ones(1)
+
+    def step():
+        out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, target, advantages, memory_budget=V * 4 * 64)
+        out.loss.backward()
+
+    sizes = largest_allocations(step)
+    assert sizes[0] < N * V * 4, sizes[:3]
+    assert weight.grad is not None and torch.isfinite(weight.grad).all()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [(dict(weight=torch.randn(70, 15)), "weight"), (dict(weight=torch.randn(70, 16).double()), "dtype"),
+     (dict(bias=torch.randn(69)), "bias"), (dict(inplace=True), "inplace"), (dict(softcap=-1.0), "softcap"),
+     (dict(logit_scale=0.0), "logit_scale"), (dict(target_ids=torch.full((3, 6), 70)), "target_ids")],
+)
+def test_bad_inputs_raise(change, match):
+    (hidden, weight, bias), inputs = linear_case()
+    args = dict(hidden=hidden, weight=weight, bias=bias, **inputs)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        dgpo_ops.fused_linear_dgpo_loss(**args)
