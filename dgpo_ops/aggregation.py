@@ -35,12 +35,13 @@ def check_loss_normalizer(loss_normalizer) -> None:
         raise ValueError(f"loss_normalizer must be a finite number > 0, got {loss_normalizer!r}")
 
 
-def token_scales(mask: torch.Tensor, aggregation: str, loss_normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token scale s_t (fp32, zero on masked tokens) for a boolean ``(B, T)`` mask."""
+def token_scales(mask: torch.Tensor, aggregation: str, loss_normalizer: float | torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token scale s_t (zero on masked tokens) for a boolean ``(B, T)`` mask."""
     check_aggregation(aggregation)
     check_loss_normalizer(loss_normalizer)
     per_response, default_denominator = AGGREGATIONS[aggregation]
-    scale = mask.to(torch.float32)
+    scale = mask.to(dtype)
     if per_response:
         scale = scale / mask.sum(dim=1, keepdim=True).clamp(min=1)
     if loss_normalizer is not None:
@@ -48,5 +49,5 @@ def token_scales(mask: torch.Tensor, aggregation: str, loss_normalizer: float | 
     # An all-masked batch gives a zero loss, not 0/0.
     denominator = default_denominator(mask)
     if torch.is_tensor(denominator):
-        return scale / denominator.to(torch.float32).clamp(min=1)
+        return scale / denominator.to(dtype).clamp(min=1)
     return scale / max(denominator, 1)

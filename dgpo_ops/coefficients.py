@@ -63,6 +63,7 @@ def epilogue_inputs(batch: TokenBatch, options: LossOptions, device, method_para
         ref_logps=batch.ref_logps if options.beta != 0.0 else None,
         rollout_weights=batch.rollout_weights,
         beta=float(options.beta),
+        kl_ratio_correction=options.kl_ratio_correction,
     )
 
 

@@ -150,6 +150,6 @@ def prepare_batch(
         old_logps=per_token("old_logps", old_logps),
         ref_logps=per_token("ref_logps", ref_logps),
         rollout_weights=per_token("rollout_weights", rollout_weights),
-        scale=token_scales(token_mask, aggregation, loss_normalizer).to(per_token_dtype),
+        scale=token_scales(token_mask, aggregation, loss_normalizer, per_token_dtype),
         flat=flat,
     )

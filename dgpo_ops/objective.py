@@ -56,6 +56,8 @@ def policy_objective(
     if options.beta != 0.0:
         check_kl_inputs(batch, options)
         kl_value = kl_k3(logp, batch.ref_logps)
+        if options.kl_ratio_correction:  # as TRL: by the (token or sequence) ratio, unclamped, with its gradient
+            kl_value = kl_value * torch.exp(log_ratio)
         per_token = per_token + options.beta * kl_value
         kl = kl_value.detach()
     if options.entropy_coef != 0.0:

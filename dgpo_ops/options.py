@@ -18,6 +18,7 @@ class LossOptions:
     temperature: float = 1.0
     aggregation: str = "token_mean"
     beta: float = 0.0  # KL (k3) coefficient to the reference policy
+    kl_ratio_correction: bool = False  # multiply the KL by the importance ratio (TRL's use_bias_correction_kl)
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * H
     importance_sampling_level: str = "token"  # "sequence" is GSPO's ratio
     inplace: bool = False  # fused ops only: write d(loss)/d(logits) into the logits' storage

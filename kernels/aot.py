@@ -42,7 +42,7 @@ POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i1", "region_ptr": "*i8
 FLOAT_SCALARS = ("inv_temperature", "beta")
 DIVISIBLE_INTS = ("vocab", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t")
 UNIT_STRIDES = ("stride_v", "grad_stride_v")
-FORWARD_FLAGS = ("HAS_OLD_LOGPS", "HAS_KL", "HAS_ROLLOUT_WEIGHTS")
+FORWARD_FLAGS = ("HAS_OLD_LOGPS", "HAS_KL", "KL_TIMES_RATIO", "HAS_ROLLOUT_WEIGHTS")
 METHOD_VARIANTS = [(m.name.lower(), m, Gate.SIGMOID) for m in MethodId if m != MethodId.SAPO] + [
     (f"sapo_{g.name.lower()}", MethodId.SAPO, g) for g in Gate
 ]
@@ -63,13 +63,22 @@ class Specialisation:
             return f"forward  {self.dtype} no-epilogue"
         method = next(n for n, m, g in METHOD_VARIANTS if m == c["METHOD"] and (m != MethodId.SAPO or g == c["GATE"]))
         flags = "".join("1" if c[f] else "0" for f in FORWARD_FLAGS)
-        return f"forward  {self.dtype} {method:<22} old/kl/w={flags}"
+        return f"forward  {self.dtype} {method:<22} old/kl/klr/w={flags}"
 
 
-def _forward(dtype, method=MethodId.DGPO, gate=Gate.SIGMOID, epilogue=True, flags=(True, True, True)):
+ALL_FLAGS = (True,) * len(FORWARD_FLAGS)
+
+
+def _forward(dtype, method=MethodId.DGPO, gate=Gate.SIGMOID, epilogue=True, flags=ALL_FLAGS):
     constexprs = dict(METHOD=int(method), GATE=int(gate), HAS_EPILOGUE=epilogue, BLOCK_V=BLOCK_V)
-    constexprs.update(zip(FORWARD_FLAGS, flags if epilogue else (False, False, False)))
+    constexprs.update(zip(FORWARD_FLAGS, flags if epilogue else (False,) * len(FORWARD_FLAGS)))
     return Specialisation("forward", dtype, tuple(sorted(constexprs.items())))
+
+
+def _flag_sets():
+    """Every combination of the epilogue flags the launcher can pass (the KL ratio needs the KL)."""
+    combos = itertools.product((False, True), repeat=len(FORWARD_FLAGS))
+    return [c for c in combos if not (c[FORWARD_FLAGS.index("KL_TIMES_RATIO")] and not c[FORWARD_FLAGS.index("HAS_KL")])]
 
 
 def specialisations(full: bool = False) -> list[Specialisation]:
@@ -77,11 +86,10 @@ def specialisations(full: bool = False) -> list[Specialisation]:
     for dtype in DTYPES:
         specs.append(_forward(dtype, epilogue=False))
         for _, method, gate in METHOD_VARIANTS:
-            flag_sets = itertools.product((False, True), repeat=3) if full else [(True, True, True)]
+            flag_sets = _flag_sets() if full else [ALL_FLAGS]
             specs += [_forward(dtype, method, gate, flags=flags) for flags in flag_sets]
         if not full:
-            specs += [_forward(dtype, flags=flags) for flags in itertools.product((False, True), repeat=3)
-                      if flags != (True, True, True)]
+            specs += [_forward(dtype, flags=flags) for flags in _flag_sets() if flags != ALL_FLAGS]
         for entropy in (False, True):
             specs.append(Specialisation("backward", dtype, (("BLOCK_V", BLOCK_V), ("HAS_ENTROPY_GRAD", entropy))))
     return specs

@@ -44,6 +44,7 @@ def logprob_entropy_fwd_kernel(
     HAS_EPILOGUE: tl.constexpr,
     HAS_OLD_LOGPS: tl.constexpr,
     HAS_KL: tl.constexpr,
+    KL_TIMES_RATIO: tl.constexpr,
     HAS_ROLLOUT_WEIGHTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -98,8 +99,13 @@ def logprob_entropy_fwd_kernel(
             delta = tl.load(ref_logps_ptr + token) - logp
             ref_ratio = tl.exp(delta)
             kl = ref_ratio - delta - 1.0
+            dkl_dlogp = 1.0 - ref_ratio
+            if KL_TIMES_RATIO:  # r KL, with d(r KL)/dl = r (KL + dKL/dl)
+                ratio = tl.exp(logp - old_logp)
+                dkl_dlogp = ratio * (kl + dkl_dlogp)
+                kl = ratio * kl
             loss += beta * kl
-            dloss_dlogp += beta * (1.0 - ref_ratio)
+            dloss_dlogp += beta * dkl_dlogp
             tl.store(kl_ptr + token, tl.where(valid, kl, 0.0))
         tl.store(token_loss_ptr + token, tl.where(valid, loss, 0.0))
         tl.store(dloss_dlogp_ptr + token, tl.where(valid, dloss_dlogp, 0.0))
@@ -146,6 +152,7 @@ def logprob_entropy(logits, target_ids, mask, inv_temperature, epilogue=None, bl
         HAS_EPILOGUE=epilogue is not None,
         HAS_OLD_LOGPS=inputs.old_logps is not None,
         HAS_KL=inputs.ref_logps is not None,
+        KL_TIMES_RATIO=inputs.kl_ratio_correction,
         HAS_ROLLOUT_WEIGHTS=inputs.rollout_weights is not None,
         BLOCK_V=block_v,
         num_warps=8 if block_v >= 4096 else 4,

@@ -20,6 +20,7 @@ class EpilogueInputs:
     ref_logps: torch.Tensor | None  # only with a KL term
     rollout_weights: torch.Tensor | None
     beta: float
+    kl_ratio_correction: bool = False
 
     @classmethod
     def absent(cls) -> "EpilogueInputs":

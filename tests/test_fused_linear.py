@@ -50,7 +50,7 @@ def run_linear(variant, backend, options, dtype=torch.float32, seed=0, **case):
 
 OPTION_SETS = {
     "plain": dict(),
-    "kl_entropy_temperature": dict(beta=0.05, entropy_coef=0.02, temperature=0.8),
+    "kl_entropy_temperature": dict(beta=0.05, entropy_coef=0.02, temperature=0.8, kl_ratio_correction=True),
     "gspo": dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", entropy_coef=0.01),
 }
 

@@ -16,6 +16,7 @@ FEATURE_BUNDLES = {
     "on_policy": dict(old_logps=None),
     "kl_entropy": dict(beta=0.05, entropy_coef=0.01),
     "temperature_weights": dict(temperature=0.7, rollout_weights=True, ref_logps=None),
+    "kl_times_ratio": dict(beta=0.1, kl_ratio_correction=True),
     "gspo_entropy": dict(importance_sampling_level="sequence", entropy_coef=0.02, beta=0.02),
 }
 

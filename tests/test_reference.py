@@ -17,11 +17,11 @@ def ragged_mask():
     return mask
 
 
-def loop_scales(mask, aggregation, normalizer=None):
+def loop_scales(mask, aggregation, normalizer=None, dtype=torch.float32):
     B, T = mask.shape
     lengths = [int(mask[b].sum()) for b in range(B)]
     total = sum(lengths)
-    scales = torch.zeros(B, T)
+    scales = torch.zeros(B, T, dtype=dtype)
     for b in range(B):
         for t in range(T):
             if not mask[b, t]:
@@ -55,7 +55,7 @@ def test_reference_loss_aggregates_like_a_loop(aggregation):
     mask = ragged_mask()
     out = reference_loss(logits, target, adv, mask, old.float(), method="dgpo", aggregation=aggregation)
     cfg = method_config("dgpo")
-    scales = loop_scales(mask, aggregation)
+    scales = loop_scales(mask, aggregation, dtype=torch.float64)
     expected = 0.0
     for b in range(B):
         for t in range(T):
@@ -227,3 +227,29 @@ def test_config_instance_with_overrides_is_validated():
         dgpo_ops.method_config(dgpo_ops.GrpoConfig(), n=2)
     with pytest.raises(ValueError, match="temperature"):
         reference_loss(**valid_inputs(), temperature=True)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_kl_ratio_correction_multiplies_the_kl_by_the_ratio(level):
+    # TRL's use_bias_correction_kl: per_token_kl * coef_1, gradient through both factors.
+    batch = logits_batch(2, 5, 9, dtype=torch.float64, seed=8)
+    logits = batch.pop("logits").requires_grad_(True)
+    out = reference_loss(logits, **batch, method="grpo", beta=0.3, kl_ratio_correction=True,
+                         importance_sampling_level=level, aggregation="seq_mean_token_mean")
+    mask = batch["mask"] & (batch["target_ids"] != -100)
+    logp = torch.log_softmax(logits, -1).gather(-1, batch["target_ids"].clamp(min=0)[..., None])[..., 0]
+    logp = torch.where(mask, logp, 0.0)
+    log_ratio = torch.where(mask, logp - batch["old_logps"].double(), 0.0)
+    if level == "sequence":
+        log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True)).expand_as(logp)
+    coef_1 = log_ratio.exp()
+    adv = batch["advantages"].double()[:, None]
+    policy = -torch.min(coef_1 * adv, coef_1.clamp(0.8, 1.2) * adv)
+    ref = batch["ref_logps"].double()
+    kl = (torch.exp(ref - logp) - (ref - logp) - 1) * coef_1
+    per_token = torch.where(mask, policy + 0.3 * kl, 0.0)
+    expected = ((per_token.sum(1) / mask.sum(1)).mean())
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-10)
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
