@@ -1,0 +1,23 @@
+"""TRL integration: ``from dgpo_ops.trainer import DGPOTrainer, DGPOConfig``.
+
+TRL and transformers are imported on first use of these names, so ``import dgpo_ops.trainer``
+stays as light as ``import dgpo_ops``.
+"""
+
+_LAZY = {
+    "DGPOTrainer": ("trainer", "DGPOTrainer"),
+    "DGPOConfig": ("config", "DGPOConfig"),
+    "SmoothAdvantageStandardizer": ("advantages", "SmoothAdvantageStandardizer"),
+    "group_advantages": ("advantages", "group_advantages"),
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dgpo_ops.trainer' has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _LAZY[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attribute)

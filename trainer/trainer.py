@@ -1,0 +1,229 @@
+"""``DGPOTrainer``: TRL's ``GRPOTrainer`` whose policy loss (and log-probs) run on dgpo-ops' fused ops.
+
+Only the loss changes: generation, rewards, ``num_iterations``, ``steps_per_generation``, gradient
+accumulation, PEFT and checkpointing are GRPOTrainer's. The loss returned is already scaled for
+gradient accumulation, as TRL's is: the aggregation's normaliser is chosen to reproduce TRL's for
+the same ``loss_type`` (micro-batch size x accumulation steps, or ``num_items_in_batch`` across
+processes for token_mean/dapo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import torch
+from accelerate.utils import gather_object, is_peft_model
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl import GRPOTrainer
+
+from dgpo_ops.fused import fused_loss_from_options
+from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
+
+from .advantages import SmoothAdvantageStandardizer, prompt_key
+from .config import DGPOConfig
+
+DCPO_STATE_FILE = "dcpo_advantage_state.json"
+
+# dgpo-ops metric -> the name logged (TRL's where the meaning is the same)
+LOGGED_METRICS = {
+    "ln_fraction": "clip_ratio/low_mean",
+    "hp_fraction": "clip_ratio/high_mean",
+    "lp_fraction": "clip_ratio/lp_mean",
+    "hn_fraction": "clip_ratio/hn_mean",
+    "dual_clip_fraction": "clip_ratio/dual_mean",
+    "eur": "eur",
+    "ratio_mean": "ratio_mean",
+    "entropy_mean": "entropy",
+}
+
+
+def _logit_transform(config) -> tuple[float, float | None]:
+    """(logit_scale, softcap) of a causal LM config, for the fused-linear path."""
+    text_config = config.get_text_config()
+    for name in ("lm_head_multiplier", "logits_scaling", "output_multiplier"):
+        if getattr(text_config, name, None) is not None:
+            raise ValueError(f"fused='linear' does not handle the model's {name}; use fused='logits'")
+    logit_scale = getattr(text_config, "logit_scale", None)
+    return (1.0 if logit_scale is None else float(logit_scale)), getattr(text_config, "final_logit_softcapping", None)
+
+
+def add_hidden_state_output(model) -> None:
+    """Let ``model(..., dgpo_hidden=True)`` return the backbone's last hidden state. The forward is
+    patched on the instance, like TRL's fused head, so DDP/FSDP/DeepSpeed wrappers still run it."""
+    previous_forward = model.forward
+
+    def forward(self, *args, dgpo_hidden=False, **kwargs):
+        if not dgpo_hidden:
+            return previous_forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        return self.base_model(*args, **kwargs).last_hidden_state
+
+    model.forward = types.MethodType(forward, model)
+
+
+class DGPOTrainer(GRPOTrainer):
+    """Drop-in for ``GRPOTrainer``: ``DGPOTrainer(model, reward_funcs, args=DGPOConfig(policy_loss="dgpo"), ...)``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, DGPOConfig):
+            raise ValueError("DGPOTrainer needs args=DGPOConfig(...)")
+        self.loss_options = self.args.loss_options()
+        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        add_hidden_state_output(base)
+        if self.ref_model is not None:
+            add_hidden_state_output(self.ref_model)
+        logit_scale, softcap = _logit_transform(base.config) if self.args.fused == "linear" else (1.0, None)
+        self.projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap,
+                                                    memory_budget=self.args.fused_memory_budget)
+        self.smooth_advantages = SmoothAdvantageStandardizer() if self.args.advantage_estimator == "dcpo" else None
+
+    # ------------------------------------------------------------------ per-token log-probs
+
+    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, dgpo_hidden=True)
+        return hidden[:, -logits_to_keep - 1 : -1]
+
+    def _lm_head(self, model):
+        unwrapped = self.accelerator.unwrap_model(model)
+        if is_peft_model(unwrapped):
+            unwrapped = unwrapped.get_base_model()
+        head = unwrapped.get_output_embeddings()
+        return head.weight, head.bias
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        # Old-policy and reference log-probs through the same op as the loss: on-policy ratios are exactly 1.
+        if compute_aux_loss or any(value is not None for value in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, att = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            targets = ids[:, -logits_to_keep:].masked_fill(att[:, -logits_to_keep:] == 0, -100)
+            with self.accelerator.autocast():
+                hidden = self._completion_hidden(model, ids, att, logits_to_keep)
+            weight, bias = self._lm_head(model)
+            lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=self.temperature,
+                                            logit_scale=self.projection_options.logit_scale,
+                                            softcap=self.projection_options.softcap,
+                                            memory_budget=self.projection_options.memory_budget)
+            logps.append(lp)
+            entropies.append(ent)
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    # ------------------------------------------------------------------ the loss
+
+    def _loss_normalizer(self, inputs, mask, mode):
+        """The denominator TRL's `_compute_loss` uses for this aggregation and loss_type, already
+        including gradient accumulation (so the returned loss is GA-scaled, like TRL's)."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        batch_size = mask.size(0)
+        aggregation = self.loss_options.aggregation
+        if aggregation == "seq_mean_token_mean":
+            return float(batch_size * accumulation)
+        if aggregation == "seq_mean_token_sum_norm":
+            return float(batch_size * self.max_completion_length * accumulation)
+        if aggregation == "seq_sum_token_mean":
+            return float(accumulation)
+        if self.args.loss_type == "bnpo" and self.args.loss_aggregation is None:
+            return mask.sum().clamp(min=1.0).float() * accumulation
+        # dapo/cispo: tokens of the whole generation batch, per process and accumulation window
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0).float() / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return normalizer
+
+    def _rollout_weights(self, inputs, advantages, per_token_old, mask):
+        weights = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            weights = inputs["importance_sampling_ratio"]
+        return weights
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        targets = completion_ids.masked_fill(mask == 0, -100)
+        advantages = inputs["advantages"]
+        old_logps = inputs.get("old_per_token_logps")
+        ref_logps = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        rollout_weights = self._rollout_weights(inputs, advantages, old_logps, mask)
+        if rollout_weights is not None and rollout_weights.shape != mask.shape:
+            rollout_weights = rollout_weights.expand(mask.shape)
+        normalizer = self._loss_normalizer(inputs, mask, mode)
+        loss_args = (targets, advantages, mask.bool(), old_logps, ref_logps)
+        with self.accelerator.autocast():
+            if self.args.fused == "linear":
+                hidden = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep)
+                weight, bias = self._lm_head(model)
+                out = fused_linear_loss_from_options(hidden, weight, bias, *loss_args, self.loss_options,
+                                                     self.projection_options, normalizer, rollout_weights)
+            else:
+                logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                               logits_to_keep=logits_to_keep + 1).logits[:, :-1]
+                out = fused_loss_from_options(logits, *loss_args, self.loss_options, normalizer, rollout_weights)
+        self._log_loss_metrics(out.metrics, mask, mode)
+        return out.loss
+
+    def _log_loss_metrics(self, metrics, mask, mode):
+        # Masked means reduced across processes as (sum, count), like TRL's global_masked_mean.
+        count = mask.sum().float()
+        names = list(LOGGED_METRICS) + (["kl_mean"] if self.beta != 0.0 else [])
+        local = torch.stack([metrics[name].float() * count for name in names] + [count])
+        totals = self.accelerator.reduce(local, reduction="sum")
+        means = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
+        for name, value in zip(names, means):
+            self._metrics[mode][LOGGED_METRICS.get(name, "kl")].append(value)
+        low, high = means[names.index("ln_fraction")], means[names.index("hp_fraction")]
+        self._metrics[mode]["clip_ratio/region_mean"].append(low + high)
+
+    # ------------------------------------------------------------------ DCPO advantages
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._scored_prompts = prompts
+        self._rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.smooth_advantages is not None and self.model.training:
+            output["advantages"] = self._smooth_advantages().to(output["advantages"].device)
+        return output
+
+    def _smooth_advantages(self) -> torch.Tensor:
+        rewards_per_func = self._rewards_per_func
+        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        rewards = torch.nan_to_num((rewards_per_func * weights).nansum(dim=1), nan=0.0)
+        # Every process sees the same gathered rewards and keys, so every standardiser stays identical.
+        keys = gather_object([prompt_key(json.dumps(p, sort_keys=True, default=str)) for p in self._scored_prompts])
+        advantages = self.smooth_advantages(keys, rewards.float(), self.num_generations)
+        advantages = advantages.masked_fill(unscorable, 0.0)
+        local = len(self._scored_prompts)
+        start = self.accelerator.process_index * local
+        return advantages[start:start + local]
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.smooth_advantages is not None and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with open(os.path.join(folder, DCPO_STATE_FILE), "w") as f:
+                json.dump(self.smooth_advantages.state_dict(), f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.smooth_advantages is not None and checkpoint is not None:
+            path = os.path.join(checkpoint, DCPO_STATE_FILE)
+            if os.path.exists(path):
+                with open(path) as f:
+                    self.smooth_advantages.load_state_dict(json.load(f))
