@@ -142,6 +142,8 @@ def compile_one(job: tuple[Specialisation, int]) -> dict:
     for key in ("REG", "STACK", "SHARED", "LOCAL"):
         match = re.search(rf"\b{key}:(\d+)", usage)
         row[key.lower()] = int(match.group(1)) if match else None
+    # cuobjdump shows static shared memory only; the reductions' scratch is Triton's dynamic shared memory.
+    row["shared"] = max(row["shared"] or 0, compiled.metadata.shared)
     row["ldg128"] = len(re.findall(r"LDG\.E\.128", sass))
     row["stg128"] = len(re.findall(r"STG\.E\.128", sass))
     ptx = compiled.asm["ptx"]
@@ -188,20 +190,39 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--full", action="store_true", help="the whole method x dtype x flag product")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--notes", metavar="PATH",
+                        help="also write the report between the aot markers of this markdown file (csrc_notes.md)")
     args = parser.parse_args(argv)
     if not isinstance(logprob_entropy_fwd_kernel, triton.JITFunction):
         sys.exit("dgpo_ops.kernels.aot compiles real kernels: unset TRITON_INTERPRET")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     rows = run(args.arch, args.full, args.jobs)
-    print(f"triton {triton.__version__}, BLOCK_V={BLOCK_V}, num_warps={NUM_WARPS}, {len(rows)} specialisations")
-    print(format_report(rows))
-    bf16 = sorted({row["bf16_round"] for row in rows if "bf16_round" in row})
-    print(f"bf16 gradient stores convert with: {', '.join(bf16)} (cvt.rn: round to nearest even)")
     found = problems(rows)
+    bf16 = sorted({row["bf16_round"] for row in rows if "bf16_round" in row})
+    report = "\n".join([
+        f"triton {triton.__version__}, BLOCK_V={BLOCK_V}, num_warps={NUM_WARPS}, {len(rows)} specialisations",
+        format_report(rows),
+        f"bf16 gradient stores convert with: {', '.join(bf16)} (cvt.rn: round to nearest even)",
+        f"{len(rows) - len(found)} of {len(rows)} specialisations compiled without spills",
+    ])
+    print(report)
     for problem in found:
         print(f"PROBLEM: {problem}", file=sys.stderr)
-    print(f"{len(rows) - len(found)} of {len(rows)} specialisations compiled without spills")
+    if args.notes:
+        _write_between_markers(args.notes, report)
     return 1 if found else 0
+
+
+def _write_between_markers(path, report):
+    start, end = "<!-- aot:start -->", "<!-- aot:end -->"
+    with open(path) as f:
+        text = f.read()
+    if start not in text or end not in text:
+        raise SystemExit(f"{path} has no {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{start}\n```\n{report}\n```\n{end}{tail}")
 
 
 if __name__ == "__main__":
