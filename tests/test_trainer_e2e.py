@@ -64,3 +64,40 @@ def test_dcpo_statistics_survive_save_and_resume(model_dir, tmp_path):
         assert key in state and state[key][0] >= count and state[key][3] >= participations
     assert sum(v[3] for v in state.values()) > sum(v[3] for v in saved.values())
     assert os.path.exists(checkpoint)
+
+
+def test_peft_lora_trains_only_the_adapters(model_dir, tmp_path):
+    peft = pytest.importorskip("peft")
+    import torch
+
+    from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
+
+    args = DGPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, bf16=False, use_cpu=True, report_to=[], logging_steps=1, max_steps=2,
+                      learning_rate=1e-2, save_strategy="no", disable_tqdm=True, policy_loss="dgpo")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = DGPOTrainer(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(),
+                          processing_class=build_tokenizer(), peft_config=lora)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+def test_two_processes_share_dcpo_statistics(model_dir, tmp_path):
+    # torchrun with the gloo backend on CPU: rewards and prompt keys are gathered, so both ranks
+    # hold the same statistics, covering both ranks' prompts.
+    import shutil
+    import subprocess
+
+    torchrun = shutil.which("torchrun")
+    assert torchrun, "torchrun ships with torch"
+    script = os.path.join(os.path.dirname(__file__), "multiprocess_train.py")
+    result = subprocess.run([torchrun, "--nproc_per_node", "2", script, model_dir, str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["world"] == 2
+    assert ranks[0]["dcpo"] == ranks[1]["dcpo"] and len(ranks[0]["dcpo"]) == 2
+    assert ranks[0]["losses"] == ranks[1]["losses"] and all(math.isfinite(v) for v in ranks[0]["losses"])
