@@ -34,7 +34,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         rows = kernels.forward(logits3d, batch.target_ids, batch.mask, inv_temperature, epilogue)
         coefficients = token_coefficients(rows, batch, options, use_epilogue, needs_grad)
         results.update(rows=rows, coefficients=coefficients)
-        ctx.save_for_backward(logits, batch.target_ids, rows.lse, rows.entropy, coefficients.dloss_dlogp,
+        ctx.save_for_backward(logits, batch.target_ids, rows.row_max, rows.log_norm, rows.entropy, coefficients.dloss_dlogp,
                               coefficients.dloss_dentropy)
         ctx.options, ctx.kernels, ctx.flat = options, kernels, batch.flat
         return coefficients.loss
@@ -42,13 +42,13 @@ class FusedPolicyLossFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the gradient kernel is not itself differentiable
     def backward(ctx, grad_loss):
-        logits, target_ids, lse, entropy, dloss_dlogp, dloss_dentropy = ctx.saved_tensors
+        logits, target_ids, row_max, log_norm, entropy, dloss_dlogp, dloss_dentropy = ctx.saved_tensors
         grad_logits = logits if ctx.options.inplace else torch.empty_like(logits)
         dloss_dlogp = dloss_dlogp * grad_loss
         if dloss_dentropy is not None:
             dloss_dentropy = dloss_dentropy * grad_loss
         unsqueeze = (lambda t: t.unsqueeze(0)) if ctx.flat else (lambda t: t)
-        ctx.kernels.backward(unsqueeze(logits), unsqueeze(grad_logits), target_ids, lse, entropy, dloss_dlogp,
+        ctx.kernels.backward(unsqueeze(logits), unsqueeze(grad_logits), target_ids, row_max, log_norm, entropy, dloss_dlogp,
                              dloss_dentropy, 1.0 / ctx.options.temperature)
         if ctx.options.inplace:
             # The logits now hold their gradient: anything else that saved them must fail loudly

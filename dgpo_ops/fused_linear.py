@@ -155,12 +155,12 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=projection.tile_dtype, device=weight.device) if wants[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=projection.tile_dtype, device=bias.device) if wants[2] else None
         per_token = {name: torch.zeros(n_tokens, dtype=projection.tile_dtype, device=hidden.device)
-                     for name in ("lse", "logp", "entropy")}
+                     for name in ("row_max", "log_norm", "logp", "entropy")}
         parts: list[TokenCoefficients] = []
 
-        def gradient(start, stop, chunk, tile, lse, entropy, coefficients):
+        def gradient(start, stop, chunk, tile, row_max, log_norm, entropy, coefficients):
             grad = tiles.grad[: stop - start]
-            kernels.backward(tile[None], grad[None], chunk.target_ids, lse, entropy, coefficients.dloss_dlogp,
+            kernels.backward(tile[None], grad[None], chunk.target_ids, row_max, log_norm, entropy, coefficients.dloss_dlogp,
                              coefficients.dloss_dentropy, tiles.kernel_scale)
             tiles.chain_rule(tile, grad)
             projection.accumulate_grads(grad, hidden[start:stop],
@@ -180,7 +180,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                 coefficients = token_coefficients(rows, chunk, options, use_epilogue, needs_grad)
                 parts.append(coefficients)
                 if needs_grad:
-                    gradient(start, stop, chunk, tile, rows.lse, rows.entropy, coefficients)
+                    gradient(start, stop, chunk, tile, rows.row_max, rows.log_norm, rows.entropy, coefficients)
 
         _sweep(hidden, projection, tiles, active_batch, first_pass)
 
@@ -196,7 +196,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                 grid[active] = values
                 return grid.reshape(batch.mask.shape)
 
-            rows = RowForward(*(on_grid(per_token[name]) for name in ("lse", "logp", "entropy")), None)
+            rows = RowForward(*(on_grid(per_token[name]) for name in ("row_max", "log_norm", "logp", "entropy")), None)
             coefficients = token_coefficients(rows, batch, options, False, needs_grad)
             if needs_grad:
                 dloss_dlogp = coefficients.dloss_dlogp.reshape(-1)[active]
@@ -208,8 +208,8 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                         loss=coefficients.loss, dloss_dlogp=dloss_dlogp[start:stop][None],
                         dloss_dentropy=None if dloss_dentropy is None else dloss_dentropy[start:stop][None],
                         log_ratio=None, psi=None, region=None, kl=None)
-                    gradient(start, stop, chunk, tile, per_token["lse"][start:stop][None],
-                             per_token["entropy"][start:stop][None], sliced)
+                    gradient(start, stop, chunk, tile, *(per_token[name][start:stop][None]
+                                                         for name in ("row_max", "log_norm", "entropy")), sliced)
 
                 _sweep(hidden, projection, tiles, active_batch, second_pass)
 

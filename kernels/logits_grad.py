@@ -14,11 +14,19 @@ from .logprob_entropy import check_vocab_stride, default_block_v
 
 
 @triton.jit
+def _expm1(x):
+    # exp(x) - 1 without the cancellation near 0 (Kahan): the target's 1 - p for confident tokens.
+    u = tl.exp(x)
+    return tl.where(u == 1.0, x, (u - 1.0) * x / tl.log(u))
+
+
+@triton.jit
 def logits_grad_kernel(
     logits_ptr,
     grad_logits_ptr,
     target_ids_ptr,
-    lse_ptr,
+    row_max_ptr,
+    log_norm_ptr,
     entropy_ptr,
     dloss_dlogp_ptr,
     dloss_dentropy_ptr,
@@ -40,7 +48,8 @@ def logits_grad_kernel(
     row_ptr = logits_ptr + b * stride_b + t * stride_t
     grad_row_ptr = grad_logits_ptr + b * grad_stride_b + t * grad_stride_t
     target = tl.load(target_ids_ptr + token)
-    lse = tl.load(lse_ptr + token)
+    row_max = tl.load(row_max_ptr + token)
+    log_norm = tl.load(log_norm_ptr + token)
     g = tl.load(dloss_dlogp_ptr + token)
     active = g != 0.0
     if HAS_ENTROPY_GRAD:
@@ -51,16 +60,17 @@ def logits_grad_kernel(
     for start in range(0, vocab, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offsets * stride_v, mask=offsets < read_end, other=-float("inf")).to(tl.float32)
-        log_p = x * inv_temperature - lse
+        log_p = (x * inv_temperature - row_max) - log_norm
         p = tl.exp(log_p)
-        grad = g * (tl.where(offsets == target, 1.0, 0.0) - p)
+        # onehot - p, with 1 - p_target as -expm1(log p_target): exact to fp32 even when p_target ~ 1.
+        grad = g * tl.where(offsets == target, -_expm1(log_p), -p)
         if HAS_ENTROPY_GRAD:
             grad -= h * tl.where(p > 0.0, p * (log_p + entropy), 0.0)
         grad = tl.where(active, grad * inv_temperature, 0.0)
         tl.store(grad_row_ptr + offsets * grad_stride_v, grad.to(grad_logits_ptr.dtype.element_ty), mask=offsets < vocab)
 
 
-def logits_grad(logits, grad_logits, target_ids, lse, entropy, dloss_dlogp, dloss_dentropy, inv_temperature,
+def logits_grad(logits, grad_logits, target_ids, row_max, log_norm, entropy, dloss_dlogp, dloss_dentropy, inv_temperature,
                 block_v=None):
     """Write d loss / d logits into ``grad_logits`` (``(B, T, V)``, any strides; may be ``logits``).
 
@@ -71,7 +81,7 @@ def logits_grad(logits, grad_logits, target_ids, lse, entropy, dloss_dlogp, dlos
     B, T, V = logits.shape
     block_v = block_v or default_block_v(V)
     logits_grad_kernel[(B * T,)](
-        logits, grad_logits, target_ids, lse, entropy, dloss_dlogp,
+        logits, grad_logits, target_ids, row_max, log_norm, entropy, dloss_dlogp,
         dloss_dlogp if dloss_dentropy is None else dloss_dentropy,
         inv_temperature, T, V,
         logits.stride(0), logits.stride(1), logits.stride(2),

@@ -19,7 +19,8 @@ def logprob_entropy_fwd_kernel(
     logits_ptr,
     target_ids_ptr,
     mask_ptr,
-    lse_ptr,
+    row_max_ptr,
+    log_norm_ptr,
     logp_ptr,
     entropy_ptr,
     advantages_ptr,
@@ -75,11 +76,13 @@ def logprob_entropy_fwd_kernel(
 
     shift = tl.where(row_max == -float("inf"), 0.0, row_max)
     log_sum_exp = tl.log(tl.where(valid, sum_exp, 1.0))
-    lse = shift + log_sum_exp
     target_logit = tl.load(row_ptr + target * stride_v, mask=valid, other=0.0).to(tl.float32) * inv_temperature
-    logp = tl.where(valid, target_logit - lse, 0.0)
+    # log-sum-exp kept as (max, log S) rather than their sum: log p = (x - max) - log S keeps full
+    # precision for confident tokens (log p ~ -1e-3) where x - lse would cancel.
+    logp = tl.where(valid, (target_logit - shift) - log_sum_exp, 0.0)
     entropy = tl.where(valid, log_sum_exp - sum_exp_dx / sum_exp, 0.0)
-    tl.store(lse_ptr + token, tl.where(valid, lse, 0.0))
+    tl.store(row_max_ptr + token, tl.where(valid, shift, 0.0))
+    tl.store(log_norm_ptr + token, tl.where(valid, log_sum_exp, 0.0))
     tl.store(logp_ptr + token, logp)
     tl.store(entropy_ptr + token, entropy)
 
@@ -100,9 +103,9 @@ def logprob_entropy_fwd_kernel(
             ref_ratio = tl.exp(delta)
             kl = ref_ratio - delta - 1.0
             dkl_dlogp = 1.0 - ref_ratio
-            if KL_TIMES_RATIO:  # r KL, with d(r KL)/dl = r (KL + dKL/dl)
+            if KL_TIMES_RATIO:  # r KL: d(r KL)/dl = r (KL + dKL/dl) = r (l - l_ref), without cancellation
                 ratio = tl.exp(logp - old_logp)
-                dkl_dlogp = ratio * (kl + dkl_dlogp)
+                dkl_dlogp = -ratio * delta
                 kl = ratio * kl
             loss += beta * kl
             dloss_dlogp += beta * dkl_dlogp
@@ -133,16 +136,17 @@ def logprob_entropy(logits, target_ids, mask, inv_temperature, epilogue=None, bl
     """
     check_vocab_stride(logits)
     B, T, V = logits.shape
-    lse, logp, entropy = (torch.empty((B, T), device=logits.device, dtype=torch.float32) for _ in range(3))
+    row_max, log_norm, logp, entropy = (torch.empty((B, T), device=logits.device, dtype=torch.float32)
+                                        for _ in range(4))
     out = EpilogueOutputs.empty(epilogue, (B, T), logits.device) if epilogue is not None else None
     inputs = epilogue or EpilogueInputs.absent()
 
     def pointer(tensor):  # absent optional tensors: a valid pointer that the HAS_* flags never read
-        return lse if tensor is None else tensor
+        return logp if tensor is None else tensor
 
     block_v = block_v or default_block_v(V)
     logprob_entropy_fwd_kernel[(B * T,)](
-        logits, target_ids, mask, lse, logp, entropy,
+        logits, target_ids, mask, row_max, log_norm, logp, entropy,
         pointer(inputs.advantages), pointer(inputs.old_logps), pointer(inputs.ref_logps),
         pointer(inputs.rollout_weights), pointer(inputs.method_params),
         pointer(out and out.token_loss), pointer(out and out.dloss_dlogp), pointer(out and out.psi),
@@ -157,4 +161,4 @@ def logprob_entropy(logits, target_ids, mask, inv_temperature, epilogue=None, bl
         BLOCK_V=block_v,
         num_warps=8 if block_v >= 4096 else 4,
     )
-    return RowForward(lse, logp, entropy, out)
+    return RowForward(row_max, log_norm, logp, entropy, out)

@@ -54,7 +54,10 @@ class EpilogueOutputs:
 
 @dataclass
 class RowForward:
-    lse: torch.Tensor
+    """Per-token results of the forward pass; log-sum-exp = row_max + log_norm (kept apart for precision)."""
+
+    row_max: torch.Tensor
+    log_norm: torch.Tensor
     logp: torch.Tensor
     entropy: torch.Tensor
     epilogue: EpilogueOutputs | None

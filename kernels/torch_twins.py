@@ -35,32 +35,39 @@ def _compute_dtype(logits):
 def logprob_entropy_torch(logits, target_ids, mask, inv_temperature, chunk_rows=None) -> RowForward:
     B, T, _ = logits.shape
     dtype = _compute_dtype(logits)
-    lse, logp, entropy = (torch.zeros(B * T, dtype=dtype, device=logits.device) for _ in range(3))
+    row_max, log_norm, logp, entropy = (torch.zeros(B * T, dtype=dtype, device=logits.device) for _ in range(4))
     targets, valid = target_ids.reshape(-1), mask.reshape(-1)
     for rows, (chunk,) in _row_chunks([logits], chunk_rows):
         x = chunk.to(dtype) * inv_temperature
         log_probs = torch.log_softmax(x, dim=-1)
-        lse[rows] = torch.logsumexp(x, dim=-1)
+        top = x.amax(dim=-1, keepdim=True)
+        top = torch.where(top == float("-inf"), 0.0, top)
+        row_max[rows] = top[:, 0]
+        log_norm[rows] = torch.logsumexp(x - top, dim=-1)
         logp[rows] = log_probs.gather(-1, targets[rows, None])[:, 0]
         probs = log_probs.exp()
         entropy[rows] = -torch.where(probs > 0, probs * log_probs, 0.0).sum(-1)
-    lse, logp, entropy = (torch.where(valid, v, 0.0).view(B, T) for v in (lse, logp, entropy))
-    return RowForward(lse, logp, entropy, None)
+    outputs = (torch.where(valid, v, 0.0).view(B, T) for v in (row_max, log_norm, logp, entropy))
+    return RowForward(*outputs, None)
 
 
-def logits_grad_torch(logits, grad_logits, target_ids, lse, entropy, dloss_dlogp, dloss_dentropy, inv_temperature,
+def logits_grad_torch(logits, grad_logits, target_ids, row_max, log_norm, entropy, dloss_dlogp, dloss_dentropy,
+                      inv_temperature,
                       chunk_rows=None):
     B, T, V = logits.shape
     dtype = _compute_dtype(logits)
     targets = target_ids.reshape(-1)
-    g, lse, entropy = dloss_dlogp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
+    g, entropy = dloss_dlogp.reshape(-1), entropy.reshape(-1)
+    row_max, log_norm = row_max.reshape(-1), log_norm.reshape(-1)
     h = None if dloss_dentropy is None else dloss_dentropy.reshape(-1)
     active = g != 0 if h is None else (g != 0) | (h != 0)  # masked rows: zeros, whatever their logits
     for rows, (chunk, grad_chunk) in _row_chunks([logits, grad_logits], chunk_rows):
-        log_p = chunk.to(dtype) * inv_temperature - lse[rows, None]
+        log_p = (chunk.to(dtype) * inv_temperature - row_max[rows, None]) - log_norm[rows, None]
         p = log_p.exp()
         grad = -g[rows, None] * p
-        grad.scatter_add_(1, targets[rows, None], g[rows, None])
+        # 1 - p_target as -expm1(log p_target): no cancellation for confident tokens.
+        target_log_p = log_p.gather(1, targets[rows, None])
+        grad.scatter_(1, targets[rows, None], -g[rows, None] * torch.expm1(target_log_p))
         if h is not None:
             grad -= h[rows, None] * torch.where(p > 0, p * (log_p + entropy[rows, None]), 0.0)
         grad_chunk.copy_(torch.where(active[rows, None], grad * inv_temperature, 0.0))

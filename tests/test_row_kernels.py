@@ -31,7 +31,7 @@ def test_forward_tiles_match_the_twin(V, block_v, dtype):
     logits, target, mask = row_inputs(2, 5, V, dtype=dtype)
     got = forward_module.logprob_entropy(logits, target, mask, 1 / 0.9, block_v=block_v)
     want = logprob_entropy_torch(logits, target, mask, 1 / 0.9)
-    for name in ("lse", "logp", "entropy"):
+    for name in ("row_max", "log_norm", "logp", "entropy"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
 
 
@@ -42,9 +42,9 @@ def test_backward_tiles_match_the_twin(V, block_v, with_entropy):
     rows = logprob_entropy_torch(logits, target, mask, 1.3)
     g = torch.randn(2, 5) * mask
     h = torch.randn(2, 5) * mask if with_entropy else None
-    got = grad_module.logits_grad(logits, torch.empty_like(logits), target, rows.lse, rows.entropy, g, h, 1.3,
+    got = grad_module.logits_grad(logits, torch.empty_like(logits), target, rows.row_max, rows.log_norm, rows.entropy, g, h, 1.3,
                                   block_v=block_v)
-    want = logits_grad_torch(logits, torch.empty_like(logits), target, rows.lse, rows.entropy, g, h, 1.3)
+    want = logits_grad_torch(logits, torch.empty_like(logits), target, rows.row_max, rows.log_norm, rows.entropy, g, h, 1.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     assert got[~mask].abs().max() == 0
 
@@ -53,10 +53,10 @@ def test_twin_chunks_match_one_chunk():
     logits, target, mask = row_inputs(3, 7, 50, seed=2)
     whole = logprob_entropy_torch(logits, target, mask, 1.0)
     chunked = logprob_entropy_torch(logits, target, mask, 1.0, chunk_rows=4)
-    torch.testing.assert_close(chunked.lse, whole.lse)
+    torch.testing.assert_close(chunked.log_norm, whole.log_norm)
     g = torch.randn(3, 7)
-    a = logits_grad_torch(logits, torch.empty_like(logits), target, whole.lse, whole.entropy, g, None, 1.0)
-    b = logits_grad_torch(logits, torch.empty_like(logits), target, whole.lse, whole.entropy, g, None, 1.0,
+    a = logits_grad_torch(logits, torch.empty_like(logits), target, whole.row_max, whole.log_norm, whole.entropy, g, None, 1.0)
+    b = logits_grad_torch(logits, torch.empty_like(logits), target, whole.row_max, whole.log_norm, whole.entropy, g, None, 1.0,
                           chunk_rows=4)
     torch.testing.assert_close(a, b)
 
@@ -81,7 +81,7 @@ def test_long_completions_launch_on_grid_axis_zero(monkeypatch):
     target = torch.zeros(1, 70_000, dtype=torch.long)
     mask = torch.ones(1, 70_000, dtype=torch.bool)
     rows = forward_module.logprob_entropy(logits, target, mask, 1.0)
-    grad_module.logits_grad(logits, logits, target, rows.lse, rows.entropy, rows.lse, None, 1.0)
+    grad_module.logits_grad(logits, logits, target, rows.row_max, rows.log_norm, rows.entropy, rows.logp, None, 1.0)
     assert recorder.grids == [(70_000,), (70_000,)]
 
 
