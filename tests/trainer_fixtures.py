@@ -22,14 +22,16 @@ def build_tokenizer():
                                    unk_token="<unk>")
 
 
-def build_model_dir(path: pathlib.Path, seed: int = 0, tie_word_embeddings: bool = True) -> str:
+def build_model_dir(path: pathlib.Path, seed: int = 0, tie_word_embeddings: bool = True,
+                    hidden_size: int = 64) -> str:
+    """The head dim is hidden_size / 4: vLLM's CPU attention needs at least 32 (hidden_size=128)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     Qwen2ForCausalLM(config).save_pretrained(path)

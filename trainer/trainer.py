@@ -67,9 +67,16 @@ class DGPOTrainer(GRPOTrainer):
     """Drop-in for ``GRPOTrainer``: ``DGPOTrainer(model, reward_funcs, args=DGPOConfig(policy_loss="dgpo"), ...)``."""
 
     def __init__(self, *args, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if getattr(config, "use_vllm", False):
+            from .vllm_cpu import check_vllm_config
+            check_vllm_config(config)  # server mode on CPU: a clear error before waiting for a server
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, DGPOConfig):
             raise ValueError("DGPOTrainer needs args=DGPOConfig(...)")
+        if self.use_vllm:
+            from .vllm_cpu import install_cpu_weight_sync
+            install_cpu_weight_sync(self)  # colocated vLLM on CPU: TRL's weight sync can't load into vLLM-CPU
         self.loss_options = self.args.loss_options()
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         add_hidden_state_output(base)
