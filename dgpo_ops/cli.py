@@ -7,11 +7,18 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # its own parser (TRL's options pass through); TRL is imported only here
+        from .trainer import cli as train_cli
+
+        return train_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="dgpo-ops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("table", help="print psi(r) of every method")
     plot = sub.add_parser("plot", help="write the psi(r) atlas PNG (needs matplotlib)")
     plot.add_argument("--out", default="psi_atlas.png", help="output PNG path (default: %(default)s)")
+    sub.add_parser("train", add_help=False,
+                   help="warm-start and RL-train a policy, report held-out accuracy (dgpo-ops train --help)")
     args = parser.parse_args(argv)
 
     from . import atlas

