@@ -206,7 +206,12 @@ def test_train_command_generates_with_vllm_on_cpu(tmp_path):
     import sys
 
     _vllm_cpu_or_skip()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # The colocated engines of the tests above left RANK, MASTER_PORT, ... in this process's environment (TRL sets
+    # them for vLLM's process group) and still hold that port: start the command as from a clean shell, where TRL
+    # picks a free port itself.
+    dist_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
     # Character tokenizer and built-in generator: the vLLM venv has no `train` extra. head_dim 32 for vLLM's CPU.
     args = ["--use-vllm", "--tokenizer", "chars", "--generator", "builtin", "--output-dir", str(tmp_path / "run"),
             "--no-progress", "--sft-steps", "6", "--sft-batch-size", "8", "--max-steps", "2", "--eval-every", "0",
