@@ -181,6 +181,23 @@ def _optional_float(text: str):
     return None if text.lower() == "none" else float(text)
 
 
+# DGPOConfig fields this command sets itself: given in TRL's spelling they move onto the command's own option, or
+# are refused in favour of it, so that nothing passed is silently overwritten.
+FIELDS_OF_OPTIONS = {"output_dir": "output_dir", "use_vllm": "use_vllm", "bf16": "bf16"}
+FIELDS_REFUSED = {"policy_loss": "--method", "reward_weights": "--format-weight", "disable_tqdm": "--no-progress"}
+
+
+def apply_command_fields(args, overrides: dict) -> dict:
+    """Move passed-through fields the command owns onto ``args``; returns the remaining overrides."""
+    for field, option in FIELDS_REFUSED.items():
+        if field in overrides:
+            raise UsageError(f"--{field} is set by this command: use {option}")
+    for field, attribute in FIELDS_OF_OPTIONS.items():
+        if field in overrides:
+            setattr(args, attribute, overrides[field])
+    return {k: v for k, v in overrides.items() if k not in FIELDS_OF_OPTIONS}
+
+
 def parse_passthrough(extra: list[str]) -> dict:
     """Explicitly given DGPOConfig fields among ``extra`` (TRL/transformers syntax); errors name the culprit."""
     if not extra:
@@ -236,6 +253,13 @@ def check_environment(args) -> dict:
                              f"choose from {', '.join(METHODS)}")
     if args.seeds < 1:
         raise UsageError("--seeds must be >= 1")
+    for option, value, low in (("--train-size", args.train_size, 1), ("--eval-size", args.eval_size, 0),
+                               ("--eval-every", args.eval_every, 0), ("--sft-steps", args.sft_steps, 0),
+                               ("--max-digits", args.max_digits, 1)):
+        if value is not None and value < low:
+            raise UsageError(f"{option} must be >= {low}, got {value}")
+    if not 0.0 <= args.worked_fraction <= 1.0:
+        raise UsageError(f"--worked-fraction must be in [0, 1], got {args.worked_fraction}")
     return {"cuda": cuda, "bf16": bf16_ok if args.bf16 is None else bool(args.bf16)}
 
 
@@ -316,20 +340,20 @@ def make_callback(console: Console, eval_fn, eval_every: int, total_steps: int, 
             record["log_history"].append(logs)
             console.log(step_line(state.global_step, total_steps, logs, self.last))
             if self.pending is not None:
-                self._evaluate(*self.pending)
+                self._evaluate(self.pending)
 
-        def on_step_end(self, args, state, control, model=None, **kwargs):
+        def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
                 self.bar.update(1)
             step = state.global_step
             if eval_fn is not None and eval_every and step % eval_every == 0 and step < total_steps:
-                self.pending = (step, model)
+                self.pending = step
                 if not (args.logging_steps and step % args.logging_steps == 0):
-                    self._evaluate(step, model)  # no log line this step: evaluate now
+                    self._evaluate(step)  # no log line this step: evaluate now
 
-        def _evaluate(self, step, model):
+        def _evaluate(self, step):
             self.pending = None
-            result = eval_fn(model)
+            result = eval_fn()
             record["eval_curve"].append(curve_point(step, result))
             console.log(f"step {step:>4}/{total_steps} | held-out accuracy {result['accuracy']:.3f} "
                         f"(format {result['format']:.3f}, length {result['length']:.1f}, greedy, n={result['n']})")
@@ -397,6 +421,9 @@ def run_one(*, args, method: str, seed: int, model, tokenizer, train_rows, eval_
     try:
         trainer = DGPOTrainer(model=model, reward_funcs=[accuracy_reward, format_reward], args=config,
                               train_dataset=train_dataset, processing_class=tokenizer)
+    except ConnectionError as e:  # TRL's vLLM client: no server answered (an OSError, so caught first)
+        raise UsageError(next((line for line in str(e).splitlines() if line.strip()), "vLLM server unreachable")
+                         ) from None
     except OSError as e:  # a model name that is neither a local directory nor reachable
         raise _load_error("model", str(model), e) from None
     except ValueError as e:  # the trainer's own checks, e.g. vLLM server mode on a CPU
@@ -404,9 +431,8 @@ def run_one(*, args, method: str, seed: int, model, tokenizer, train_rows, eval_
     main_process = trainer.accelerator.is_main_process
     max_new = config.max_completion_length
 
-    def eval_fn(current=None):
-        policy = trainer.accelerator.unwrap_model(current if current is not None else trainer.model)
-        return evaluate_distributed(trainer.accelerator, policy, tokenizer, eval_rows, max_new)
+    def eval_fn():
+        return evaluate_distributed(trainer.accelerator, trainer.model_wrapped, tokenizer, eval_rows, max_new)
 
     if before is None and eval_rows:
         before = eval_fn()
@@ -442,22 +468,38 @@ _RECORDED_FIELDS = set(METHOD_FIELDS) | set(TINY_RL_DEFAULTS) | set(GPU_RL_DEFAU
 
 
 def evaluate_distributed(accelerator, model, tokenizer, rows, max_new_tokens) -> dict:
-    """Greedy held-out accuracy; with several processes each scores a shard and the counts are summed."""
+    """Greedy held-out accuracy; with several processes each scores a shard and the counts are summed.
+
+    The policy is unwrapped the way TRL unwraps it for generation (DeepSpeed ZeRO-3 parameters gathered on every
+    process), so each process then generates on its own shard without collectives.
+    """
     from accelerate.utils import gather_object
+    from trl.models.utils import unwrap_model_for_generation
 
     from .warm_start import evaluate
 
     world, rank = accelerator.num_processes, accelerator.process_index
+    with unwrap_model_for_generation(model, accelerator) as policy:
+        part = evaluate(policy, tokenizer, rows[rank::world], max_new_tokens)
     if world == 1:
-        return evaluate(model, tokenizer, rows, max_new_tokens)
-    part = evaluate(model, tokenizer, rows[rank::world], max_new_tokens)
+        return part
     parts = gather_object([part])
+    return merge_evaluations(parts)
+
+
+def merge_evaluations(parts: list[dict]) -> dict:
+    """One evaluation from the shards of several processes (shard ``r`` holds rows ``r::world``)."""
     n = sum(p["n"] for p in parts)
     correct = sum(p.get("correct", 0) for p in parts)
     formatted = sum(p["format"] * p["n"] for p in parts if p["n"])
     tokens = sum(p["length"] * p["n"] for p in parts if p["n"])
+    world = len(parts)
+    each = {key: [None] * n for key in ("correct_each", "length_each")}
+    for rank, part in enumerate(parts):
+        for key, values in each.items():
+            values[rank::world] = part[key]
     return {"accuracy": correct / max(1, n), "format": formatted / max(1, n), "length": tokens / max(1, n), "n": n,
-            "correct": correct, "samples": parts[0]["samples"]}
+            "correct": correct, "samples": parts[0]["samples"], **each}
 
 
 # ----------------------------------------------------------------------------- the command
@@ -472,12 +514,17 @@ def _prepare_data(args, tokenizer_for_model, console: Console):
     from . import data
 
     if args.model is None:
-        train_rows, eval_rows = data.arithmetic_splits(args.data_seed, args.train_size, args.eval_size,
-                                                       args.max_digits, args.generator, args.solution_style,
-                                                       args.worked_fraction)
+        try:
+            train_rows, eval_rows = data.arithmetic_splits(args.data_seed, args.train_size, args.eval_size,
+                                                           args.max_digits, args.generator, args.solution_style,
+                                                           args.worked_fraction)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         return train_rows, eval_rows, f"addition, 1-{args.max_digits} digits ({args.generator})"
-    conversational = args.chat == "yes" or (args.chat == "auto" and bool(getattr(tokenizer_for_model,
-                                                                              "chat_template", None)))
+    has_template = bool(getattr(tokenizer_for_model, "chat_template", None))
+    if args.chat == "yes" and not has_template:
+        raise UsageError(f"--chat yes: the tokenizer of {args.model!r} has no chat template; use --chat no")
+    conversational = args.chat == "yes" or (args.chat == "auto" and has_template)
     try:
         rows = data.load_problem_rows(args.dataset, args.dataset_split, conversational) if args.dataset else None
         if rows is None:
@@ -503,16 +550,70 @@ def _prepare_data(args, tokenizer_for_model, console: Console):
     return train_rows, eval_rows, args.dataset
 
 
-def train_command(args, overrides: dict) -> dict:
+def warm_start(args, seed, tokenizer, sft_rows, eval_rows, sft_steps, max_new, base_dir, device, console) -> dict:
+    """Build (or load) the policy, SFT it, measure held-out accuracy and save it to ``base_dir``; returns the record.
+
+    Saved so every method starts from the same weights, and TRL can load a reference model by path.
+    """
     import torch
+    from transformers import AutoModelForCausalLM
 
     from . import tiny_model
     from .warm_start import evaluate, sft_warm_start
 
+    started = time.perf_counter()
+    if args.model is None:
+        model = tiny_model.build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.layers,
+                                            num_heads=args.heads, num_kv_heads=args.kv_heads,
+                                            tie_embeddings=args.tie_embeddings, seed=seed)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise _load_error("model", args.model, e) from None
+    model = model.to(device)
+    bar = console.bar(sft_steps, f"SFT seed {seed}")
+    torch.manual_seed(seed)
+    history = sft_warm_start(model, tokenizer, sft_rows, steps=sft_steps, batch_size=args.sft_batch_size,
+                             lr=args.sft_lr, seed=seed, progress=bar, log=console.log)
+    if bar is not None:
+        bar.close()
+    record = {"seed": seed, "steps": sft_steps, "history": history, "time_s": time.perf_counter() - started}
+    record["before"] = evaluate(model, tokenizer, eval_rows, max_new) if eval_rows else None
+    model.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    if getattr(tokenizer, "qwen_ids", None) is not None:
+        (base_dir / "qwen_ids.json").write_text(json.dumps(tokenizer.qwen_ids))
+    before = record["before"]
+    console.log(f"[seed {seed}] warm start: {sft_steps} SFT steps in {record['time_s']:.0f} s"
+                + (f", held-out accuracy {before['accuracy']:.3f} (format {before['format']:.3f}, "
+                   f"length {before['length']:.1f})" if before else ""))
+    return record
+
+
+def _process_state(device: dict):
+    """accelerate's process state under a multi-process launch (torchrun, accelerate launch), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState(cpu=not device["cuda"])  # as TrainingArguments will create it (use_cpu without CUDA)
+
+
+def train_command(args, overrides: dict) -> dict:
+    import torch
+
+    from . import tiny_model
+
     device = check_environment(args)
+    processes = _process_state(device)
     methods = [m.strip() for m in args.compare.split(",") if m.strip()] if args.compare else [args.method]
     seeds = list(range(args.seed, args.seed + args.seeds))
     output_dir = pathlib.Path(args.output_dir) if args.output_dir else _default_output_dir()
+    if processes is not None and not args.output_dir:  # one time stamp for all processes
+        from accelerate.utils import broadcast_object_list
+
+        output_dir = broadcast_object_list([output_dir], from_process=0)[0]
     rank = int(os.environ.get("RANK", "0"))
     console = Console(enabled=rank == 0, progress=not args.no_progress)
     tiny = args.model is None
@@ -558,48 +659,23 @@ def train_command(args, overrides: dict) -> dict:
     sft_rows = train_rows[:n_sft]
     if n_sft < len(train_rows):  # RL on problems the warm start did not see (all of them with --sft-fraction 1)
         train_rows = train_rows[n_sft:]
+    sft_device = processes.device if processes else torch.device("cuda" if device["cuda"] else "cpu")
     runs, sft_records = [], []
     for seed in seeds:
         seed_dir = output_dir / f"seed-{seed}"
         before, base = None, args.model
         sft_record = {"seed": seed, "steps": sft_steps}
         if tiny or sft_steps:
-            t0 = time.perf_counter()
-            if tiny:
-                model = tiny_model.build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.layers,
-                                                    num_heads=args.heads, num_kv_heads=args.kv_heads,
-                                                    tie_embeddings=args.tie_embeddings, seed=seed)
-            else:
-                from transformers import AutoModelForCausalLM
-
-                try:
-                    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-                except (OSError, ValueError) as e:
-                    raise _load_error("model", args.model, e) from None
-            if device["cuda"]:
-                model = model.cuda()
-            bar = console.bar(sft_steps, f"SFT seed {seed}")
-            torch.manual_seed(seed)
-            sft_record["history"] = sft_warm_start(
-                model, tokenizer, sft_rows, steps=sft_steps, batch_size=args.sft_batch_size, lr=args.sft_lr,
-                seed=seed, progress=bar, log=console.log)
-            if bar is not None:
-                bar.close()
-            sft_record["time_s"] = time.perf_counter() - t0
-            if eval_rows:
-                before = evaluate(model, tokenizer, eval_rows, max_new)
-            # Saved so every method starts from the same weights, and TRL can load a reference model by path.
             base_dir = seed_dir / "warm_start"
-            model.save_pretrained(base_dir)
-            tokenizer.save_pretrained(base_dir)
-            if getattr(tokenizer, "qwen_ids", None) is not None:
-                (base_dir / "qwen_ids.json").write_text(json.dumps(tokenizer.qwen_ids))
-            base = str(base_dir)
-            sft_record["before"] = before
-            console.log(f"[seed {seed}] warm start: {sft_steps} SFT steps in {sft_record['time_s']:.0f} s"
-                        + (f", held-out accuracy {before['accuracy']:.3f} (format {before['format']:.3f})"
-                           if before else ""))
-            del model
+            if processes is None or processes.is_main_process:
+                sft_record = warm_start(args, seed, tokenizer, sft_rows, eval_rows, sft_steps, max_new, base_dir,
+                                        sft_device, console)
+            if processes is not None:  # the others wait for the saved weights, then take the main one's record
+                from accelerate.utils import broadcast_object_list
+
+                processes.wait_for_everyone()
+                sft_record = broadcast_object_list([sft_record], from_process=0)[0]
+            before, base = sft_record["before"], str(base_dir)
         sft_records.append(sft_record)
         for method in methods:
             policy = base
@@ -694,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         _quiet_libraries()
-        overrides = parse_passthrough(extra)
+        overrides = apply_command_fields(args, parse_passthrough(extra))
         result = train_command(args, overrides)
     except UsageError as e:
         print(f"dgpo-ops train: error: {e}", file=sys.stderr)

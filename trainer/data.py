@@ -100,7 +100,7 @@ def arithmetic_splits(data_seed: int = 0, train_size: int = 2000, eval_size: int
         raise ValueError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
     if max_digits < 1:
         raise ValueError(f"max_digits must be >= 1, got {max_digits}")
-    distinct = sum(11**2 if d == 1 else (10**d + 1) ** 2 for d in range(1, max_digits + 1))
+    distinct = (10**max_digits + 1) ** 2  # operands 0..10**max_digits; fewer digits are a subset
     if train_size + eval_size > distinct // 2:
         raise ValueError(f"{train_size} + {eval_size} problems is too many for {max_digits}-digit addition "
                          f"({distinct} distinct problems at most); lower --train-size/--eval-size")
@@ -175,7 +175,20 @@ def load_problem_rows(source: str, split: str | None = None, conversational: boo
     problem, answer = _column(rows, PROBLEM_COLUMNS, source, "problem"), _column(rows, ANSWER_COLUMNS, source, "answer")
     out = []
     for row in rows:
-        text = str(row[problem]).strip()
+        value = row[problem]
+        if isinstance(value, list):  # already a conversation (TRL's conversational "prompt" column)
+            if not conversational:
+                raise ValueError(f"{source}: the {problem!r} column holds conversations; they need a tokenizer with a "
+                                 "chat template (--chat auto or yes)")
+            messages = [dict(m) for m in value]
+            last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+            if last_user is None:
+                raise ValueError(f"{source}: a conversation in the {problem!r} column has no user message")
+            if instruction and instruction not in messages[last_user]["content"]:
+                messages[last_user]["content"] = f"{messages[last_user]['content']}\n\n{instruction}"
+            out.append({"prompt": messages, "answer": str(row[answer])})
+            continue
+        text = str(value).strip()
         if instruction and instruction not in text:
             text = f"{text}\n\n{instruction}"
         prompt = [{"role": "user", "content": text}] if conversational else text
