@@ -232,11 +232,14 @@ def test_local_jsonl_dataset_with_a_local_model(tmp_path):
     assert run["config"]["max_completion_length"] == 6
 
 
-def test_held_out_split_is_drawn_from_the_training_distribution():
+@pytest.mark.parametrize("generator", ["builtin", "reasoning-gym"])
+def test_held_out_split_is_drawn_from_the_training_distribution(generator):
     """One-digit problems are 121 of the ~10k distinct ones: a prefix of the stream would hold many of them out."""
+    if generator == "reasoning-gym" and not HAVE_RG:
+        pytest.skip("reasoning-gym is not installed")
     from dgpo_ops.trainer.data import arithmetic_splits
 
-    train, held = arithmetic_splits(data_seed=0, train_size=2000, eval_size=500, generator="builtin")
+    train, held = arithmetic_splits(data_seed=0, train_size=2000, eval_size=500, generator=generator)
 
     def one_digit_share(rows):
         return sum(max(map(int, re.findall(r"\d+", r["prompt"]))) < 10 for r in rows) / len(rows)
