@@ -289,6 +289,33 @@ def test_timeout_scores_zero_and_recycles_the_pool(monkeypatch):
 
 
 @needs_math_verify
+def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(monkeypatch, tmp_path):
+    monkeypatch.setattr(rewards, "NUM_WORKERS", 1)
+    shutdown_pool()
+    pool = rewards._get_pool()
+    (worker,) = pool._processes.values()
+    started = tmp_path / "started"
+    stubborn = (
+        "import signal, time, pathlib\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"pathlib.Path({str(started)!r}).touch()\n"
+        "time.sleep(120)\n"
+    )
+    future = pool.submit(exec, stubborn)
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert started.exists()
+    start = time.perf_counter()
+    shutdown_pool()
+    elapsed = time.perf_counter() - start
+    assert 4.0 <= elapsed < 30.0  # the SIGTERM grace period, then SIGKILL
+    assert worker.exitcode == -signal.SIGKILL
+    assert future.done()
+    assert rewards._pool is None
+
+
+@needs_math_verify
 def test_works_from_a_thread_including_pool_start(monkeypatch):
     monkeypatch.setattr(rewards, "NUM_WORKERS", 1)  # a one-worker pool starts faster
     completions = [msg(r"\boxed{\frac{1}{2}}"), r"\boxed{2.0}", r"\boxed{7}", "none"]

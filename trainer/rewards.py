@@ -219,16 +219,24 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 def _kill(pool: ProcessPoolExecutor) -> None:
     """Stop a pool now, including workers stuck in a computation (``shutdown`` alone would wait)."""
-    # ``_processes`` is private (it has been there since 3.2); Python 3.14 adds ``terminate_workers()``.
+    # ``_processes`` and ``_executor_manager_thread`` are private (there since 3.2 and 3.9); Python
+    # 3.14 adds ``terminate_workers()``.
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
     for p in processes:
         p.terminate()
     pool.shutdown(wait=False, cancel_futures=True)
-    for p in processes:
-        p.join(5)
-        if p.is_alive():
+    if manager is None:  # nothing was ever submitted, so no worker was started
+        return
+    # The pool's manager thread reaps the terminated workers itself. Joining them here as well would
+    # race it for each pid: the loser's waitpid fails with ECHILD, and multiprocessing then reports
+    # the dead worker as alive (and a kill() could hit a recycled pid). So wait for the manager, and
+    # SIGKILL only what is still running after the grace period.
+    manager.join(5)
+    if manager.is_alive():
+        for p in processes:
             p.kill()
-            p.join()
+        manager.join()
 
 
 def _get_pool() -> ProcessPoolExecutor:
