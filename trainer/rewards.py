@@ -26,7 +26,8 @@ module never calls math_verify in the calling process and never touches signals 
   batch is one task, so a hung answer does not hold up the others: the remaining workers keep
   draining the shared queue. Any task not finished at the deadline, or lost to a crashed worker,
   scores 0 (like a wrong answer) and the pool is recycled: its processes are terminated (which,
-  unlike an alarm, also stops C-level work) and a fresh pool starts on the next call.
+  unlike an alarm, also stops C-level work; one that ignores SIGTERM is killed 5 s later) and a
+  fresh pool starts on the next call.
 * Parsing dominates the cost (a few ms per parse, ``verify`` is ~10 us), so each worker keeps an
   LRU cache of parsed gold answers: a gold answer is parsed at most once per worker (at most
   :data:`NUM_WORKERS` times per batch, usually zero times after its first batch), and identical
