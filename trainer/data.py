@@ -8,8 +8,8 @@ built-in generator below (``--generator builtin``), which draws problems the sam
 Splits are deterministic in ``data_seed``: the first ``train_size + eval_size`` distinct problems of
 the stream, shuffled, then ``eval_size`` of them held out and the rest for training (disjoint by
 expression, and from the same distribution). Every row has ``prompt``, ``answer`` (the exact result, what the rewards
-check) and ``solution`` (a worked column addition ending in ``\boxed{answer}``, used only by the SFT
-warm start), e.g. ``" 8+6=14, 4+1+1=6. \boxed{64}"`` for ``48 + 16``.
+check) and ``solution`` (the SFT warm start's target, ending in ``\boxed{answer}``: worked in the chosen
+style, e.g. ``" 40+10=50, 8+6=14, 50+14=64. \boxed{64}"`` for ``48 + 16``, or the bare box).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _column(rows: list[dict], names: tuple[str, ...], source: str, what: str) ->
 def load_problem_rows(source: str, split: str | None = None, conversational: bool = False,
                       instruction: str = BOXED_INSTRUCTION) -> list[dict]:
     r"""Rows ``{prompt, answer}`` from a hub data set or a local .jsonl/.json/.parquet/.csv file with a
-    problem (or question/prompt) and an answer (or solution, reduced to its last ``\boxed{}``) column."""
+    problem (or question/prompt) and an answer (or solution: the rewards compare its last ``\boxed{}``) column."""
     rows = _read_rows(source, split)
     if not rows:
         raise ValueError(f"{source}: no rows")
