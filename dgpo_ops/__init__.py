@@ -20,9 +20,11 @@ from .methods import (
     method_config,
     token_terms,
 )
+from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
 from .reference import reference_loss
+from .validation import raise_deferred_errors
 
 __all__ = [
     "AGGREGATIONS",
@@ -36,6 +38,7 @@ __all__ = [
     "DispoConfig",
     "GppoConfig",
     "GrpoConfig",
+    "LossMetrics",
     "LossOptions",
     "MethodConfig",
     "PolicyLossOutput",
@@ -46,6 +49,7 @@ __all__ = [
     "fused_linear_dgpo_loss",
     "fused_linear_logprobs",
     "method_config",
+    "raise_deferred_errors",
     "reference_loss",
     "token_scales",
     "token_terms",

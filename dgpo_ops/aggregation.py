@@ -11,12 +11,15 @@ import math
 
 import torch
 
-# name -> (divide each token by its response length?, default denominator as a function of (mask))
-AGGREGATIONS = {
-    "token_mean": (False, lambda mask: mask.sum()),
-    "seq_mean_token_mean": (True, lambda mask: mask.shape[0]),
-    "seq_mean_token_sum_norm": (False, lambda mask: mask.shape[0] * mask.shape[1]),
-    "seq_sum_token_mean": (True, lambda mask: 1),
+from .kernels.interface import Denominator
+
+# name -> (divide each token by its response length?, default denominator): the prologue kernel
+# reads the same two codes.
+AGGREGATIONS: dict[str, tuple[bool, Denominator]] = {
+    "token_mean": (False, Denominator.TOKENS),
+    "seq_mean_token_mean": (True, Denominator.RESPONSES),
+    "seq_mean_token_sum_norm": (False, Denominator.GRID),
+    "seq_sum_token_mean": (True, Denominator.ONE),
 }
 
 TOKEN_LEVEL_AGGREGATIONS = ("token_mean",)
@@ -28,9 +31,18 @@ def check_aggregation(aggregation: str) -> None:
 
 
 def check_loss_normalizer(loss_normalizer) -> None:
+    """A finite number > 0 or a one-element real tensor holding one (read here: host code only)."""
     if loss_normalizer is None:
         return
-    value = float(loss_normalizer)
+    if torch.is_tensor(loss_normalizer):
+        if loss_normalizer.numel() != 1 or loss_normalizer.dtype == torch.bool or loss_normalizer.is_complex():
+            raise ValueError("loss_normalizer must be a number or a one-element real tensor, got a tensor of "
+                             f"shape {tuple(loss_normalizer.shape)} and dtype {loss_normalizer.dtype}")
+        value = float(loss_normalizer)
+    elif isinstance(loss_normalizer, bool) or not isinstance(loss_normalizer, (int, float)):
+        raise ValueError(f"loss_normalizer must be a number or a one-element tensor, got {loss_normalizer!r}")
+    else:
+        value = float(loss_normalizer)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"loss_normalizer must be a finite number > 0, got {loss_normalizer!r}")
 
@@ -45,9 +57,11 @@ def token_scales(mask: torch.Tensor, aggregation: str, loss_normalizer: float | 
     if per_response:
         scale = scale / mask.sum(dim=1, keepdim=True).clamp(min=1)
     if loss_normalizer is not None:
+        if torch.is_tensor(loss_normalizer):
+            loss_normalizer = loss_normalizer.reshape(())
         return scale / loss_normalizer
     # An all-masked batch gives a zero loss, not 0/0.
-    denominator = default_denominator(mask)
-    if torch.is_tensor(denominator):
-        return scale / denominator.to(dtype).clamp(min=1)
-    return scale / max(denominator, 1)
+    if default_denominator == Denominator.TOKENS:
+        return scale / mask.sum().to(dtype).clamp(min=1)
+    sizes = {Denominator.RESPONSES: mask.shape[0], Denominator.GRID: mask.shape[0] * mask.shape[1], Denominator.ONE: 1}
+    return scale / max(sizes[default_denominator], 1)

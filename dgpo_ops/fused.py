@@ -1,10 +1,13 @@
 """``fused_dgpo_loss``: the policy loss from logits without any vocabulary-sized temporary
-beyond the gradient itself (none with ``inplace=True``).
+beyond the gradient itself (none with ``inplace=True``), and without a host-device
+synchronisation on CUDA.
 
-Forward: a row kernel reads each logits row once and returns log-sum-exp, the target's
-log-prob and the entropy (plus, for token-level methods on Triton, the method's per-token terms
-from its epilogue). The rest of the objective lives on O(N) vectors. Backward: a row kernel
-expands two per-token coefficients, d loss/d l and d loss/d H, over the vocabulary.
+Forward, for a token-level method on Triton, is three launches: the prologue (input checks,
+counts, aggregation scales), the row kernel (each logits row read once: log-sum-exp, the
+target's log-prob, the entropy and the method's per-token terms) and the finalize kernel (loss
+and metrics). Sequence-level ratios (GSPO) and the torch backend evaluate the objective with
+torch on O(N) vectors instead. Backward is one launch: the gradient kernel expands two per-token
+coefficients over the vocabulary, reading the incoming gradient on the device.
 """
 
 from __future__ import annotations
@@ -12,49 +15,62 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .coefficients import RowKernels, epilogue_inputs, select_kernels, token_coefficients
-from .inputs import TokenBatch, prepare_batch
-from .metrics import policy_metrics
-from .objective import check_kl_inputs
+from .backends import select_kernels
+from .inputs import check_values, token_inputs
+from .kernels.interface import Plane
+from .kernels.row_io import RowWorkspace
+from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
+from .token_pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, run_prologue
+from .validation import defer, poll_deferred_errors, resolve_mode
 
 
 class FusedPolicyLossFunction(torch.autograd.Function):
-    """Autograd over the row kernels. Non-tensor options travel as one ``LossOptions``; the
-    per-token results are handed back through ``results`` (a dict the caller owns)."""
+    """Autograd over the row kernels. Non-tensor options travel in one ``CallPlan``. Outputs: the
+    loss (differentiable), the per-token planes and the metrics vector (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, logits, batch: TokenBatch, options: LossOptions, kernels: RowKernels, needs_grad: bool,
-                results: dict):
-        logits3d = logits.unsqueeze(0) if batch.flat else logits
+    def forward(ctx, logits, plan: CallPlan):
+        ctx.set_materialize_grads(False)
+        inputs, options, kernels = plan.inputs, plan.options, plan.kernels
+        token_shape = logits.shape[:-1]
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        workspace = RowWorkspace.allocate(token_shape, inputs.grid[0], logits.device, dtype)
+        run_prologue(plan, workspace)
         inv_temperature = 1.0 / options.temperature
-        use_epilogue = kernels.has_epilogue and not options.sequence_level
-        epilogue = epilogue_inputs(batch, options, logits.device) if use_epilogue else None
-        rows = kernels.forward(logits3d, batch.target_ids, batch.mask, inv_temperature, epilogue)
-        coefficients = token_coefficients(rows, batch, options, use_epilogue, needs_grad)
-        results.update(rows=rows, coefficients=coefficients)
-        ctx.save_for_backward(logits, batch.target_ids, rows.row_max, rows.log_norm, rows.entropy, coefficients.dloss_dlogp,
-                              coefficients.dloss_dentropy)
-        ctx.options, ctx.kernels, ctx.flat = options, kernels, batch.flat
-        return coefficients.loss
+        if plan.uses_epilogue:
+            kernels.forward(logits, inputs, workspace, inv_temperature, epilogue_inputs(options, logits.device))
+            kernels.finalize(workspace, plan.grid_seq_len, plan.has_kl)
+            loss, stats, coefficient = workspace.loss, workspace.stats, None
+        else:
+            kernels.forward(logits, inputs, workspace, inv_temperature)
+            result = objective_route(plan, workspace)
+            loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
+        if plan.deferred:
+            defer(workspace.status, plan.vocab, plan.normalizer_tensor, "fused_dgpo_loss")
+        if plan.needs_grad:
+            ctx.save_for_backward(logits)
+            ctx.plan, ctx.workspace, ctx.coefficient = plan, workspace, coefficient
+        ctx.mark_non_differentiable(workspace.per_token, stats)
+        return loss, workspace.per_token, stats
 
     @staticmethod
     @once_differentiable  # the gradient kernel is not itself differentiable
-    def backward(ctx, grad_loss):
-        logits, target_ids, row_max, log_norm, entropy, dloss_dlogp, dloss_dentropy = ctx.saved_tensors
-        grad_logits = logits if ctx.options.inplace else torch.empty_like(logits)
-        dloss_dlogp = dloss_dlogp * grad_loss
-        if dloss_dentropy is not None:
-            dloss_dentropy = dloss_dentropy * grad_loss
-        unsqueeze = (lambda t: t.unsqueeze(0)) if ctx.flat else (lambda t: t)
-        ctx.kernels.backward(unsqueeze(logits), unsqueeze(grad_logits), target_ids, row_max, log_norm, entropy, dloss_dlogp,
-                             dloss_dentropy, 1.0 / ctx.options.temperature)
-        if ctx.options.inplace:
+    def backward(ctx, grad_loss, _grad_per_token, _grad_stats):
+        if grad_loss is None:
+            return None, None
+        (logits,) = ctx.saved_tensors
+        plan = ctx.plan
+        options = plan.options
+        grad_logits = logits if options.inplace else torch.empty_like(logits)
+        plan.kernels.backward(logits, grad_logits, ctx.workspace, plan.grid_seq_len, 1.0 / options.temperature,
+                              options.entropy_coef, grad_loss=grad_loss, dloss_dlogp=ctx.coefficient)
+        if options.inplace:
             # The logits now hold their gradient: anything else that saved them must fail loudly
             # when it unpacks them, not compute with the gradient.
             torch.autograd.graph.increment_version(logits)
-        return grad_logits, None, None, None, None, None
+        return grad_logits, None
 
 
 def fused_loss_from_options(
@@ -63,24 +79,23 @@ def fused_loss_from_options(
 ) -> PolicyLossOutput:
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
-    batch = prepare_batch(
-        logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps, ref_logps,
-        rollout_weights, options.aggregation, loss_normalizer, options.sequence_level,
-    )
-    check_kl_inputs(batch, options)
+    inputs = token_inputs(logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps,
+                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
     if options.inplace and logits.is_leaf and logits.requires_grad:
         raise ValueError(
             "inplace=True overwrites the logits with their gradient: pass logits computed by the model "
             "(a non-leaf tensor), not a leaf whose values you keep"
         )
     kernels = select_kernels(options.backend, logits)
+    deferred = resolve_mode(options.validation, logits.device) == "deferred"
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    results: dict = {}
-    loss = FusedPolicyLossFunction.apply(logits, batch, options, kernels, needs_grad, results)
-    rows, coefficients = results["rows"], results["coefficients"]
-    metrics = policy_metrics(coefficients.log_ratio, coefficients.psi, coefficients.region, rows.entropy,
-                             coefficients.kl, batch.mask)
-    return PolicyLossOutput(loss, batch.unflatten(rows.logp), batch.unflatten(rows.entropy), metrics)
+    plan = plan_call(inputs, options, kernels, logits.shape[-1], loss_normalizer, logits.device, deferred, needs_grad)
+    if deferred:
+        poll_deferred_errors()  # errors of earlier calls the device has finished: raised now, never waited for
+    else:
+        check_values(inputs, logits.shape[-1], loss_normalizer)
+    loss, per_token, stats = FusedPolicyLossFunction.apply(logits, plan)
+    return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 
 
 def fused_dgpo_loss(
@@ -101,6 +116,7 @@ def fused_dgpo_loss(
     rollout_weights: torch.Tensor | None = None,
     inplace: bool = False,
     backend: str = "auto",
+    validation: str = "auto",
     **method_params,
 ) -> PolicyLossOutput:
     """Fused policy loss of ``method`` from ``(B, T, V)`` or ``(N, V)`` logits.
@@ -111,12 +127,16 @@ def fused_dgpo_loss(
       logits-sized buffer). The caller promises not to read the logits after backward.
     * ``backend``: ``"auto"`` (Triton on CUDA, the chunked torch path on CPU), ``"triton"``
       (on CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
+    * ``validation``: ``"auto"`` (immediate on CPU, deferred on CUDA), ``"immediate"`` or
+      ``"deferred"``: see ``dgpo_ops.validation``. Deferred checks never synchronise; a bad value
+      makes the loss NaN and raises at a later call or at ``dgpo_ops.raise_deferred_errors()``.
 
     Per-token outputs are fp32 and 0 on masked tokens; the gradient has the logits' dtype.
     """
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
-        importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend, **method_params,
+        importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
+        validation=validation, **method_params,
     )
     return fused_loss_from_options(logits, target_ids, advantages, mask, old_logps, ref_logps, options,
                                    loss_normalizer, rollout_weights)

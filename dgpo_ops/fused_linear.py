@@ -1,16 +1,28 @@
 """``fused_linear_dgpo_loss``: the policy loss from hidden states and the lm_head weight, with the
-logits never whole.
+logits never whole, and without a host-device synchronisation on CUDA.
 
-Tiles are ``token chunk x whole vocabulary`` in fp32 (the product is never rounded to bf16 before
-the log-sum-exp). For a token-level method every token's loss, and so its gradient coefficient,
-is known as soon as its row is reduced, so the gradient tile is formed from the same logits tile
-the forward GEMM just wrote: three GEMM passes (logits, dH, dW) instead of TRL's four (its
-backward recomputes every tile). The gradients are computed in the forward; backward only scales
-them by the incoming gradient. GSPO's sequence ratio needs every token's log-prob first, so it
-recomputes the tiles in a second sweep: four GEMM passes.
+The logits are made one token chunk at a time, as ``chunk x V`` tiles. For a token-level method
+every token's loss, and so its gradient coefficient, is known as soon as its row is reduced, so
+the gradient tile is formed from the same logits tile the forward GEMM just wrote: three GEMM
+passes (logits, dH, dW) instead of TRL's four (its backward recomputes every tile). The gradients
+are computed in the forward; backward only scales them by the incoming gradient (read on the
+device) and casts them to each input's dtype. GSPO's sequence ratio needs every token's log-prob
+first, so it recomputes the tiles in a second sweep: four GEMM passes.
 
-Only unmasked tokens enter a GEMM. Peak extra memory: one (or, with softcap, two) fp32 tiles of
-``memory_budget`` bytes, the fp32 gradient accumulators, and O(N) per-token vectors.
+Precision follows the model's own ``lm_head``: the tile holds exactly the logits ``hidden @
+weight.T + bias`` the model would hand to ``fused_dgpo_loss``, in the same dtype. Under
+``torch.autocast`` the operands are cast to the autocast dtype; bf16 (fp16) operands give a bf16
+(fp16) tile, the product accumulated in fp32 and rounded once, as cuBLAS does for the model; the
+log-sum-exp and every per-token quantity are fp32. The gradient tile is written over the logits
+tile in the operands' dtype, so each logit element costs 8 bytes of HBM traffic besides the GEMMs'
+operand reads (2 written by the GEMM, 2 + 2 read by the row kernels, 2 written back) for bf16,
+16 for fp32 (csrc_notes.md). With ``softcap`` the tile is fp32 (tanh of the unrounded product).
+
+Every token goes through the GEMMs (picking the unmasked ones would need their count on the
+host); rows not scored read nothing in the row kernels and get a zero gradient. Peak extra memory:
+the tile buffers (``memory_budget`` bytes), the fp32 gradient accumulators, a copy of the weight
+in the compute dtype when it differs from the weight's (autocast over fp32 weights), and O(N)
+per-token vectors.
 """
 
 from __future__ import annotations
@@ -21,23 +33,20 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from .coefficients import (
-    RowKernels,
-    TokenCoefficients,
-    concat_coefficients,
-    epilogue_inputs,
-    select_kernels,
-    token_coefficients,
-)
-from .inputs import TokenBatch, prepare_batch
-from .metrics import policy_metrics
-from .objective import check_kl_inputs
+from .backends import select_kernels
+from .inputs import check_values, token_inputs
+from .kernels.interface import Plane
+from .kernels.row_io import RowWorkspace
+from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
+from .token_pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, run_prologue
+from .validation import defer, poll_deferred_errors, resolve_mode
 
-DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of fp32 logits tiles
+DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
 # cuBLAS writes an fp32 product of bf16/fp16 operands directly (torch >= 2.8, CUDA).
 _HAS_FP32_OUT_MM = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -50,69 +59,108 @@ class ProjectionOptions:
     memory_budget: int = DEFAULT_MEMORY_BUDGET
 
     def __post_init__(self):
-        if isinstance(self.logit_scale, bool) or not math.isfinite(self.logit_scale) or self.logit_scale <= 0:
+        if isinstance(self.logit_scale, bool) or not isinstance(self.logit_scale, (int, float)) or not math.isfinite(
+                self.logit_scale) or self.logit_scale <= 0:
             raise ValueError(f"logit_scale must be a finite number > 0, got {self.logit_scale!r}")
-        if self.softcap is not None and (not math.isfinite(self.softcap) or self.softcap <= 0):
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                                         or not math.isfinite(self.softcap) or self.softcap <= 0):
             raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
-        if int(self.memory_budget) < 1:
-            raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive integer number of bytes, got {self.memory_budget!r}")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of one call: GEMM operands, the logits tile, the gradient tile, accumulators."""
+
+    operand: torch.dtype  # what the GEMMs multiply: the autocast dtype under autocast, else the weight's
+    tile: torch.dtype  # the logits tile the row kernels read: the product's dtype, as the model's lm_head gives it
+    grad: torch.dtype  # the gradient tile the backward row kernel writes: the operand dtype the GEMMs read
+    accumulate: torch.dtype  # gradient accumulators
+
+    @classmethod
+    def resolve(cls, weight: torch.Tensor, softcap: float | None) -> "Precision":
+        if weight.dtype == torch.float64:
+            return cls(torch.float64, torch.float64, torch.float64, torch.float64)
+        device = weight.device.type
+        operand = weight.dtype
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in LOW_PRECISION:
+            operand = torch.get_autocast_dtype(device)
+        # softcap's tanh is taken on an fp32 tile (the product accumulated in fp32, not rounded first).
+        tile = operand if softcap is None else torch.float32
+        return cls(operand, tile, operand, torch.float32)
+
+    @property
+    def fp32_tile_of_low_precision(self) -> bool:
+        return self.tile == torch.float32 and self.operand in LOW_PRECISION
 
 
 class _Projection:
-    """The GEMMs: fp32 logits tiles and the fp32-accumulated gradients of hidden, weight and bias."""
+    """The GEMMs: logits tiles, and the fp32-accumulated gradients of hidden, weight and bias."""
 
-    def __init__(self, weight, bias):
-        # On CUDA, bf16/fp16 operands go to cuBLAS as they are with an fp32 output; elsewhere the
-        # operands are upcast once per call (CPU matmuls of bf16 would round the product).
-        self.cuda_low_precision = weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and _HAS_FP32_OUT_MM
-        self.tile_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        operand = weight.dtype if self.cuda_low_precision else self.tile_dtype
-        self.weight = weight.detach().to(operand)
-        self.bias = None if bias is None else bias.detach().to(self.tile_dtype)
+    def __init__(self, weight, bias, precision: Precision):
+        self.precision = precision
+        # On CUDA the GEMMs take the operands as they are (tensor cores, fp32 accumulation). A CPU
+        # matmul of bf16 rounds differently, so there the operands are rounded to the compute
+        # dtype once and multiplied in fp32: what a GPU GEMM accumulates.
+        self.tensor_cores = weight.is_cuda and precision.operand in LOW_PRECISION and _HAS_FP32_OUT_MM
+        self.gemm_dtype = precision.operand if weight.is_cuda else precision.accumulate
+        self.weight = weight.detach().to(precision.operand).to(self.gemm_dtype)
+        self.bias = None if bias is None else bias.detach().to(precision.operand)
 
     def logits(self, hidden, out):
-        """out = hidden @ weight^T + bias, accumulated and stored in fp32."""
-        hidden = hidden.to(self.weight.dtype)
-        if self.cuda_low_precision:
+        """out = hidden @ weight^T + bias, accumulated in fp32, rounded once to the tile dtype."""
+        hidden = hidden.to(self.precision.operand).to(self.gemm_dtype)
+        if self.tensor_cores and out.dtype == torch.float32:
             out.copy_(self.bias.expand_as(out)) if self.bias is not None else out.zero_()
             torch.addmm(out, hidden, self.weight.t(), out_dtype=torch.float32, out=out)
-        else:
-            torch.mm(hidden, self.weight.t(), out=out)
+        elif out.dtype == self.gemm_dtype:  # a GEMM that writes the tile dtype itself, bias in its epilogue
             if self.bias is not None:
-                out.add_(self.bias)
+                torch.addmm(self.bias.to(out.dtype), hidden, self.weight.t(), out=out)
+            else:
+                torch.mm(hidden, self.weight.t(), out=out)
+        else:  # CPU, low-precision tile: the fp32 product (and bias), rounded once
+            product = hidden @ self.weight.t()
+            if self.bias is not None:
+                product += self.bias.to(product.dtype)
+            out.copy_(product)
 
     def accumulate_grads(self, grad_tile, hidden, grad_hidden, grad_weight, grad_bias):
         """grad_hidden = G @ W, grad_weight += G^T @ H, grad_bias += sum G (fp32 accumulators)."""
-        if self.cuda_low_precision:  # tensor-core GEMMs on the tile rounded to the operands' dtype, as TRL
-            grad_tile = grad_tile.to(self.weight.dtype)
-            hidden = hidden.to(self.weight.dtype)
+        if self.tensor_cores:  # tensor-core GEMMs on operands in the compute dtype, accumulated in fp32 (as TRL)
+            grad_tile = grad_tile.to(self.gemm_dtype)
+            hidden = hidden.to(self.gemm_dtype)
             if grad_hidden is not None:
-                grad_hidden.zero_()
-                torch.addmm(grad_hidden, grad_tile, self.weight, out_dtype=torch.float32, out=grad_hidden)
+                torch.mm(grad_tile, self.weight, out_dtype=torch.float32, out=grad_hidden)
             if grad_weight is not None:
                 torch.addmm(grad_weight, grad_tile.t(), hidden, out_dtype=torch.float32, out=grad_weight)
         else:
-            hidden = hidden.to(self.tile_dtype)
+            grad_tile = grad_tile.to(self.gemm_dtype)
+            hidden = hidden.to(self.precision.operand).to(self.gemm_dtype)
             if grad_hidden is not None:
-                torch.mm(grad_tile, self.weight, out=grad_hidden)
+                grad_hidden.copy_(grad_tile @ self.weight)
             if grad_weight is not None:
-                grad_weight.addmm_(grad_tile.t(), hidden)
+                grad_weight.addmm_(grad_tile.t().to(grad_weight.dtype), hidden.to(grad_weight.dtype))
         if grad_bias is not None:
             grad_bias += grad_tile.sum(dim=0, dtype=grad_bias.dtype)
 
 
 class _Tiles:
-    """The fp32 tile buffers, and the scale the row kernels apply to what they read."""
+    """The tile buffers, and the scale the row kernels apply to what they read."""
 
-    def __init__(self, n_tokens, vocab, dtype, device, projection_options: ProjectionOptions, temperature: float):
+    def __init__(self, n_tokens, vocab, precision: Precision, device, projection_options: ProjectionOptions,
+                 temperature: float):
         self.softcap = projection_options.softcap
         self.logit_scale = projection_options.logit_scale
-        buffers = 2 if self.softcap is not None else 1
-        bytes_per_row = vocab * torch.finfo(dtype).bits // 8 * buffers
-        rows = max(1, min(n_tokens, projection_options.memory_budget // bytes_per_row))
+        separate_grad = self.softcap is not None or precision.grad != precision.tile
+        tile_bytes = torch.finfo(precision.tile).bits // 8
+        grad_bytes = torch.finfo(precision.grad).bits // 8 if separate_grad else 0
+        rows = max(1, min(n_tokens, projection_options.memory_budget // (vocab * (tile_bytes + grad_bytes))))
         self.rows = rows if rows < 16 else rows - rows % 16
-        self.logits = torch.empty((self.rows, vocab), dtype=dtype, device=device)
-        self.grad = torch.empty_like(self.logits) if self.softcap is not None else self.logits
+        self.logits = torch.empty((self.rows, vocab), dtype=precision.tile, device=device)
+        self.grad = self.logits
+        if separate_grad:
+            self.grad = torch.empty((self.rows, vocab), dtype=precision.grad, device=device)
         # With softcap the buffer holds t = tanh(logit_scale y / softcap) and the logits are softcap t.
         self.kernel_scale = (self.softcap if self.softcap is not None else self.logit_scale) / temperature
 
@@ -123,112 +171,106 @@ class _Tiles:
     def chain_rule(self, tile, grad):
         """grad holds d loss / d (what the kernels read); make it d loss / d y."""
         if self.softcap is not None:
-            grad.mul_((1.0 - tile * tile) * (self.logit_scale / self.softcap))
+            grad.mul_(((1.0 - tile * tile) * (self.logit_scale / self.softcap)).to(grad.dtype))
 
 
-def _sweep(hidden, projection, tiles, batch, on_tile):
-    """Compute each chunk's logits tile and hand it to ``on_tile``."""
+@dataclass
+class LinearPlan:
+    call: CallPlan
+    projection: ProjectionOptions
+
+
+def _sweep(hidden, projection, tiles, on_tile):
+    """Compute each token chunk's logits tile and hand it to ``on_tile``."""
     for start in range(0, hidden.shape[0], tiles.rows):
         stop = min(start + tiles.rows, hidden.shape[0])
-        chunk = batch.token_slice(start, stop)
         tile = tiles.logits[: stop - start]
         projection.logits(hidden[start:stop], out=tile)
         tiles.transform(tile)
-        on_tile(start, stop, chunk, tile)
+        on_tile(start, stop, tile)
 
 
 class FusedLinearPolicyLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, batch: TokenBatch, active: torch.Tensor, options: LossOptions,
-                projection_options, kernels: RowKernels, needs_grad: bool, results: dict):
-        """``hidden`` holds the unmasked tokens only, at positions ``active`` of ``batch``'s grid."""
-        active_batch = batch.select(active)
+    def forward(ctx, hidden, weight, bias, plan: LinearPlan):
+        """``hidden`` is ``(n_tokens, H)``, in the token order of the call's grid."""
+        ctx.set_materialize_grads(False)
+        call = plan.call
+        options, kernels = call.options, call.kernels
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        projection = _Projection(weight, bias)
-        tiles = _Tiles(max(n_tokens, 1), vocab, projection.tile_dtype, hidden.device, projection_options,
-                       options.temperature)
-        token_level = not options.sequence_level
-        use_epilogue = kernels.has_epilogue and token_level
-        epilogue_params = None
-        wants = [needs_grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-        grad_hidden = torch.zeros(hidden.shape, dtype=projection.tile_dtype, device=hidden.device) if wants[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=projection.tile_dtype, device=weight.device) if wants[1] else None
-        grad_bias = torch.zeros(bias.shape, dtype=projection.tile_dtype, device=bias.device) if wants[2] else None
-        per_token = {name: torch.zeros(n_tokens, dtype=projection.tile_dtype, device=hidden.device)
-                     for name in ("row_max", "log_norm", "logp", "entropy")}
-        parts: list[TokenCoefficients] = []
+        precision = Precision.resolve(weight, plan.projection.softcap)
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
+            projection = _Projection(weight, bias, precision)
+            tiles = _Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
+            per_token_dtype = torch.float64 if precision.tile == torch.float64 else torch.float32
+            token_shape = (n_tokens,) if call.inputs.flat else call.inputs.grid
+            workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device, per_token_dtype)
+            run_prologue(call, workspace)
+            token_level = not options.sequence_level
+            wants = [call.needs_grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+            accumulate = precision.accumulate
 
-        def gradient(start, stop, chunk, tile, row_max, log_norm, entropy, coefficients):
-            grad = tiles.grad[: stop - start]
-            kernels.backward(tile[None], grad[None], chunk.target_ids, row_max, log_norm, entropy, coefficients.dloss_dlogp,
-                             coefficients.dloss_dentropy, tiles.kernel_scale)
-            tiles.chain_rule(tile, grad)
-            projection.accumulate_grads(grad, hidden[start:stop],
-                                        None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
-                                        grad_bias)
+            def zeros_like(t, wanted):
+                return torch.zeros(t.shape, dtype=accumulate, device=t.device) if wanted else None
 
-        def first_pass(start, stop, chunk, tile):
-            nonlocal epilogue_params
-            epilogue = None
-            if use_epilogue:
-                epilogue = epilogue_inputs(chunk, options, hidden.device, epilogue_params)
-                epilogue_params = epilogue.method_params
-            rows = kernels.forward(tile[None], chunk.target_ids, chunk.mask, tiles.kernel_scale, epilogue)
-            for name in per_token:
-                per_token[name][start:stop] = getattr(rows, name).reshape(-1)
-            if token_level:
-                coefficients = token_coefficients(rows, chunk, options, use_epilogue, needs_grad)
-                parts.append(coefficients)
-                if needs_grad:
-                    gradient(start, stop, chunk, tile, rows.row_max, rows.log_norm, rows.entropy, coefficients)
+            grad_hidden, grad_weight, grad_bias = (zeros_like(t, w) for t, w in zip((hidden, weight, bias), wants))
+            epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
 
-        _sweep(hidden, projection, tiles, active_batch, first_pass)
+            def gradient(start, stop, tile, dloss_dlogp=None):
+                grad = tiles.grad[: stop - start]
+                kernels.backward(tile, grad, workspace, call.grid_seq_len, tiles.kernel_scale, options.entropy_coef,
+                                 dloss_dlogp=dloss_dlogp, token_offset=start)
+                tiles.chain_rule(tile, grad)
+                projection.accumulate_grads(grad, hidden[start:stop],
+                                            None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
+                                            grad_bias)
 
-        if token_level:
-            coefficients = concat_coefficients(parts) if parts else None
-        else:
-            # GSPO: the per-response reduction needs every token's log-prob on the (B, T) grid,
-            # then a second sweep recomputes the tiles for the gradient.
-            from .kernels.row_io import RowForward
+            def first_pass(start, stop, tile):
+                kernels.forward(tile, call.inputs, workspace, tiles.kernel_scale, epilogue, token_offset=start)
+                if token_level and call.needs_grad and call.uses_epilogue:
+                    gradient(start, stop, tile)
 
-            def on_grid(values):
-                grid = torch.zeros(batch.mask.numel(), dtype=values.dtype, device=values.device)
-                grid[active] = values
-                return grid.reshape(batch.mask.shape)
-
-            rows = RowForward(*(on_grid(per_token[name]) for name in ("row_max", "log_norm", "logp", "entropy")), None)
-            coefficients = token_coefficients(rows, batch, options, False, needs_grad)
-            if needs_grad:
-                dloss_dlogp = coefficients.dloss_dlogp.reshape(-1)[active]
-                dloss_dentropy = (None if coefficients.dloss_dentropy is None
-                                  else coefficients.dloss_dentropy.reshape(-1)[active])
-
-                def second_pass(start, stop, chunk, tile):
-                    sliced = TokenCoefficients(
-                        loss=coefficients.loss, dloss_dlogp=dloss_dlogp[start:stop][None],
-                        dloss_dentropy=None if dloss_dentropy is None else dloss_dentropy[start:stop][None],
-                        log_ratio=None, psi=None, region=None, kl=None)
-                    gradient(start, stop, chunk, tile, *(per_token[name][start:stop][None]
-                                                         for name in ("row_max", "log_norm", "entropy")), sliced)
-
-                _sweep(hidden, projection, tiles, active_batch, second_pass)
-
-        results.update(per_token=per_token, coefficients=coefficients)
+            _sweep(hidden, projection, tiles, first_pass)
+            if call.uses_epilogue:
+                kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
+                loss, stats = workspace.loss, workspace.stats
+            else:
+                result = objective_route(call, workspace)
+                loss, stats = result.loss, result.stats
+                if call.needs_grad:
+                    # The objective's coefficients are known only now: a second sweep recomputes the tiles.
+                    _sweep(hidden, projection, tiles,
+                           lambda start, stop, tile: gradient(start, stop, tile, dloss_dlogp=result.dloss_dlogp))
+        if call.deferred:
+            defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        loss = coefficients.loss if coefficients is not None else torch.zeros((), device=hidden.device)
-        return loss.to(projection.tile_dtype)
+        ctx.mark_non_differentiable(workspace.per_token, stats)
+        return loss, workspace.per_token, stats
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_per_token, _grad_stats):
+        # On CUDA an accumulator in the input's dtype is scaled in place and handed over: no copy of
+        # the weight-sized gradient, and no host read of the incoming gradient to skip a unit scale.
+        # It can be handed over once; elsewhere (CPU, gradcheck) every backward scales a copy.
+        in_place = grad_loss is not None and grad_loss.is_cuda
+        if in_place and getattr(ctx, "handed_over", False):
+            raise RuntimeError(
+                "fused_linear_dgpo_loss on CUDA computes its gradients in the forward and hands them over, "
+                "scaled in place, in its first backward; a second backward through the same graph "
+                "(retain_graph=True) is not supported: call the op again")
+        ctx.handed_over = True
         grads = []
-        unit = bool(torch.equal(grad_loss, torch.ones_like(grad_loss)))  # the usual case: skip the multiply
         for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
-            if grad is not None and not unit:
-                grad = grad * grad_loss
-            grads.append(None if grad is None else grad.to(dtype))
-        return (*grads, None, None, None, None, None, None, None)
+            if grad is None or grad_loss is None:
+                grads.append(None)
+            elif dtype == grad.dtype:
+                grads.append(grad.mul_(grad_loss) if in_place else grad * grad_loss)
+            else:
+                # Scaled and cast in one pass; the incoming gradient stays on the device.
+                grads.append(torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device)))
+        return (*grads, None)
 
 
 def _flatten_tokens(hidden, weight, bias):
@@ -237,8 +279,9 @@ def _flatten_tokens(hidden, weight, bias):
     if not torch.is_tensor(weight) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         shape = tuple(weight.shape) if torch.is_tensor(weight) else type(weight).__name__
         raise ValueError(f"weight must have shape (V, {hidden.shape[-1]}), got {shape}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype "
+                         "(or run under torch.autocast, which casts both)")
     if weight.device != hidden.device:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
     if bias is not None and (not torch.is_tensor(bias) or bias.shape != weight.shape[:1] or bias.device != weight.device):
@@ -247,46 +290,38 @@ def _flatten_tokens(hidden, weight, bias):
     return hidden.reshape(-1, hidden.shape[-1]), logits_shape
 
 
+def _gathered(tensor):
+    """A DTensor (an FSDP2-sharded lm_head weight or bias) gathered whole for the products. The gather
+    is differentiable, so the gradient reaches the DTensor with the parameter's own placement, as
+    with TRL's ``full_tensor()``."""
+    if tensor is not None and hasattr(tensor, "full_tensor") and hasattr(tensor, "placements"):
+        return tensor.full_tensor()
+    return tensor
+
+
 def fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps,
                                    options: LossOptions, projection_options: ProjectionOptions,
                                    loss_normalizer=None, rollout_weights=None) -> PolicyLossOutput:
+    weight, bias = _gathered(weight), _gathered(bias)
     flat_hidden, logits_shape = _flatten_tokens(hidden, weight, bias)
-    batch = prepare_batch(logits_shape, hidden.dtype, hidden.device, target_ids, advantages, mask, old_logps,
-                          ref_logps, rollout_weights, options.aggregation, loss_normalizer, options.sequence_level)
-    check_kl_inputs(batch, options)
+    inputs = token_inputs(logits_shape, weight.dtype, hidden.device, target_ids, advantages, mask, old_logps,
+                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
     if options.inplace:
         raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
     tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
                              device=hidden.device)
     kernels = select_kernels(options.backend, tile_probe)
-    # Only unmasked tokens enter the GEMMs.
-    active = batch.mask.reshape(-1).nonzero()[:, 0]
+    deferred = resolve_mode(options.validation, hidden.device) == "deferred"
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    results: dict = {}
-    loss = FusedLinearPolicyLossFunction.apply(
-        flat_hidden.index_select(0, active), weight, bias, batch, active, options, projection_options, kernels,
-        needs_grad, results)
-    per_token, coefficients = results["per_token"], results["coefficients"]
-
-    def scatter(values, dtype=torch.float32):
-        full = torch.zeros(batch.mask.numel(), dtype=dtype, device=hidden.device)
-        if values is not None and values.numel():
-            full[active] = values.reshape(-1).to(dtype)
-        return full.reshape(batch.mask.shape)
-
-    if options.sequence_level:  # the objective ran on the whole grid
-        log_ratio, psi, region, kl = (coefficients.log_ratio, coefficients.psi, coefficients.region, coefficients.kl)
-    elif coefficients is not None:
-        log_ratio, psi, kl = (scatter(v) if v is not None else None
-                              for v in (coefficients.log_ratio, coefficients.psi, coefficients.kl))
-        region = scatter(coefficients.region, torch.int8)
-    else:  # no unmasked token
-        log_ratio = psi = scatter(None)
-        region, kl = scatter(None, torch.int8), None
-    logps, entropy = scatter(per_token["logp"]), scatter(per_token["entropy"])
-    metrics = policy_metrics(log_ratio, psi, region, entropy, kl, batch.mask)
-    return PolicyLossOutput(loss.to(torch.float32) if weight.dtype != torch.float64 else loss,
-                            batch.unflatten(logps), batch.unflatten(entropy), metrics)
+    call = plan_call(inputs, options, kernels, weight.shape[0], loss_normalizer, hidden.device, deferred, needs_grad)
+    if deferred:
+        poll_deferred_errors()
+    else:
+        check_values(inputs, weight.shape[0], loss_normalizer)
+    loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias,
+                                                                 LinearPlan(call, projection_options))
+    loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
+    return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 
 
 def fused_linear_dgpo_loss(
@@ -311,15 +346,18 @@ def fused_linear_dgpo_loss(
     rollout_weights: torch.Tensor | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     backend: str = "auto",
+    validation: str = "auto",
     **method_params,
 ) -> PolicyLossOutput:
     """Policy loss of ``method`` from hidden states ``(B, T, H)`` or ``(N, H)`` and the lm_head
     ``weight`` ``(V, H)`` (and ``bias``), as ``fused_dgpo_loss(softcap(logit_scale (hidden @ weight.T + bias)))``
-    without materialising the logits. ``memory_budget`` bounds the fp32 logits tiles (bytes).
-    Gradients flow to ``hidden``, ``weight`` and ``bias``; tied embeddings need nothing special."""
+    without materialising the logits. ``memory_budget`` bounds the logits and gradient tiles (bytes).
+    Under ``torch.autocast`` the products run in the autocast dtype, as the model's own lm_head would.
+    Gradients flow to ``hidden``, ``weight`` and ``bias`` in their own dtypes; tied embeddings need
+    nothing special."""
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
-        importance_sampling_level=importance_sampling_level, backend=backend, **method_params,
+        importance_sampling_level=importance_sampling_level, backend=backend, validation=validation, **method_params,
     )
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget)
     return fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps,
@@ -339,11 +377,12 @@ def fused_linear_logprobs(
     softcap: float | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     backend: str = "auto",
+    validation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only (old-policy and reference log-probs): per-token log-probs and entropies, fp32,
     shaped like ``target_ids``, 0 on masked tokens. One GEMM pass, no gradient work."""
     advantages = torch.zeros(target_ids.shape, device=hidden.device)
     out = fused_linear_dgpo_loss(hidden, weight, target_ids, advantages, mask, bias=bias, method="grpo",
                                  temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                                 memory_budget=memory_budget, backend=backend)
+                                 memory_budget=memory_budget, backend=backend, validation=validation)
     return out.logps, out.entropy

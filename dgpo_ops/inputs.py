@@ -1,64 +1,51 @@
-"""Validation and canonical per-token layout of the loss inputs, shared by every backend."""
+"""Checks and layouts of the loss inputs, shared by every backend.
+
+Three steps, each usable alone:
+
+* ``token_inputs``: the structure (shapes, dtypes, devices) on the host, from tensor metadata only;
+  it launches nothing and never reads a value.
+* ``check_values``: the values (target ids in range, a 0/1 mask, finite per-token floats) with torch
+  ops and host reads, raising ``ValueError`` at once. On CUDA tensors this synchronises, so by
+  default it runs only on the CPU; on CUDA the prologue kernel checks the values on the device
+  instead (``dgpo_ops.validation``).
+* ``canonical_batch``: the contiguous fp32 ``(B, T)`` layout the torch objective works on.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .aggregation import TOKEN_LEVEL_AGGREGATIONS, token_scales
+from .kernels.interface import IGNORE_INDEX, Normalizer
+from .kernels.row_io import TokenInputs
 
-IGNORE_INDEX = -100
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
 
 
 @dataclass
 class TokenBatch:
-    """Per-token inputs on a ``(B, T)`` grid (``(1, N)`` for flat ``(N, V)`` logits).
+    """Per-token inputs on a ``(B, T)`` grid (``(1, N)`` for flat ``(N, V)`` logits), contiguous, in
+    the per-token compute dtype. Positions not scored hold 0 in every per-token tensor, so nothing
+    non-finite from a padded position can reach a loss or a gradient."""
 
-    Masked positions hold 0 in every per-token tensor, so nothing non-finite from a
-    padded position can reach a loss or a gradient.
-    """
-
-    target_ids: torch.Tensor  # int64, -100 replaced by 0
-    mask: torch.Tensor  # bool
-    advantages: torch.Tensor  # fp32
+    target_ids: torch.Tensor  # int64, -100 (and masked or out-of-range ids) replaced by 0
+    mask: torch.Tensor  # bool: the token is scored
+    advantages: torch.Tensor
     old_logps: torch.Tensor | None
     ref_logps: torch.Tensor | None
     rollout_weights: torch.Tensor | None
-    scale: torch.Tensor  # fp32 s_t, 0 on masked tokens
+    scale: torch.Tensor  # s_t, 0 on tokens not scored
     flat: bool  # the caller passed (N, V) logits: outputs are (N,)
 
     def unflatten(self, per_token: torch.Tensor) -> torch.Tensor:
         return per_token.reshape(-1) if self.flat else per_token.reshape(self.mask.shape)
 
-    def select(self, indices: torch.Tensor) -> "TokenBatch":
-        """The tokens at ``indices`` of the flattened grid, as a (1, n) batch (scales kept)."""
 
-        def pick(values):
-            return None if values is None else values.reshape(-1).index_select(0, indices)[None]
-
-        return TokenBatch(
-            target_ids=pick(self.target_ids), mask=pick(self.mask), advantages=pick(self.advantages),
-            old_logps=pick(self.old_logps), ref_logps=pick(self.ref_logps),
-            rollout_weights=pick(self.rollout_weights), scale=pick(self.scale), flat=True,
-        )
-
-    def token_slice(self, start: int, stop: int) -> "TokenBatch":
-        """Tokens [start, stop) of the flattened grid as a (1, n) batch: enough for everything
-        token-level (the scales were computed over the whole batch)."""
-
-        def cut(values):
-            return None if values is None else values.reshape(1, -1)[:, start:stop]
-
-        return TokenBatch(
-            target_ids=cut(self.target_ids), mask=cut(self.mask), advantages=cut(self.advantages),
-            old_logps=cut(self.old_logps), ref_logps=cut(self.ref_logps),
-            rollout_weights=cut(self.rollout_weights), scale=cut(self.scale), flat=True,
-        )
-
-
-def _per_token_float(name, value, grid_shape, mask, device, dtype, allow_per_response=False):
+def _check_float_input(name, value, grid_shape, device, allow_per_response):
     if value is None:
         return None
     if not torch.is_tensor(value):
@@ -68,37 +55,21 @@ def _per_token_float(name, value, grid_shape, mask, device, dtype, allow_per_res
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but logits are on {device}")
     if allow_per_response and value.shape == grid_shape[:1]:
-        value = value[:, None].expand(grid_shape)
-    elif value.shape != grid_shape:
+        return value.detach()
+    if value.shape != grid_shape:
         wanted = f"{tuple(grid_shape)}" + (f" or {tuple(grid_shape[:1])}" if allow_per_response else "")
         raise ValueError(f"{name} must have shape {wanted}, got {tuple(value.shape)}")
-    value = value.detach().to(dtype)
-    if not torch.isfinite(value[mask]).all():
-        raise ValueError(f"{name} has non-finite values on unmasked tokens")
-    return torch.where(mask, value, 0.0).contiguous()  # the kernels index per-token data as ptr + token
+    return value.detach()
 
 
-def prepare_batch(
-    logits_shape: torch.Size,
-    logits_dtype: torch.dtype,
-    device: torch.device,
-    target_ids: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor | None,
-    old_logps: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    rollout_weights: torch.Tensor | None,
-    aggregation: str,
-    loss_normalizer,
-    needs_sequences: bool,
-) -> TokenBatch:
-    """Check every input against the logits' shape ``(B, T, V)`` or ``(N, V)`` and lay it out per token."""
+def token_inputs(logits_shape, logits_dtype, device, target_ids, advantages, mask=None, old_logps=None,
+                 ref_logps=None, rollout_weights=None, aggregation="token_mean", needs_sequences=False) -> TokenInputs:
+    """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``."""
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits_shape)}")
     if logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits dtype must be one of float32, bfloat16, float16 (float64 on CPU), got {logits_dtype}")
-    vocab = logits_shape[-1]
-    if vocab == 0:
+    if logits_shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary axis")
     flat = len(logits_shape) == 2
     if flat and (needs_sequences or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
@@ -106,50 +77,124 @@ def prepare_batch(
             "flat (N, V) logits carry no response structure: use (B, T, V) logits for aggregation "
             f"{aggregation!r} or for importance_sampling_level='sequence'"
         )
-    grid_shape = torch.Size((1, logits_shape[0])) if flat else torch.Size(logits_shape[:2])
+    token_shape = torch.Size(logits_shape[:-1])
+    grid = (1, logits_shape[0]) if flat else (logits_shape[0], logits_shape[1])
 
     if not torch.is_tensor(target_ids) or target_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("target_ids must be an int64 or int32 tensor")
-    if target_ids.shape != logits_shape[:-1]:
-        raise ValueError(f"target_ids must have shape {tuple(logits_shape[:-1])}, got {tuple(target_ids.shape)}")
+    if target_ids.shape != token_shape:
+        raise ValueError(f"target_ids must have shape {tuple(token_shape)}, got {tuple(target_ids.shape)}")
     if target_ids.device != device:
         raise ValueError(f"target_ids is on {target_ids.device} but logits are on {device}")
-    target_ids = target_ids.reshape(grid_shape).to(torch.int64).contiguous()
-    ignored = target_ids == IGNORE_INDEX
-    out_of_range = ~ignored & ((target_ids < 0) | (target_ids >= vocab))
+    if mask is not None:
+        if not torch.is_tensor(mask) or mask.shape != token_shape:
+            shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+            raise ValueError(f"mask must have shape {tuple(token_shape)}, got {shape}")
+        if mask.device != device:
+            raise ValueError(f"mask is on {mask.device} but logits are on {device}")
+        if mask.is_complex():
+            raise ValueError(f"mask must be boolean, integer or floating point, got {mask.dtype}")
+    if advantages is None:
+        raise ValueError("advantages are required")
+    floats = {
+        name: _check_float_input(name, value, token_shape, device,
+                                 allow_per_response=(name == "advantages" and not flat))
+        for name, value in zip(PER_TOKEN_FLOATS, (advantages, old_logps, ref_logps, rollout_weights))
+    }
+    return TokenInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
+                       mask=None if mask is None else mask.detach(), **floats)
+
+
+def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.Tensor | None]:
+    """How ``loss_normalizer`` reaches the kernels: absent, a checked number, or a one-element device
+    tensor read (and checked) on the device. Host numbers and CPU tensors are checked here."""
+    if loss_normalizer is None:
+        return Normalizer.ABSENT, 0.0, None
+    if torch.is_tensor(loss_normalizer):
+        if loss_normalizer.numel() != 1 or loss_normalizer.dtype == torch.bool or loss_normalizer.is_complex():
+            raise ValueError("loss_normalizer must be a number or a one-element real tensor, got a tensor of "
+                             f"shape {tuple(loss_normalizer.shape)} and dtype {loss_normalizer.dtype}")
+        if loss_normalizer.device == device:  # read on the device, by the kernels
+            return Normalizer.TENSOR, 0.0, loss_normalizer.detach().reshape(())
+        if loss_normalizer.device.type != "cpu":
+            raise ValueError(f"loss_normalizer is on {loss_normalizer.device} but logits are on {device}")
+        loss_normalizer = loss_normalizer.detach().reshape(()).item()  # a CPU tensor beside GPU logits: no device sync
+    if isinstance(loss_normalizer, bool) or not isinstance(loss_normalizer, (int, float)):
+        raise ValueError(f"loss_normalizer must be a number or a one-element tensor, got {loss_normalizer!r}")
+    if not math.isfinite(loss_normalizer) or loss_normalizer <= 0:
+        raise ValueError(f"loss_normalizer must be a finite number > 0, got {loss_normalizer!r}")
+    return Normalizer.VALUE, float(loss_normalizer), None
+
+
+def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None) -> None:
+    """Check the values now (host reads: a sync on CUDA tensors), with the errors the prologue
+    kernel would report later."""
+    target_ids = inputs.target_ids
+    out_of_range = (target_ids != IGNORE_INDEX) & ((target_ids < 0) | (target_ids >= vocab))
     if out_of_range.any():
         bad = target_ids[out_of_range][0].item()
         raise ValueError(f"target_ids must be in [0, {vocab}) or {IGNORE_INDEX}; found {bad}")
-
-    token_mask = ~ignored
-    if mask is not None:
-        if not torch.is_tensor(mask) or mask.shape != logits_shape[:-1]:
-            shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
-            raise ValueError(f"mask must have shape {tuple(logits_shape[:-1])}, got {shape}")
-        if mask.device != device:
-            raise ValueError(f"mask is on {mask.device} but logits are on {device}")
-        if mask.dtype != torch.bool and ((mask != 0) & (mask != 1)).any():
+    scored = target_ids != IGNORE_INDEX
+    if inputs.mask is not None:
+        if inputs.mask.dtype != torch.bool and ((inputs.mask != 0) & (inputs.mask != 1)).any():
             raise ValueError("mask must hold only 0 and 1 (or be boolean)")
-        token_mask = token_mask & mask.reshape(grid_shape).bool()
+        scored = scored & (inputs.mask != 0)
+    for name in PER_TOKEN_FLOATS:
+        value = getattr(inputs, name)
+        if value is None:
+            continue
+        if value.dim() == 1 and not inputs.flat:
+            value = value[:, None].expand(scored.shape)
+        if not torch.isfinite(value[scored]).all():
+            raise ValueError(f"{name} has non-finite values on unmasked tokens")
+    kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
+    if kind == Normalizer.TENSOR:
+        value = float(tensor)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"loss_normalizer must be a finite number > 0, got {value!r}")
 
-    if advantages is None:
-        raise ValueError("advantages are required")
 
-    # Per-token math runs in fp32, or fp64 for fp64 logits (gradcheck).
-    per_token_dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
+def per_token_dtype(logits_dtype) -> torch.dtype:
+    """Per-token math runs in fp32, or fp64 for fp64 logits (gradcheck)."""
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
 
-    def per_token(name, value, allow_per_response=False):
-        if flat and torch.is_tensor(value) and value.shape == logits_shape[:1]:
-            value = value.reshape(grid_shape)
-        return _per_token_float(name, value, grid_shape, token_mask, device, per_token_dtype, allow_per_response)
 
+def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tensor, dtype) -> TokenBatch:
+    """The objective's layout from the inputs, the scored-token mask ``(B, T)`` and the scales ``(B, T)``."""
+    B, T = inputs.grid
+
+    def on_grid(value):
+        if value is None:
+            return None
+        if inputs.flat:
+            value = value.reshape(B, T)
+        elif value.dim() == 1:
+            value = value[:, None].expand(B, T)
+        return torch.where(scored, value.to(dtype), 0.0).contiguous()  # the kernels index ptr + token
+
+    target_ids = inputs.target_ids.reshape(B, T).to(torch.int64)
     return TokenBatch(
-        target_ids=torch.where(token_mask, target_ids, 0).contiguous(),
-        mask=token_mask.contiguous(),
-        advantages=per_token("advantages", advantages, allow_per_response=not flat),
-        old_logps=per_token("old_logps", old_logps),
-        ref_logps=per_token("ref_logps", ref_logps),
-        rollout_weights=per_token("rollout_weights", rollout_weights),
-        scale=token_scales(token_mask, aggregation, loss_normalizer, per_token_dtype),
-        flat=flat,
+        target_ids=torch.where(scored, target_ids, 0).contiguous(),
+        mask=scored.contiguous(),
+        advantages=on_grid(inputs.advantages),
+        old_logps=on_grid(inputs.old_logps),
+        ref_logps=on_grid(inputs.ref_logps),
+        rollout_weights=on_grid(inputs.rollout_weights),
+        scale=scale,
+        flat=inputs.flat,
     )
+
+
+def prepare_batch(logits_shape, logits_dtype, device, target_ids, advantages, mask, old_logps, ref_logps,
+                  rollout_weights, aggregation, loss_normalizer, needs_sequences) -> TokenBatch:
+    """Structure, values (checked now) and the canonical layout, with torch's aggregation scales:
+    the reference's path, and the ground truth for the prologue kernel."""
+    inputs = token_inputs(logits_shape, logits_dtype, device, target_ids, advantages, mask, old_logps, ref_logps,
+                          rollout_weights, aggregation, needs_sequences)
+    check_values(inputs, logits_shape[-1], loss_normalizer)
+    B, T = inputs.grid
+    scored = inputs.target_ids.reshape(B, T) != IGNORE_INDEX
+    if inputs.mask is not None:
+        scored = scored & (inputs.mask.reshape(B, T) != 0)
+    dtype = per_token_dtype(logits_dtype)
+    return canonical_batch(inputs, scored, token_scales(scored, aggregation, loss_normalizer, dtype), dtype)

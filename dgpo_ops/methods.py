@@ -14,70 +14,14 @@ region table says instead of by autograd's tie-breaking of ``max``/``clamp``.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from dataclasses import dataclass
 from typing import Callable, ClassVar, NamedTuple
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0
-
-
-class Region(enum.IntEnum):
-    """Region code of a token (LOSS_FAMILY.md, "Token regions"); DUAL replaces HN/LP where a dual clip fires."""
-
-    M = 0
-    LN = 1
-    HP = 2
-    LP = 3
-    HN = 4
-    DUAL = 5
-
-
-class Gate(enum.IntEnum):
-    SIGMOID = 0
-    ERF = 1
-    ARCTAN = 2
-    SOFTSIGN = 3
-
-
-class MethodId(enum.IntEnum):
-    """Kernel-side method switch (a constexpr); several table rows may share one id."""
-
-    GRPO = 0
-    DCPO = 1
-    CAPPED_IS = 2  # cispo and dispo
-    GRADIENT_PRESERVING = 3  # gppo and ce_gppo
-    ASPO = 4
-    DGPO = 5
-    SAPO = 6
-
-
-class KernelParam(enum.IntEnum):
-    """Slots of the fp32 parameter vector the kernels read (runtime values: no recompile per value).
-
-    Bounds are stored, not eps: computed here in double and rounded once, they equal the fp32
-    values torch compares against, so the mirror's regions agree with the table's to the bit.
-    """
-
-    LOW_POS = 0  # trust region [low, high] for A >= 0 (every method but dispo uses these)
-    HIGH_POS = 1
-    LOW_NEG = 2  # ... and for A < 0
-    HIGH_NEG = 3
-    EPS_LOW = 4  # dcpo's raw eps for its q-dependent bounds
-    EPS_HIGH = 5
-    DUAL_CLIP = 6  # +inf when off
-    LN_WEIGHT = 7  # gppo: beta1 * low
-    HP_WEIGHT = 8  # gppo: beta2 * high
-    N = 9
-    M = 10
-    R_MAX = 11
-    TAU_POS = 12
-    TAU_NEG = 13
-
-
-NUM_KERNEL_PARAMS = len(KernelParam)
+# The codes and slots the kernels read are the kernels' own interface (a leaf module); re-exported here.
+from .kernels.interface import LOG_RATIO_CLAMP, NUM_KERNEL_PARAMS, Gate, KernelParam, MethodId, Region  # noqa: F401
 
 
 def _check_range(method: str, name: str, value, low=None, high=None, low_open=False):

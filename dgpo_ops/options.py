@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 from .aggregation import check_aggregation
+from .backends import BACKENDS
 from .methods import DgpoConfig, MethodConfig, method_config
+from .validation import VALIDATION_MODES
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class LossOptions:
     importance_sampling_level: str = "token"  # "sequence" is GSPO's ratio
     inplace: bool = False  # fused ops only: write d(loss)/d(logits) into the logits' storage
     backend: str = "auto"  # fused ops only
+    validation: str = "auto"  # fused ops only: "immediate", "deferred" or "auto" (dgpo_ops.validation)
 
     def __post_init__(self):
         if not isinstance(self.method, MethodConfig):
@@ -43,6 +46,8 @@ class LossOptions:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.validation not in VALIDATION_MODES:
+            raise ValueError(f"validation must be one of {VALIDATION_MODES}, got {self.validation!r}")
 
     @property
     def sequence_level(self) -> bool:
@@ -50,7 +55,22 @@ class LossOptions:
 
     @classmethod
     def build(cls, method="dgpo", **kwargs) -> "LossOptions":
-        """Split keyword arguments into loss options and method parameters (validated by the method)."""
-        option_names = cls.__dataclass_fields__.keys() - {"method"}
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
-        return cls(method=method_config(method, **kwargs), **options)
+        """Split keyword arguments into loss options and method parameters (validated by the method).
+
+        The same arguments give the same (immutable) options: they are built and validated once."""
+        try:
+            key = tuple((name, type(value), value) for name, value in sorted(kwargs.items()))
+            return _build_cached(method, type(method), key)
+        except TypeError:  # an unhashable argument: build it uncached (validation names it)
+            return _build(cls, method, kwargs)
+
+
+def _build(cls, method, kwargs) -> LossOptions:
+    option_names = cls.__dataclass_fields__.keys() - {"method"}
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
+    return cls(method=method_config(method, **kwargs), **options)
+
+
+@functools.lru_cache(maxsize=512)
+def _build_cached(method, _method_type, key) -> LossOptions:
+    return _build(LossOptions, method, {name: value for name, _, value in key})

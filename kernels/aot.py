@@ -4,14 +4,18 @@
 
 Compiles each specialisation with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch,
 32))`` using the specialisation hints the JIT would give on real tensors (16-byte aligned
-pointers, a vocabulary and row strides divisible by 16, a unit vocabulary stride), reads
-registers, shared and local memory from ``cuobjdump --dump-resource-usage`` (shipped in the
-triton wheel) and checks the hot loop's SASS for 128-bit global loads. Exits non-zero if any
-specialisation fails to compile or spills to local memory.
+pointers, a vocabulary and row strides divisible by 16, a unit vocabulary stride) and the launch
+shape the launchers use, reads registers, shared and local memory from ``cuobjdump
+--dump-resource-usage`` (shipped in the triton wheel) and reads the SASS: 128-bit global loads and
+stores, and the special-function (MUFU) instructions per vocabulary element of the row kernels'
+hot loop. Exits non-zero if any specialisation fails to compile, spills to local memory, or runs
+more than one MUFU instruction per element in the backward's hot loop.
 
 The default covers every method (and sapo gate) x logits dtype with all epilogue inputs present,
 every combination of the epilogue flags for dgpo, the forward without epilogue (GSPO and forward
-only) and the backward with and without the entropy term. ``--full`` compiles the whole
+only), the backward with and without the entropy term and with the objective's scaled
+coefficients, the prologue and the finalize kernel. A method id without a Triton branch fails
+to compile (``tl.static_assert``), so this report catches it. ``--full`` compiles the whole
 method x dtype x flag product.
 """
 
@@ -30,35 +34,49 @@ from dataclasses import dataclass
 import triton
 from triton.backends.compiler import GPUTarget
 
-from dgpo_ops.methods import Gate, MethodId
-
+from .finalize import MAX_BLOCK as FINALIZE_BLOCK
+from .finalize import finalize_kernel
+from .interface import Denominator, Gate, MethodId, Normalizer
 from .logits_grad import logits_grad_kernel
-from .logprob_entropy import logprob_entropy_fwd_kernel
+from .logprob_entropy import BLOCK_V_MAX, NUM_STAGES, NUM_WARPS, logprob_entropy_fwd_kernel
+from .prologue import token_prologue_kernel
 
-BLOCK_V = 4096  # the production tile (vocabularies >= 4096); smaller vocabularies use a smaller power of 2
-NUM_WARPS = 8
+BLOCK_V = BLOCK_V_MAX  # the production tile (vocabularies >= BLOCK_V); smaller vocabularies use a smaller power of 2
+KERNELS = {"forward": logprob_entropy_fwd_kernel, "backward": logits_grad_kernel, "prologue": token_prologue_kernel,
+           "finalize": finalize_kernel}
+LAUNCH = {"forward": dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+          "backward": dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+          "prologue": dict(num_warps=4), "finalize": dict(num_warps=8)}
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
-POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i1", "region_ptr": "*i8"}
-FLOAT_SCALARS = ("inv_temperature", "beta")
+POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i64", "target_index_ptr": "*i64",
+                 "sequence_stats_ptr": "*i64", "status_ptr": "*i64"}
+FLOAT_SCALARS = ("inv_temperature", "beta", "entropy_coef", "normalizer")
 DIVISIBLE_INTS = ("vocab", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t")
 UNIT_STRIDES = ("stride_v", "grad_stride_v")
 FORWARD_FLAGS = ("HAS_OLD_LOGPS", "HAS_KL", "KL_TIMES_RATIO", "HAS_ROLLOUT_WEIGHTS")
 METHOD_VARIANTS = [(m.name.lower(), m, Gate.SIGMOID) for m in MethodId if m != MethodId.SAPO] + [
     (f"sapo_{g.name.lower()}", MethodId.SAPO, g) for g in Gate
 ]
+MAX_BACKWARD_MUFU_PER_ELEMENT = 1.0  # issue 12: one exp per element, 1 - p of the target once per row
 
 
 @dataclass(frozen=True)
 class Specialisation:
-    kernel: str  # "forward" | "backward"
-    dtype: str
+    kernel: str  # "forward" | "backward" | "prologue" | "finalize"
+    dtype: str  # the logits' dtype ("-" for kernels that read no logits)
     constexprs: tuple  # sorted (name, value) pairs
 
     @property
     def label(self) -> str:
         c = dict(self.constexprs)
         if self.kernel == "backward":
-            return f"backward {self.dtype} entropy={int(c['HAS_ENTROPY_GRAD'])}"
+            return (f"backward {self.dtype} entropy={int(c['HAS_ENTROPY_GRAD'])} "
+                    f"scaled={int(c['COEF_IS_SCALED'])}")
+        if self.kernel == "prologue":
+            return f"prologue mask={int(c['HAS_MASK'])} old/ref/w={int(c['HAS_OLD_LOGPS'])}{int(c['HAS_REF_LOGPS'])}" \
+                   f"{int(c['HAS_ROLLOUT_WEIGHTS'])} normalizer={Normalizer(c['NORMALIZER']).name.lower()}"
+        if self.kernel == "finalize":
+            return f"finalize kl={int(c['HAS_KL'])}"
         if not c["HAS_EPILOGUE"]:
             return f"forward  {self.dtype} no-epilogue"
         method = next(n for n, m, g in METHOD_VARIANTS if m == c["METHOD"] and (m != MethodId.SAPO or g == c["GATE"]))
@@ -75,6 +93,23 @@ def _forward(dtype, method=MethodId.DGPO, gate=Gate.SIGMOID, epilogue=True, flag
     return Specialisation("forward", dtype, tuple(sorted(constexprs.items())))
 
 
+def _backward(dtype, entropy=False, scaled=False):
+    constexprs = dict(BLOCK_V=BLOCK_V, HAS_ENTROPY_GRAD=entropy, COEF_IS_SCALED=scaled, HAS_GRAD_LOSS=True)
+    return Specialisation("backward", dtype, tuple(sorted(constexprs.items())))
+
+
+def _prologue(everything: bool):
+    constexprs = dict(HAS_MASK=everything, CHECK_MASK_VALUES=everything, HAS_OLD_LOGPS=everything,
+                      HAS_REF_LOGPS=everything, HAS_ROLLOUT_WEIGHTS=everything,
+                      NORMALIZER=int(Normalizer.TENSOR if everything else Normalizer.ABSENT),
+                      PER_RESPONSE=everything, DENOMINATOR=int(Denominator.TOKENS), BLOCK_T=1024, BLOCK_B=1024)
+    return Specialisation("prologue", "-", tuple(sorted(constexprs.items())))
+
+
+def _finalize(kl: bool):
+    return Specialisation("finalize", "-", (("BLOCK", FINALIZE_BLOCK), ("HAS_KL", kl)))
+
+
 def _flag_sets():
     """Every combination of the epilogue flags the launcher can pass (the KL ratio needs the KL)."""
     combos = itertools.product((False, True), repeat=len(FORWARD_FLAGS))
@@ -82,7 +117,7 @@ def _flag_sets():
 
 
 def specialisations(full: bool = False) -> list[Specialisation]:
-    specs = []
+    specs = [_prologue(False), _prologue(True), _finalize(False), _finalize(True)]
     for dtype in DTYPES:
         specs.append(_forward(dtype, epilogue=False))
         for _, method, gate in METHOD_VARIANTS:
@@ -90,15 +125,14 @@ def specialisations(full: bool = False) -> list[Specialisation]:
             specs += [_forward(dtype, method, gate, flags=flags) for flags in flag_sets]
         if not full:
             specs += [_forward(dtype, flags=flags) for flags in _flag_sets() if flags != ALL_FLAGS]
-        for entropy in (False, True):
-            specs.append(Specialisation("backward", dtype, (("BLOCK_V", BLOCK_V), ("HAS_ENTROPY_GRAD", entropy))))
+        specs += [_backward(dtype, entropy) for entropy in (False, True)] + [_backward(dtype, True, scaled=True)]
     return specs
 
 
-def _source(spec: Specialisation):
-    fn = logprob_entropy_fwd_kernel if spec.kernel == "forward" else logits_grad_kernel
+def _source(spec: Specialisation, constexpr_overrides: dict | None = None):
+    fn = KERNELS[spec.kernel]
     signature, attrs = {}, {}
-    constexprs = dict(spec.constexprs)
+    constexprs = {**dict(spec.constexprs), **(constexpr_overrides or {})}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
@@ -122,12 +156,34 @@ def _nvidia_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+0x([0-9a-f]+)")
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def hot_loop_mufu(sass: str) -> dict:
+    """MUFU instructions in the loop that issues the most 128-bit loads (the vocabulary loop): its
+    span is a backward branch's target to the branch."""
+    loops = []
+    for match in BRANCH.finditer(sass):
+        at, target = int(match.group(1), 16), int(match.group(2), 16)
+        if target < at:
+            loops.append((target, at))
+    instructions = [(int(m.group(1), 16), m.group(2)) for m in INSTRUCTION.finditer(sass)]
+    best = None
+    for lo, hi in loops:
+        body = [op for at, op in instructions if lo <= at <= hi]
+        loads = sum(op.startswith("LDG.E.128") for op in body)
+        if loads and (best is None or loads > best["ldg128"]):
+            mufu = [op for op in body if op.startswith("MUFU")]
+            best = {"ldg128": loads, "mufu": len(mufu), "mufu_ops": sorted(set(mufu))}
+    return best or {"ldg128": 0, "mufu": 0, "mufu_ops": []}
+
+
 def compile_one(job: tuple[Specialisation, int]) -> dict:
     spec, arch = job
-    row = {"label": spec.label, "arch": f"sm_{arch}"}
+    row = {"label": spec.label, "arch": f"sm_{arch}", "kernel": spec.kernel}
     try:
-        compiled = triton.compile(_source(spec), target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": NUM_WARPS})
+        compiled = triton.compile(_source(spec), target=GPUTarget("cuda", arch, 32), options=LAUNCH[spec.kernel])
     except Exception as error:  # report every failure, not just the first
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         return row
@@ -146,6 +202,11 @@ def compile_one(job: tuple[Specialisation, int]) -> dict:
     row["shared"] = max(row["shared"] or 0, compiled.metadata.shared)
     row["ldg128"] = len(re.findall(r"LDG\.E\.128", sass))
     row["stg128"] = len(re.findall(r"STG\.E\.128", sass))
+    if spec.kernel in ("forward", "backward"):
+        loop = hot_loop_mufu(sass)
+        elements_per_thread = dict(spec.constexprs)["BLOCK_V"] / (32 * LAUNCH[spec.kernel]["num_warps"])
+        row["mufu_per_element"] = loop["mufu"] / elements_per_thread
+        row["mufu_ops"] = loop["mufu_ops"]
     ptx = compiled.asm["ptx"]
     if spec.kernel == "backward" and spec.dtype == "bf16":
         row["bf16_round"] = "cvt.rn" if re.search(r"cvt\.rn(\.satfinite)?\.bf16", ptx) else "other"
@@ -161,14 +222,16 @@ def run(archs=(80, 90), full=False, jobs=2) -> list[dict]:
 
 
 def format_report(rows: list[dict]) -> str:
-    header = f"{'arch':<6} {'specialisation':<58} {'regs':>4} {'smem':>6} {'local':>5} {'stack':>5} {'LDG.128':>7} {'STG.128':>7}"
+    header = (f"{'arch':<6} {'specialisation':<58} {'regs':>4} {'smem':>6} {'local':>5} {'stack':>5} "
+              f"{'LDG.128':>7} {'STG.128':>7} {'MUFU/elt':>8}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if "error" in row:
             lines.append(f"{row['arch']:<6} {row['label']:<58} FAILED {row['error']}")
             continue
+        mufu = f"{row['mufu_per_element']:.2f}" if "mufu_per_element" in row else "-"
         lines.append(f"{row['arch']:<6} {row['label']:<58} {row['reg']:>4} {row['shared']:>6} {row['local']:>5} "
-                     f"{row['stack']:>5} {row['ldg128']:>7} {row['stg128']:>7}")
+                     f"{row['stack']:>5} {row['ldg128']:>7} {row['stg128']:>7} {mufu:>8}")
     return "\n".join(lines)
 
 
@@ -180,8 +243,11 @@ def problems(rows: list[dict]) -> list[str]:
             found.append(f"{where}: failed to compile ({row['error']})")
         elif row["local"] or row["stack"]:
             found.append(f"{where}: spills (local {row['local']} B, stack {row['stack']} B)")
-        elif row["label"].startswith("forward  bf16") and row["ldg128"] == 0:
-            found.append(f"{where}: no 128-bit global loads in the bf16 forward")
+        elif row["label"].startswith(("forward  bf16", "backward bf16")) and row["ldg128"] == 0:
+            found.append(f"{where}: no 128-bit global loads in a bf16 row kernel")
+        elif row["kernel"] == "backward" and row["mufu_per_element"] > MAX_BACKWARD_MUFU_PER_ELEMENT:
+            found.append(f"{where}: {row['mufu_per_element']:.2f} MUFU instructions per element in the hot loop "
+                         f"({', '.join(row['mufu_ops'])}); the backward must stay at one exp")
     return found
 
 
@@ -200,10 +266,13 @@ def main(argv=None) -> int:
     found = problems(rows)
     bf16 = sorted({row["bf16_round"] for row in rows if "bf16_round" in row})
     report = "\n".join([
-        f"triton {triton.__version__}, BLOCK_V={BLOCK_V}, num_warps={NUM_WARPS}, {len(rows)} specialisations",
+        f"triton {triton.__version__}, row kernels: BLOCK_V={BLOCK_V}, num_warps={NUM_WARPS}, num_stages={NUM_STAGES}; "
+        f"{len(rows)} specialisations",
         format_report(rows),
         f"bf16 gradient stores convert with: {', '.join(bf16)} (cvt.rn: round to nearest even)",
-        f"{len(rows) - len(found)} of {len(rows)} specialisations compiled without spills",
+        "MUFU/elt: special-function instructions per vocabulary element in the row kernels' hot loop "
+        f"(the backward must stay at {MAX_BACKWARD_MUFU_PER_ELEMENT:g})",
+        f"{len(rows) - len(found)} of {len(rows)} specialisations compiled without problems",
     ])
     print(report)
     for problem in found:

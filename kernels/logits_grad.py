@@ -2,36 +2,47 @@
 
     d loss / d x_j = g (onehot_j - p_j) - h p_j (log p_j + H),   x = logits / temperature
 
-with per-token coefficients g = d loss / d l and h = d loss / d H already scaled by the
-aggregation and the incoming gradient. Rows with g = h = 0 (masked tokens) read nothing and
+with per-token coefficients g = d loss / d l and h = d loss / d H. Both are formed here from the
+per-token planes: ``g = DLOSS_DLOGP * s_b * grad_loss`` (``s_b`` the response's aggregation scale,
+unless the coefficient already carries it) and ``h = -entropy_coef * s_b * grad_loss``, with the
+incoming gradient read on the device, so backward launches nothing else.
+
+The hot loop does one exp per element and no other special function: ``1 - p`` of the target
+(``-expm1(log p)``, exact for confident tokens) is computed once per row from the saved log-prob
+and selected at the target's position. Rows with g = h = 0 (tokens not scored) read nothing and
 write zeros. The gradient may be written into the logits' own storage (same strides).
 """
 
 import triton
 import triton.language as tl
 
-from .logprob_entropy import check_vocab_stride, default_block_v
+from . import codes
+from .logprob_entropy import check_vocab_stride, default_block_v, launch_shape, logits_rows
+
 
 
 @triton.jit
-def _expm1(x):
-    # exp(x) - 1 without the cancellation near 0 (Kahan): the target's 1 - p for confident tokens.
-    u = tl.exp(x)
-    return tl.where(u == 1.0, x, (u - 1.0) * x / tl.log(u))
+def _one_minus_exp(log_p):
+    # 1 - exp(log p) = -expm1(log p) without the cancellation near 0 (Kahan's expm1): once per row.
+    u = tl.exp(log_p)
+    return tl.where(u == 1.0, -log_p, (1.0 - u) * log_p / tl.log(u))
 
 
 @triton.jit
 def logits_grad_kernel(
     logits_ptr,
     grad_logits_ptr,
-    target_ids_ptr,
-    row_max_ptr,
-    log_norm_ptr,
-    entropy_ptr,
+    target_index_ptr,
+    per_token_ptr,
     dloss_dlogp_ptr,
-    dloss_dentropy_ptr,
+    seq_scale_ptr,
+    grad_loss_ptr,
+    entropy_coef,
     inv_temperature,
-    seq_len,
+    token_offset,
+    n_tokens,
+    grid_seq_len,
+    rows_per_seq,
     vocab,
     stride_b,
     stride_t,
@@ -39,55 +50,77 @@ def logits_grad_kernel(
     grad_stride_b,
     grad_stride_t,
     grad_stride_v,
+    COEF_IS_SCALED: tl.constexpr,
+    HAS_GRAD_LOSS: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    b = token // seq_len
-    t = token % seq_len
-    row_ptr = logits_ptr + b * stride_b + t * stride_t
-    grad_row_ptr = grad_logits_ptr + b * grad_stride_b + t * grad_stride_t
-    target = tl.load(target_ids_ptr + token)
-    row_max = tl.load(row_max_ptr + token)
-    log_norm = tl.load(log_norm_ptr + token)
-    g = tl.load(dloss_dlogp_ptr + token)
+    row = tl.program_id(0).to(tl.int64)
+    token = token_offset + row
+    seq, pos = row // rows_per_seq, row % rows_per_seq
+    row_ptr = logits_ptr + seq * stride_b + pos * stride_t
+    grad_row_ptr = grad_logits_ptr + seq * grad_stride_b + pos * grad_stride_t
+    target = tl.load(target_index_ptr + token)
+    valid = target >= 0
+    seq_scale = tl.load(seq_scale_ptr + token // grid_seq_len)
+    grad_loss = 1.0
+    if HAS_GRAD_LOSS:
+        grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
+    if COEF_IS_SCALED:
+        g = tl.load(dloss_dlogp_ptr + token) * grad_loss
+    else:
+        g = tl.load(per_token_ptr + codes.PLANE_DLOSS_DLOGP * n_tokens + token) * seq_scale * grad_loss
+    g = tl.where(valid, g * inv_temperature, 0.0)
     active = g != 0.0
     if HAS_ENTROPY_GRAD:
-        h = tl.load(dloss_dentropy_ptr + token)
-        entropy = tl.load(entropy_ptr + token)
+        h = tl.where(valid, -entropy_coef * seq_scale * grad_loss * inv_temperature, 0.0)
+        entropy = tl.load(per_token_ptr + codes.PLANE_ENTROPY * n_tokens + token)
         active = active | (h != 0.0)
+    row_max = tl.load(per_token_ptr + codes.PLANE_ROW_MAX * n_tokens + token)
+    log_norm = tl.load(per_token_ptr + codes.PLANE_LOG_NORM * n_tokens + token)
+    target_coef = g * _one_minus_exp(tl.load(per_token_ptr + codes.PLANE_LOGP * n_tokens + token))
     read_end = tl.where(active, vocab, 0)  # inactive rows read nothing
     for start in range(0, vocab, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offsets * stride_v, mask=offsets < read_end, other=-float("inf")).to(tl.float32)
         log_p = (x * inv_temperature - row_max) - log_norm
         p = tl.exp(log_p)
-        # onehot - p, with 1 - p_target as -expm1(log p_target): exact to fp32 even when p_target ~ 1.
-        grad = g * tl.where(offsets == target, -_expm1(log_p), -p)
+        grad = tl.where(offsets == target, target_coef, -g * p)
         if HAS_ENTROPY_GRAD:
+            # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf.
             grad -= h * tl.where(p > 0.0, p * (log_p + entropy), 0.0)
-        grad = tl.where(active, grad * inv_temperature, 0.0)
+        grad = tl.where(active, grad, 0.0)
         tl.store(grad_row_ptr + offsets * grad_stride_v, grad.to(grad_logits_ptr.dtype.element_ty), mask=offsets < vocab)
 
 
-def logits_grad(logits, grad_logits, target_ids, row_max, log_norm, entropy, dloss_dlogp, dloss_dentropy, inv_temperature,
-                block_v=None):
-    """Write d loss / d logits into ``grad_logits`` (``(B, T, V)``, any strides; may be ``logits``).
+def logits_grad(logits, grad_logits, workspace, grid_seq_len: int, inv_temperature: float, entropy_coef: float,
+                grad_loss=None, dloss_dlogp=None, token_offset: int = 0, block_v=None):
+    """Write d loss / d logits into ``grad_logits`` (same shape as ``logits``, any strides; may be
+    ``logits`` itself) from the forward's ``workspace`` (a ``RowWorkspace``).
 
-    ``dloss_dentropy`` is ``None`` when no entropy term is differentiated.
+    ``dloss_dlogp`` defaults to the epilogue's unscaled plane; a per-token tensor passed instead
+    already carries the aggregation scale (the torch objective's coefficients). ``grad_loss`` is
+    the incoming gradient (a 0-dim tensor, read on the device) or None for 1.
     """
     check_vocab_stride(logits)
     check_vocab_stride(grad_logits)
-    B, T, V = logits.shape
-    block_v = block_v or default_block_v(V)
-    logits_grad_kernel[(B * T,)](
-        logits, grad_logits, target_ids, row_max, log_norm, entropy, dloss_dlogp,
-        dloss_dlogp if dloss_dentropy is None else dloss_dentropy,
-        inv_temperature, T, V,
-        logits.stride(0), logits.stride(1), logits.stride(2),
-        grad_logits.stride(0), grad_logits.stride(1), grad_logits.stride(2),
-        HAS_ENTROPY_GRAD=dloss_dentropy is not None,
+    rows, rows_per_seq, stride_b, stride_t, stride_v = logits_rows(logits)
+    _, _, grad_stride_b, grad_stride_t, grad_stride_v = logits_rows(grad_logits)
+    if rows == 0:
+        return grad_logits
+    vocab = logits.shape[-1]
+    n_tokens = workspace.n_tokens
+    block_v = block_v or default_block_v(vocab)
+    logits_grad_kernel[(rows,)](
+        logits, grad_logits, workspace.target_index, workspace.per_token,
+        workspace.per_token if dloss_dlogp is None else dloss_dlogp, workspace.seq_scale,
+        workspace.seq_scale if grad_loss is None else grad_loss,
+        float(entropy_coef), inv_temperature, token_offset, n_tokens, grid_seq_len, rows_per_seq, vocab,
+        stride_b, stride_t, stride_v, grad_stride_b, grad_stride_t, grad_stride_v,
+        COEF_IS_SCALED=dloss_dlogp is not None,
+        HAS_GRAD_LOSS=grad_loss is not None,
+        HAS_ENTROPY_GRAD=entropy_coef != 0.0,
         BLOCK_V=block_v,
-        num_warps=8 if block_v >= 4096 else 4,
+        **launch_shape(block_v),
     )
     return grad_logits

@@ -1,45 +1,56 @@
 """Forward row kernel: one pass over each logits row gives log-sum-exp, the target's log-prob and
 the entropy; for token-level methods an epilogue evaluates the method table in the same program.
 
-One program per token on grid axis 0 (2^31 - 1 programs; the 65,535 cap of axes 1 and 2 never
+One program per row on grid axis 0 (2^31 - 1 programs; the 65,535 cap of axes 1 and 2 never
 applies). The row is read once, in BLOCK_V tiles, with an online max / sum-exp / sum-exp-times-x
-in fp32. Masked tokens read nothing and write zeros.
+in fp32: one exp per element. Tokens the prologue did not mark for scoring read nothing and write
+zeros. Row ``r`` of the launch is token ``token_offset + r`` of the call: the fused-linear op runs
+it on one token chunk's logits tile at a time.
 """
 
-import torch
 import triton
 import triton.language as tl
 
+from . import codes
 from .method_table import token_terms
-from .row_io import EpilogueInputs, EpilogueOutputs, RowForward
+
+
+# Launch shapes measured on an H100 (bench/experiments/results/two_pass_probe-h100-1.json): 8192-wide
+# tiles, 8 warps and 3 stages were the fastest of the shapes tried at V = 32,000 to 262,144.
+BLOCK_V_MAX = 8192
+NUM_WARPS = 8
+NUM_STAGES = 3
 
 
 @triton.jit
 def logprob_entropy_fwd_kernel(
     logits_ptr,
-    target_ids_ptr,
-    mask_ptr,
-    row_max_ptr,
-    log_norm_ptr,
-    logp_ptr,
-    entropy_ptr,
+    target_index_ptr,
+    per_token_ptr,
     advantages_ptr,
     old_logps_ptr,
     ref_logps_ptr,
     rollout_weights_ptr,
     method_params_ptr,
-    token_loss_ptr,
-    dloss_dlogp_ptr,
-    psi_ptr,
-    region_ptr,
-    kl_ptr,
     inv_temperature,
     beta,
-    seq_len,
+    entropy_coef,
+    token_offset,
+    n_tokens,
+    grid_seq_len,
+    rows_per_seq,
     vocab,
     stride_b,
     stride_t,
     stride_v,
+    adv_stride_b,
+    adv_stride_t,
+    old_stride_b,
+    old_stride_t,
+    ref_stride_b,
+    ref_stride_t,
+    rw_stride_b,
+    rw_stride_t,
     METHOD: tl.constexpr,
     GATE: tl.constexpr,
     HAS_EPILOGUE: tl.constexpr,
@@ -49,10 +60,11 @@ def logprob_entropy_fwd_kernel(
     HAS_ROLLOUT_WEIGHTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + (token // seq_len) * stride_b + (token % seq_len) * stride_t
-    valid = tl.load(mask_ptr + token) != 0
-    target = tl.load(target_ids_ptr + token)
+    row = tl.program_id(0).to(tl.int64)
+    token = token_offset + row
+    row_ptr = logits_ptr + (row // rows_per_seq) * stride_b + (row % rows_per_seq) * stride_t
+    target = tl.load(target_index_ptr + token)
+    valid = target >= 0
     vocab_end = tl.where(valid, vocab, 0)
 
     # Running over the row: max m, S = sum exp(x - m) and U = sum exp(x - m) (x - m). Centring U on
@@ -81,25 +93,32 @@ def logprob_entropy_fwd_kernel(
     # precision for confident tokens (log p ~ -1e-3) where x - lse would cancel.
     logp = tl.where(valid, (target_logit - shift) - log_sum_exp, 0.0)
     entropy = tl.where(valid, log_sum_exp - sum_exp_dx / sum_exp, 0.0)
-    tl.store(row_max_ptr + token, tl.where(valid, shift, 0.0))
-    tl.store(log_norm_ptr + token, tl.where(valid, log_sum_exp, 0.0))
-    tl.store(logp_ptr + token, logp)
-    tl.store(entropy_ptr + token, entropy)
+    token_planes_ptr = per_token_ptr + token
+    tl.store(token_planes_ptr + codes.PLANE_ROW_MAX * n_tokens, tl.where(valid, shift, 0.0))
+    tl.store(token_planes_ptr + codes.PLANE_LOG_NORM * n_tokens, tl.where(valid, log_sum_exp, 0.0))
+    tl.store(token_planes_ptr + codes.PLANE_LOGP * n_tokens, logp)
+    tl.store(token_planes_ptr + codes.PLANE_ENTROPY * n_tokens, entropy)
 
     if HAS_EPILOGUE:
-        adv = tl.load(advantages_ptr + token)
+        b = token // grid_seq_len
+        t = token % grid_seq_len
+        adv = tl.load(advantages_ptr + b * adv_stride_b + t * adv_stride_t, mask=valid, other=0.0).to(tl.float32)
         if HAS_OLD_LOGPS:
-            old_logp = tl.load(old_logps_ptr + token)
+            old_logp = tl.load(old_logps_ptr + b * old_stride_b + t * old_stride_t, mask=valid,
+                               other=0.0).to(tl.float32)
         else:
             old_logp = logp
         loss, psi, region = token_terms(logp - old_logp, adv, old_logp, logp, method_params_ptr, METHOD, GATE)
         dloss_dlogp = -adv * psi
         if HAS_ROLLOUT_WEIGHTS:
-            weight = tl.load(rollout_weights_ptr + token)
+            weight = tl.load(rollout_weights_ptr + b * rw_stride_b + t * rw_stride_t, mask=valid,
+                             other=0.0).to(tl.float32)
             loss = loss * weight
             dloss_dlogp = dloss_dlogp * weight
+        kl = 0.0
         if HAS_KL:
-            delta = tl.load(ref_logps_ptr + token) - logp
+            delta = tl.load(ref_logps_ptr + b * ref_stride_b + t * ref_stride_t, mask=valid,
+                            other=0.0).to(tl.float32) - logp
             ref_ratio = tl.exp(delta)
             kl = ref_ratio - delta - 1.0
             dkl_dlogp = 1.0 - ref_ratio
@@ -109,56 +128,80 @@ def logprob_entropy_fwd_kernel(
                 kl = ratio * kl
             loss += beta * kl
             dloss_dlogp += beta * dkl_dlogp
-            tl.store(kl_ptr + token, tl.where(valid, kl, 0.0))
-        tl.store(token_loss_ptr + token, tl.where(valid, loss, 0.0))
-        tl.store(dloss_dlogp_ptr + token, tl.where(valid, dloss_dlogp, 0.0))
-        tl.store(psi_ptr + token, tl.where(valid, psi, 0.0))
-        tl.store(region_ptr + token, tl.where(valid, region, 0).to(tl.int8))
-
+        loss -= entropy_coef * entropy
+        # The ratio the method was evaluated at: exp of the clamped log ratio, as token_terms uses it.
+        ratio_used = tl.exp(tl.clamp(logp - old_logp, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP,
+                                     propagate_nan=codes.NAN_PROPAGATING))
+        tl.store(token_planes_ptr + codes.PLANE_TOKEN_LOSS * n_tokens, tl.where(valid, loss, 0.0))
+        tl.store(token_planes_ptr + codes.PLANE_DLOSS_DLOGP * n_tokens, tl.where(valid, dloss_dlogp, 0.0))
+        tl.store(token_planes_ptr + codes.PLANE_RATIO * n_tokens, tl.where(valid, ratio_used, 1.0))
+        tl.store(token_planes_ptr + codes.PLANE_PSI * n_tokens, tl.where(valid, psi, 0.0))
+        tl.store(token_planes_ptr + codes.PLANE_REGION * n_tokens, tl.where(valid, region, 0).to(tl.float32))
+        tl.store(token_planes_ptr + codes.PLANE_KL * n_tokens, tl.where(valid, kl, 0.0))
 
 
 def default_block_v(vocab: int) -> int:
-    return min(triton.next_power_of_2(vocab), 4096)
+    return min(triton.next_power_of_2(vocab), BLOCK_V_MAX)
 
 
-def check_vocab_stride(logits: torch.Tensor) -> None:
+def launch_shape(block_v: int) -> dict:
+    return dict(num_warps=NUM_WARPS if block_v >= 4096 else 4, num_stages=NUM_STAGES if block_v >= 4096 else 2)
+
+
+def check_vocab_stride(logits) -> None:
     # Tile offsets times the vocabulary stride are int32 in the hot loop (unit stride, the usual
     # case, is specialised away); a wider stride would overflow.
-    if logits.stride(2) * logits.shape[2] >= 2**31:
+    if logits.stride(-1) * logits.shape[-1] >= 2**31:
         raise ValueError("logits whose vocabulary stride times V reaches 2^31 are not supported: pass .contiguous() logits")
 
 
-def logprob_entropy(logits, target_ids, mask, inv_temperature, epilogue=None, block_v=None) -> RowForward:
-    """Launch the forward kernel on ``(B, T, V)`` logits (any strides).
+def logits_rows(logits):
+    """(rows, rows_per_seq, stride_b, stride_t, stride_v) of ``(B, T, V)`` or ``(N, V)`` logits."""
+    if logits.dim() == 2:
+        return logits.shape[0], max(logits.shape[0], 1), 0, logits.stride(0), logits.stride(1)
+    B, T, _ = logits.shape
+    return B * T, max(T, 1), logits.stride(0), logits.stride(1), logits.stride(2)
 
-    ``target_ids`` (int64) and ``mask`` (bool) are contiguous ``(B, T)``; with ``epilogue``
-    (an ``EpilogueInputs``) the method's per-token terms are computed in the same program.
+
+def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=None, token_offset: int = 0,
+                    block_v=None) -> None:
+    """Launch the forward kernel on ``(B, T, V)`` or ``(N, V)`` logits (any strides); its rows are
+    tokens ``token_offset ...`` of ``batch`` (a ``TokenInputs``). Writes ``workspace.per_token``.
+
+    With ``epilogue`` (an ``EpilogueInputs``) the method's per-token terms are computed in the same
+    program; the prologue must have run (it writes ``workspace.target_index``).
     """
     check_vocab_stride(logits)
-    B, T, V = logits.shape
-    row_max, log_norm, logp, entropy = (torch.empty((B, T), device=logits.device, dtype=torch.float32)
-                                        for _ in range(4))
-    out = EpilogueOutputs.empty(epilogue, (B, T), logits.device) if epilogue is not None else None
-    inputs = epilogue or EpilogueInputs.absent()
+    rows, rows_per_seq, stride_b, stride_t, stride_v = logits_rows(logits)
+    if rows == 0:
+        return
+    vocab = logits.shape[-1]
+    anchor = workspace.per_token  # a valid pointer for absent inputs (their HAS_* flag is off)
 
-    def pointer(tensor):  # absent optional tensors: a valid pointer that the HAS_* flags never read
-        return logp if tensor is None else tensor
+    def pointer(tensor):
+        return anchor if tensor is None else tensor
 
-    block_v = block_v or default_block_v(V)
-    logprob_entropy_fwd_kernel[(B * T,)](
-        logits, target_ids, mask, row_max, log_norm, logp, entropy,
-        pointer(inputs.advantages), pointer(inputs.old_logps), pointer(inputs.ref_logps),
-        pointer(inputs.rollout_weights), pointer(inputs.method_params),
-        pointer(out and out.token_loss), pointer(out and out.dloss_dlogp), pointer(out and out.psi),
-        pointer(out and out.region), pointer(out and out.kl),
-        inv_temperature, inputs.beta, T, V, logits.stride(0), logits.stride(1), logits.stride(2),
-        METHOD=inputs.method_id, GATE=inputs.gate_id,
+    def strides(tensor):
+        return (0, 0) if tensor is None else batch.strides(tensor)
+
+    has_kl = epilogue is not None and epilogue.beta != 0.0 and batch.ref_logps is not None
+    block_v = block_v or default_block_v(vocab)
+    logprob_entropy_fwd_kernel[(rows,)](
+        logits, workspace.target_index, workspace.per_token,
+        batch.advantages, pointer(batch.old_logps), pointer(batch.ref_logps), pointer(batch.rollout_weights),
+        pointer(epilogue and epilogue.method_params),
+        inv_temperature, epilogue.beta if epilogue else 0.0, epilogue.entropy_coef if epilogue else 0.0,
+        token_offset, workspace.n_tokens, batch.grid[1], rows_per_seq, vocab, stride_b, stride_t, stride_v,
+        *strides(batch.advantages), *strides(batch.old_logps), *strides(batch.ref_logps),
+        *strides(batch.rollout_weights),
+        METHOD=epilogue.method_id if epilogue else 0,
+        GATE=epilogue.gate_id if epilogue else 0,
         HAS_EPILOGUE=epilogue is not None,
-        HAS_OLD_LOGPS=inputs.old_logps is not None,
-        HAS_KL=inputs.ref_logps is not None,
-        KL_TIMES_RATIO=inputs.kl_ratio_correction,
-        HAS_ROLLOUT_WEIGHTS=inputs.rollout_weights is not None,
+        HAS_OLD_LOGPS=epilogue is not None and batch.old_logps is not None,
+        HAS_KL=has_kl,
+        KL_TIMES_RATIO=has_kl and epilogue.kl_ratio_correction,
+        HAS_ROLLOUT_WEIGHTS=epilogue is not None and batch.rollout_weights is not None,
         BLOCK_V=block_v,
-        num_warps=8 if block_v >= 4096 else 4,
+        **launch_shape(block_v),
     )
-    return RowForward(row_max, log_norm, logp, entropy, out)
+

@@ -1,18 +1,81 @@
-"""Torch twins of the row kernels for CPU tensors: the same per-token outputs and gradient,
-computed one chunk of rows at a time so no (N, V) fp32 temporary exists beyond one chunk."""
+"""Torch twins of the kernels for CPU tensors (and the tests' second opinion): the same arguments,
+the same workspace outputs, computed with torch ops. The row twins work one chunk of rows at a
+time, so no (N, V) fp32 temporary exists beyond one chunk. None of them reads a value on the host.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .row_io import RowForward
+from .interface import IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, SequenceStat, Status
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
 
 
+def _grid_view(batch, tensor):
+    """A per-token or per-response input as a (B, T) tensor (a view where the layout allows)."""
+    B, T = batch.grid
+    if batch.flat:
+        return tensor.reshape(B, T)
+    if tensor.dim() == 1:
+        return tensor[:, None].expand(B, T)
+    return tensor
+
+
+def token_prologue_torch(batch, sequence_stats, seq_scale, status, target_index, vocab: int, aggregation_codes,
+                         normalizer) -> None:
+    """Twin of ``token_prologue``: validity, counts, scales and error bits, all on the device."""
+    B, T = batch.grid
+    per_response, denominator = aggregation_codes
+    normalizer_kind, normalizer_value, normalizer_tensor = normalizer
+    target = _grid_view(batch, batch.target_ids).to(torch.int64)
+    scored = target != IGNORE_INDEX
+    bad_target = scored & ((target < 0) | (target >= vocab))
+    errors = torch.where(bad_target.any(), int(InputError.TARGET_IDS), 0)
+    if batch.mask is not None:
+        mask = _grid_view(batch, batch.mask)
+        if mask.dtype != torch.bool:
+            errors = errors | torch.where(((mask != 0) & (mask != 1)).any(), int(InputError.MASK), 0)
+        scored = scored & (mask != 0)
+    valid = scored & ~bad_target
+    for name, bit in (("advantages", InputError.ADVANTAGES), ("old_logps", InputError.OLD_LOGPS),
+                      ("ref_logps", InputError.REF_LOGPS), ("rollout_weights", InputError.ROLLOUT_WEIGHTS)):
+        value = getattr(batch, name)
+        if value is not None:
+            errors = errors | torch.where((scored & ~torch.isfinite(_grid_view(batch, value))).any(), int(bit), 0)
+    counts = valid.sum(dim=1)
+    total = counts.sum()
+    # argmax of a boolean tensor is its first True (row-major); 0 when there is none (the bit is off then).
+    first_bad = target.reshape(-1).take(bad_target.reshape(-1).to(torch.uint8).argmax())  # take: no host read
+    bad_value = torch.where(bad_target.any(), first_bad, 0)
+    dtype = seq_scale.dtype
+    if normalizer_kind == Normalizer.TENSOR:
+        denom = normalizer_tensor.reshape(()).to(dtype)
+        errors = errors | torch.where((denom > 0) & torch.isfinite(denom), 0, int(InputError.LOSS_NORMALIZER))
+    elif normalizer_kind == Normalizer.VALUE:
+        denom = float(normalizer_value)
+    elif denominator == Denominator.TOKENS:
+        denom = total.clamp(min=1).to(dtype)
+    else:
+        denom = float(max({Denominator.RESPONSES: B, Denominator.GRID: B * T, Denominator.ONE: 1}[denominator], 1))
+    within = 1.0 / counts.clamp(min=1).to(dtype) if per_response else torch.ones(B, dtype=dtype, device=counts.device)
+    scale = within / denom
+    seq_scale.copy_(torch.where(errors != 0, float("nan"), scale))
+    target_index.copy_(torch.where(valid, target, -1).reshape(-1))
+    sequence_stats[SequenceStat.TOKENS].copy_(counts)
+    sequence_stats[SequenceStat.ERRORS].copy_(errors.expand(B))
+    sequence_stats[SequenceStat.FIRST_BAD_TARGET].copy_(bad_value.expand(B))
+    status[Status.ERRORS] = errors
+    status[Status.BAD_TARGET] = bad_value
+    status[Status.TOKENS] = total
+    status[Status.ARRIVED] = B
+
+
 def _row_chunks(tensors: list[torch.Tensor], chunk_rows: int | None):
-    """Yield (flat token slice, [(rows, V) view of each tensor]) over same-shaped ``(B, T, V)``
-    tensors, without copying them."""
+    """Yield (flat token slice, [(rows, V) view of each tensor]) over same-shaped ``(B, T, V)`` or
+    ``(N, V)`` tensors, without copying them."""
+    if tensors[0].dim() == 2:
+        tensors = [t.unsqueeze(0) for t in tensors]
     B, T, V = tensors[0].shape
     chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(V, 1))
     try:
@@ -32,51 +95,68 @@ def _compute_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def logprob_entropy_torch(logits, target_ids, mask, inv_temperature, chunk_rows=None) -> RowForward:
-    B, T, _ = logits.shape
+def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=None, token_offset: int = 0,
+                          chunk_rows=None) -> None:
+    """Twin of ``logprob_entropy`` without the epilogue: the row planes of ``workspace``."""
+    if epilogue is not None:
+        raise ValueError("the torch twin evaluates methods with the objective, not in an epilogue")
+    n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
     dtype = _compute_dtype(logits)
-    row_max, log_norm, logp, entropy = (torch.zeros(B * T, dtype=dtype, device=logits.device) for _ in range(4))
-    targets, valid = target_ids.reshape(-1), mask.reshape(-1)
+    planes = workspace.planes()
+    targets = workspace.target_index[token_offset:token_offset + n]
     for rows, (chunk,) in _row_chunks([logits], chunk_rows):
         x = chunk.to(dtype) * inv_temperature
+        valid = targets[rows] >= 0
+        index = targets[rows].clamp(min=0)[:, None]
         log_probs = torch.log_softmax(x, dim=-1)  # one fused, vectorised pass family: the fastest CPU path
-        index = targets[rows, None]
         top = x.amax(dim=-1, keepdim=True)
         top = torch.where(top == float("-inf"), 0.0, top)
-        logp[rows] = log_probs.gather(1, index)[:, 0]
-        row_max[rows] = top[:, 0]
+        logp = log_probs.gather(1, index)[:, 0]
         # log S = (x_t - max) - log p_t: the pair (max, log S) the backward needs.
-        log_norm[rows] = (x.gather(1, index) - top)[:, 0] - logp[rows]
+        log_norm = (x.gather(1, index) - top)[:, 0] - logp
         # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf.
-        entropy[rows] = -log_probs.exp().mul_(torch.where(log_probs > float("-inf"), log_probs, 0.0)).sum(dim=-1)
-    outputs = (torch.where(valid, v, 0.0).view(B, T) for v in (row_max, log_norm, logp, entropy))
-    return RowForward(*outputs, None)
+        entropy = -log_probs.exp().mul_(torch.where(log_probs > float("-inf"), log_probs, 0.0)).sum(dim=-1)
+        at = slice(token_offset + rows.start, token_offset + rows.stop)
+        for plane, values in ((Plane.ROW_MAX, top[:, 0]), (Plane.LOG_NORM, log_norm), (Plane.LOGP, logp),
+                              (Plane.ENTROPY, entropy)):
+            planes[plane, at] = torch.where(valid, values, 0.0).to(planes.dtype)
 
 
-def logits_grad_torch(logits, grad_logits, target_ids, row_max, log_norm, entropy, dloss_dlogp, dloss_dentropy,
-                      inv_temperature, chunk_rows=None):
+def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_temperature: float, entropy_coef: float,
+                      grad_loss=None, dloss_dlogp=None, token_offset: int = 0, chunk_rows=None):
+    """Twin of ``logits_grad``."""
     dtype = _compute_dtype(logits)
-    targets = target_ids.reshape(-1)
-    g, entropy = dloss_dlogp.reshape(-1), entropy.reshape(-1)
-    row_max, log_norm = row_max.reshape(-1), log_norm.reshape(-1)
-    h = None if dloss_dentropy is None else dloss_dentropy.reshape(-1)
-    active = g != 0 if h is None else (g != 0) | (h != 0)  # masked rows: zeros, whatever their logits
+    n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
+    at = slice(token_offset, token_offset + n)
+    planes = workspace.planes()[:, at].to(dtype)
+    targets = workspace.target_index[at]
+    valid = targets >= 0
+    tokens = torch.arange(token_offset, token_offset + n, device=targets.device)
+    seq_scale = workspace.seq_scale.to(dtype)[tokens // grid_seq_len]
+    incoming = 1.0 if grad_loss is None else grad_loss.to(dtype)
+    if dloss_dlogp is None:
+        g = planes[Plane.DLOSS_DLOGP] * seq_scale * incoming
+    else:
+        g = dloss_dlogp.reshape(-1)[at].to(dtype) * incoming
+    g = torch.where(valid, g * inv_temperature, 0.0)
+    h = torch.where(valid, -entropy_coef * seq_scale * incoming * inv_temperature, 0.0)
+    active = (g != 0) | (h != 0)  # tokens not scored: zeros, whatever their logits
     for rows, (chunk, grad_chunk) in _row_chunks([logits, grad_logits], chunk_rows):
-        coef = (g[rows] * inv_temperature)[:, None]
         x = chunk.to(dtype) * inv_temperature
-        p = torch.softmax(x, dim=-1)
-        index = targets[rows, None]
+        log_p = x.sub_(planes[Plane.ROW_MAX, rows, None]).sub_(planes[Plane.LOG_NORM, rows, None])
+        p = log_p.exp()
+        index = targets[rows].clamp(min=0)[:, None]
+        coef = g[rows, None]
+        grad = -coef * p
+        if entropy_coef != 0.0:
+            grad -= h[rows, None] * p * torch.where(p > 0, log_p + planes[Plane.ENTROPY, rows, None], 0.0)
         # 1 - p_target as -expm1(log p_target): no cancellation for confident tokens.
-        target_log_p = (x.gather(1, index) - row_max[rows, None]) - log_norm[rows, None]
-        if h is not None:
-            log_p = x.sub_(row_max[rows, None]).sub_(log_norm[rows, None])
-            entropy_term = p * torch.where(p > 0, log_p + entropy[rows, None], 0.0) * (h[rows] * inv_temperature)[:, None]
-        grad = p.mul_(-coef)
-        grad.scatter_(1, index, -coef * torch.expm1(target_log_p))
-        if h is not None:
-            grad.sub_(entropy_term)
-        inactive = ~active[rows]
-        if inactive.any():
-            grad.masked_fill_(inactive[:, None], 0.0)
-        grad_chunk.copy_(grad)
+        target_grad = -coef * torch.expm1(planes[Plane.LOGP, rows, None])
+        if entropy_coef != 0.0:
+            target_log_p = log_p.gather(1, index)
+            target_p = target_log_p.exp()
+            target_grad = target_grad - h[rows, None] * target_p * torch.where(
+                target_p > 0, target_log_p + planes[Plane.ENTROPY, rows, None], 0.0)
+        grad.scatter_(1, index, target_grad)
+        grad_chunk.copy_(torch.where(active[rows, None], grad, 0.0))
     return grad_logits

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 import math
+import os
 
+import pytest
 import torch
 
 import dgpo_ops
+
+
+def cuda_ready() -> bool:
+    """A GPU is visible and Triton compiles real kernels (the interpreter would run them on the CPU)."""
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on")
+
+
+# CUDA tests run where a GPU is visible, in a process started with TRITON_INTERPRET=0
+# (`TRITON_INTERPRET=0 python -m pytest -m cuda`); elsewhere they skip.
+CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(
+    not cuda_ready(), reason="needs a CUDA device and TRITON_INTERPRET=0 (the CPU tests run the interpreter)")]
+
+
+def requires_cuda(test):
+    for mark in CUDA_MARKS:
+        test = mark(test)
+    return test
 
 METHOD_VARIANTS = [
     ("grpo", {}),

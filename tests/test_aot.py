@@ -1,4 +1,5 @@
-"""Every kernel specialisation compiles ahead of time for sm_80 and sm_90, without spills."""
+"""Every kernel specialisation compiles ahead of time for sm_80 and sm_90, without spills, with 128-bit
+loads in the bf16 row kernels and one special-function instruction per element in the backward."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import sys
 
 import pytest
 
+ROW = re.compile(r"^(sm_\d+)\s+(forward|backward|prologue|finalize)\s+(\S+)?.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
+                 r"\s+([0-9.]+|-)$")
+
 
 @pytest.fixture(scope="module")
 def report():
@@ -18,6 +22,10 @@ def report():
     return result
 
 
+def rows(report):
+    return [ROW.match(line) for line in report.stdout.splitlines() if ROW.match(line)]
+
+
 def test_aot_report_exits_zero(report):
     assert report.returncode == 0, report.stderr[-4000:]
 
@@ -25,24 +33,40 @@ def test_aot_report_exits_zero(report):
 def test_every_specialisation_compiled_for_both_architectures(report):
     from dgpo_ops.kernels.aot import specialisations
 
-    rows = [line for line in report.stdout.splitlines() if re.match(r"sm_\d+ ", line)]
+    lines = [line for line in report.stdout.splitlines() if re.match(r"sm_\d+ ", line)]
     expected = len(specialisations())
-    assert sum(line.startswith("sm_80 ") for line in rows) == expected
-    assert sum(line.startswith("sm_90 ") for line in rows) == expected
-    assert not [line for line in rows if "FAILED" in line]
+    assert sum(line.startswith("sm_80 ") for line in lines) == expected
+    assert sum(line.startswith("sm_90 ") for line in lines) == expected
+    assert not [line for line in lines if "FAILED" in line]
+    kinds = {m.group(2) for m in rows(report)}
+    assert kinds == {"forward", "backward", "prologue", "finalize"}
 
 
 def test_no_local_memory_and_vectorised_bf16_loads(report):
-    for line in report.stdout.splitlines():
-        match = re.match(r"(sm_\d+)\s+(forward|backward)\s+(\w+)\s.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", line)
-        if not match:
-            continue
-        _, kernel, dtype, regs, smem, local, stack, ldg128, _ = match.groups()
-        assert int(local) == 0 and int(stack) == 0, line
-        assert 0 < int(regs) <= 255, line
-        if dtype == "bf16":
-            assert int(ldg128) > 0, f"no LDG.E.128 in {line}"
+    matched = rows(report)
+    assert len(matched) >= 2 * 40
+    for m in matched:
+        arch, kernel, dtype, regs, smem, local, stack, ldg128, stg128, mufu = m.groups()
+        assert int(local) == 0 and int(stack) == 0, m.group(0)
+        assert 0 < int(regs) <= 255, m.group(0)
+        if kernel in ("forward", "backward") and dtype == "bf16":
+            assert int(ldg128) > 0, f"no LDG.E.128 in {m.group(0)}"
+        if kernel == "backward" and dtype == "bf16":
+            assert int(stg128) > 0, f"no STG.E.128 in {m.group(0)}"
     assert "cvt.rn" in report.stdout
+
+
+def test_one_exp_per_element_in_the_hot_loops(report):
+    # The backward's hot loop runs one MUFU (ex2) per element: 1 - p of the target is taken once per
+    # row. The forward adds one rescale exp per tile to its one exp per element.
+    for m in rows(report):
+        kernel, mufu = m.group(2), m.group(10)
+        if kernel == "backward":
+            assert float(mufu) == 1.0, m.group(0)
+        elif kernel == "forward":
+            assert 1.0 <= float(mufu) <= 1.1, m.group(0)
+        else:
+            assert mufu == "-", m.group(0)
 
 
 def test_aot_refuses_to_run_under_the_interpreter():

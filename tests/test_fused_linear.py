@@ -71,16 +71,37 @@ def test_linear_matches_reference(backend, variant, options):
                                    msg=key)
 
 
+def rounded_like_the_model(logits: torch.Tensor, dtype) -> torch.Tensor:
+    """The product rounded once to ``dtype`` (what the model's lm_head returns), with the gradient of
+    the exact product: rounding is a straight-through step for the reference."""
+    return logits + (logits.to(dtype).double() - logits).detach()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16_weights", "autocast_fp32_weights"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_bf16_weights(backend):
-    # CPU GEMMs upcast the bf16 operands once, so the loss keeps fp32 accuracy against an fp32
-    # reference on the same values; gradients are fp32-accumulated and rounded once to bf16
-    # (one bf16 ulp, 2^-7 relative, plus the fp32 accumulation error near zero).
-    ref, out, ref_grads, grads = run_linear(("dgpo", {}), backend, {"beta": 0.02}, dtype=torch.bfloat16)
-    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-4, atol=1e-5)
-    for got, want in zip(grads, ref_grads):
-        assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.double(), want, rtol=2.0**-7, atol=1e-4)
+def test_low_precision_products_equal_the_models_logits(backend, autocast):
+    # The tile is the model's own bf16 logits (the product accumulated in fp32, rounded once), under
+    # autocast or with bf16 weights alike; the loss then keeps fp32 accuracy against an fp64
+    # reference on those logits. Gradients are fp32-accumulated from bf16 operands and come back in
+    # each input's dtype.
+    (hidden, weight, bias), inputs = linear_case(dtype=torch.float32 if autocast else torch.bfloat16)
+    operands = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in operands]
+    ref_logits = rounded_like_the_model(make_logits(*ref_leaves), torch.bfloat16)
+    ref = dgpo_ops.reference_loss(ref_logits, **inputs, beta=0.02)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02,
+                                              backend=backend, memory_budget=2 * 70 * 4 * 2)
+    ref_grads = torch.autograd.grad(ref.loss, ref_leaves)
+    grads = torch.autograd.grad(out.loss, leaves)
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)
+    for got, want, leaf in zip(grads, ref_grads, leaves):
+        assert got.dtype == leaf.dtype
+        # the gradient tile is rounded to bf16 before the fp32-accumulated GEMMs: 2^-8 relative per
+        # element, averaging out over the V (or N) terms of each product
+        torch.testing.assert_close(got.double(), want, rtol=2.0**-6, atol=2e-3 * want.abs().max().item())
 
 
 def test_tied_embeddings_accumulate_both_gradients():
@@ -181,3 +202,44 @@ def test_bad_inputs_raise(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         dgpo_ops.fused_linear_dgpo_loss(**args)
+
+
+def _sharded_weight_worker(rank, world_size, init_file, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        (hidden, weight, bias), inputs = linear_case(seed=7)  # the same inputs on every process
+        leaf = hidden.detach().clone().requires_grad_(True)
+        sharded = distribute_tensor(weight.detach().clone(), mesh, [Shard(0)]).requires_grad_(True)
+        sharded_bias = distribute_tensor(bias.detach().clone(), mesh, [Shard(0)]).requires_grad_(True)
+        out = dgpo_ops.fused_linear_dgpo_loss(leaf, sharded, **inputs, bias=sharded_bias, beta=0.02)
+        out.loss.backward()
+        assert isinstance(sharded.grad, DTensor) and tuple(sharded.grad.placements) == (Shard(0),)
+        assert isinstance(sharded_bias.grad, DTensor)
+        torch.save({"loss": out.loss.detach(), "hidden": leaf.grad, "weight": sharded.grad.full_tensor(),
+                    "bias": sharded_bias.grad.full_tensor(), "local_rows": sharded.grad.to_local().shape[0]},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_weight_gives_the_unsharded_result_as_a_dtensor(tmp_path):
+    # FSDP2 hands the lm_head weight over as a DTensor (Shard(0)): it is gathered for the products and
+    # its gradient comes back as a DTensor with the same placement, equal to the unsharded op's.
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sharded_weight_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    (hidden, weight, bias), inputs = linear_case(seed=7)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02)
+    out.loss.backward()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["local_rows"] == weight.shape[0] // 2
+        torch.testing.assert_close(got["loss"], out.loss.detach())
+        for name, leaf in zip(("hidden", "weight", "bias"), leaves):
+            torch.testing.assert_close(got[name], leaf.grad, msg=name)

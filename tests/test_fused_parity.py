@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dgpo_ops
-from helpers import METHOD_VARIANTS, logits_batch, variant_id
+from helpers import METHOD_VARIANTS, logits_batch, requires_cuda, variant_id
 
 AGGREGATIONS = list(dgpo_ops.AGGREGATIONS)
 
@@ -33,7 +33,7 @@ TOLERANCES = {
 }
 
 
-def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=300):
+def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=300, device="cpu"):
     name, params = variant
     inputs = logits_batch(B, T, V, seed=seed, dtype=dtype)
     options = dict(FEATURE_BUNDLES[bundle])
@@ -48,10 +48,16 @@ def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=3
     fused_logits = logits.clone().requires_grad_(True)
     common = dict(method=name, aggregation=aggregation, **params, **options)
     ref = dgpo_ops.reference_loss(ref_logits, **inputs, **common)
+    if device != "cpu":
+        fused_logits = fused_logits.detach().to(device).requires_grad_(True)
+        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
     out = dgpo_ops.fused_dgpo_loss(fused_logits, **inputs, **common, backend=backend)
     ref.loss.backward()
     out.loss.backward()
-    return ref, out, ref_logits.grad, fused_logits.grad
+    if device != "cpu":
+        out = dgpo_ops.PolicyLossOutput(out.loss.cpu(), out.logps.cpu(), out.entropy.cpu(),
+                                        {k: v.cpu() for k, v in out.metrics.items()})
+    return ref, out, ref_logits.grad, fused_logits.grad.cpu()
 
 
 def assert_parity(ref, out, ref_grad, grad, dtype):
@@ -81,6 +87,52 @@ def test_fused_matches_reference(backend, variant, aggregation, dtype):
     for index, bundle in enumerate(FEATURE_BUNDLES):
         ref, out, ref_grad, grad = run_case(variant, aggregation, dtype, bundle, backend, seed=index)
         assert_parity(ref, out, ref_grad, grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+@requires_cuda
+def test_fused_matches_reference_on_cuda(variant, aggregation, dtype):
+    # The Triton kernels compiled for the GPU (not the interpreter), bf16 rounded to nearest there.
+    for index, bundle in enumerate(FEATURE_BUNDLES):
+        ref, out, ref_grad, grad = run_case(variant, aggregation, dtype, bundle, "triton", seed=index, device="cuda")
+        assert_parity(ref, out, ref_grad, grad, dtype)
+
+
+@pytest.mark.parametrize("layout", ["sliced_time", "vocab_strided", "flat", "inplace"])
+@requires_cuda
+def test_layouts_on_cuda(layout):
+    inputs = logits_batch(2, 6, 5000, seed=31)
+    logits = inputs.pop("logits")
+    ref_logits = logits.double().requires_grad_(True)
+    cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    ref = dgpo_ops.reference_loss(ref_logits, **inputs, beta=0.03, entropy_coef=0.01)
+    ref.loss.backward()
+    if layout == "sliced_time":
+        base = torch.cat([logits, torch.randn(2, 1, 5000)], dim=1).cuda().requires_grad_(True)
+        out = dgpo_ops.fused_dgpo_loss(base[:, :-1], **cuda, beta=0.03, entropy_coef=0.01)
+        out.loss.backward()
+        grad = base.grad[:, :-1]
+    elif layout == "vocab_strided":
+        leaf = logits.cuda().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
+        out = dgpo_ops.fused_dgpo_loss(leaf, **cuda, beta=0.03, entropy_coef=0.01)
+        out.loss.backward()
+        grad = leaf.grad
+    elif layout == "flat":
+        leaf = logits.cuda().reshape(12, 5000).requires_grad_(True)
+        flat = {k: v.reshape(12) if torch.is_tensor(v) and v.dim() == 2 else v for k, v in cuda.items()}
+        flat["advantages"] = cuda["advantages"][:, None].expand(2, 6).reshape(12)
+        out = dgpo_ops.fused_dgpo_loss(leaf, **flat, beta=0.03, entropy_coef=0.01)
+        out.loss.backward()
+        grad = leaf.grad.reshape(2, 6, 5000)
+    else:
+        leaf = logits.cuda().requires_grad_(True)
+        produced = leaf * 1.0
+        out = dgpo_ops.fused_dgpo_loss(produced, **cuda, beta=0.03, entropy_coef=0.01, inplace=True)
+        (grad,) = torch.autograd.grad(out.loss, produced)
+    torch.testing.assert_close(out.loss.double().cpu(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double().cpu(), ref_logits.grad, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -1,5 +1,5 @@
-"""The row kernels themselves: Triton (interpreter) against the torch twins, tiles, launch grid,
-the interpreter guard, and the memory the CPU path allocates."""
+"""The kernels themselves: each Triton kernel (interpreter) against its torch twin, tiles, the launch
+grid, the interpreter guard, the exhaustive method switch, and the memory the CPU path allocates."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ import pytest
 import torch
 
 import dgpo_ops
+from dgpo_ops.aggregation import AGGREGATIONS
+from dgpo_ops.inputs import normalizer_spec, token_inputs
+from dgpo_ops.kernels import finalize as finalize_module
 from dgpo_ops.kernels import logits_grad as grad_module
 from dgpo_ops.kernels import logprob_entropy as forward_module
-from dgpo_ops.kernels.torch_twins import logits_grad_torch, logprob_entropy_torch
+from dgpo_ops.kernels import prologue as prologue_module
+from dgpo_ops.kernels.interface import Plane, SequenceStat, Status
+from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.kernels.torch_twins import logits_grad_torch, logprob_entropy_torch, token_prologue_torch
 from helpers import logits_batch
 
 
@@ -25,39 +31,121 @@ def row_inputs(B, T, V, seed=0, dtype=torch.float32):
     return logits, target, mask
 
 
+def workspace_after_prologue(logits, target, mask, prologue=token_prologue_torch, aggregation="token_mean",
+                             loss_normalizer=None, **per_token):
+    batch = token_inputs(logits.shape, logits.dtype, logits.device, target,
+                         per_token.pop("advantages", torch.ones(logits.shape[0])), mask, aggregation=aggregation,
+                         **per_token)
+    workspace = RowWorkspace.allocate(logits.shape[:-1], batch.grid[0], logits.device)
+    prologue(batch, workspace.sequence_stats, workspace.seq_scale, workspace.status, workspace.target_index,
+             logits.shape[-1], AGGREGATIONS[aggregation], normalizer_spec(loss_normalizer, logits.device))
+    return batch, workspace
+
+
+PROLOGUE_CASES = {
+    "token_mean": dict(),
+    "seq_mean_token_mean": dict(aggregation="seq_mean_token_mean"),
+    "seq_mean_token_sum_norm": dict(aggregation="seq_mean_token_sum_norm"),
+    "seq_sum_token_mean": dict(aggregation="seq_sum_token_mean"),
+    "normalizer_value": dict(loss_normalizer=13.0),
+    "normalizer_tensor": dict(loss_normalizer="tensor"),
+    "int_mask_and_per_token_floats": dict(int_mask=True, floats=True),
+    "bad_target": dict(bad="target"),
+    "bad_mask": dict(bad="mask"),
+    "nan_old_logps": dict(bad="old", floats=True),
+    "bad_normalizer": dict(loss_normalizer="zero"),
+}
+
+
+@pytest.mark.parametrize("case", list(PROLOGUE_CASES))
+def test_prologue_matches_the_twin(case):
+    options = dict(PROLOGUE_CASES[case])
+    logits, target, mask = row_inputs(3, 37, 20, seed=1)
+    target[0, 5] = -100
+    per_token = {}
+    if options.pop("floats", False):
+        per_token = dict(old_logps=-torch.rand(3, 37), ref_logps=-torch.rand(3, 37),
+                         rollout_weights=torch.rand(3, 37), advantages=torch.randn(3, 37))
+    if options.pop("int_mask", False):
+        mask = mask.to(torch.int32)
+    bad = options.pop("bad", None)
+    if bad == "target":
+        target[2, 30], target[1, 4] = 25, -3  # the first in row-major order is reported: -3
+    elif bad == "mask":
+        mask = mask.to(torch.float32)
+        mask[1, 1] = 0.5
+    elif bad == "old":
+        per_token["old_logps"][2, 36] = float("nan")
+        mask[2, 36] = True
+    normalizer = options.pop("loss_normalizer", None)
+    normalizer = {"tensor": torch.tensor(6.0), "zero": torch.tensor(0.0)}.get(normalizer, normalizer)
+    results = []
+    for prologue in (prologue_module.token_prologue, token_prologue_torch):
+        _, workspace = workspace_after_prologue(logits, target, mask, prologue, loss_normalizer=normalizer,
+                                                **dict(per_token), **options)
+        results.append(workspace)
+    got, want = results
+    assert torch.equal(got.target_index, want.target_index)
+    assert torch.equal(got.status[:Status.ARRIVED], want.status[:Status.ARRIVED])
+    assert got.status[Status.ARRIVED] == 3  # every program arrived
+    assert torch.equal(got.sequence_stats[SequenceStat.TOKENS], want.sequence_stats[SequenceStat.TOKENS])
+    torch.testing.assert_close(got.seq_scale, want.seq_scale, rtol=0, atol=0, equal_nan=True)
+    if bad == "target":
+        assert got.status[Status.BAD_TARGET] == -3
+    assert (got.status[Status.ERRORS] != 0) == (bad is not None or normalizer is not None and case == "bad_normalizer")
+
+
 @pytest.mark.parametrize("V, block_v", [(1000, 128), (37, 16), (64, 64), (129, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_tiles_match_the_twin(V, block_v, dtype):
     logits, target, mask = row_inputs(2, 5, V, dtype=dtype)
-    got = forward_module.logprob_entropy(logits, target, mask, 1 / 0.9, block_v=block_v)
-    want = logprob_entropy_torch(logits, target, mask, 1 / 0.9)
-    for name in ("row_max", "log_norm", "logp", "entropy"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
+    batch, got = workspace_after_prologue(logits, target, mask)
+    _, want = workspace_after_prologue(logits, target, mask)
+    forward_module.logprob_entropy(logits, batch, got, 1 / 0.9, block_v=block_v)
+    logprob_entropy_torch(logits, batch, want, 1 / 0.9)
+    for plane in (Plane.ROW_MAX, Plane.LOG_NORM, Plane.LOGP, Plane.ENTROPY):
+        torch.testing.assert_close(got.per_token[plane], want.per_token[plane], rtol=1e-5, atol=1e-5, msg=plane.name)
 
 
 @pytest.mark.parametrize("V, block_v", [(1000, 128), (37, 16)])
-@pytest.mark.parametrize("with_entropy", [False, True])
-def test_backward_tiles_match_the_twin(V, block_v, with_entropy):
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.3])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_backward_tiles_match_the_twin(V, block_v, entropy_coef, scaled):
     logits, target, mask = row_inputs(2, 5, V, seed=1)
-    rows = logprob_entropy_torch(logits, target, mask, 1.3)
-    g = torch.randn(2, 5) * mask
-    h = torch.randn(2, 5) * mask if with_entropy else None
-    got = grad_module.logits_grad(logits, torch.empty_like(logits), target, rows.row_max, rows.log_norm, rows.entropy, g, h, 1.3,
-                                  block_v=block_v)
-    want = logits_grad_torch(logits, torch.empty_like(logits), target, rows.row_max, rows.log_norm, rows.entropy, g, h, 1.3)
+    batch, workspace = workspace_after_prologue(logits, target, mask, aggregation="seq_mean_token_mean")
+    logprob_entropy_torch(logits, batch, workspace, 1.3)
+    workspace.per_token[Plane.DLOSS_DLOGP] = torch.randn(2, 5)
+    coefficient = torch.randn(10) if scaled else None
+    grad_loss = torch.tensor(0.7)
+    got = grad_module.logits_grad(logits, torch.empty_like(logits), workspace, 5, 1.3, entropy_coef, grad_loss,
+                                  coefficient, block_v=block_v)
+    want = logits_grad_torch(logits, torch.empty_like(logits), workspace, 5, 1.3, entropy_coef, grad_loss, coefficient)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     assert got[~mask].abs().max() == 0
 
 
+def test_finalize_matches_the_torch_metrics():
+    inputs = logits_batch(3, 7, 40, seed=5)
+    out = dgpo_ops.fused_dgpo_loss(**inputs, backend="triton", method="grpo", dual_clip=3.0, beta=0.1)
+    ref = dgpo_ops.fused_dgpo_loss(**inputs, backend="torch", method="grpo", dual_clip=3.0, beta=0.1)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-7)
+    for name in ref.metrics:
+        torch.testing.assert_close(out.metrics[name], ref.metrics[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert all(out.metrics[name] > 0 for name in ("ln_fraction", "hp_fraction", "lp_fraction", "hn_fraction",
+                                                  "dual_clip_fraction", "kl_mean"))
+
+
 def test_twin_chunks_match_one_chunk():
     logits, target, mask = row_inputs(3, 7, 50, seed=2)
-    whole = logprob_entropy_torch(logits, target, mask, 1.0)
-    chunked = logprob_entropy_torch(logits, target, mask, 1.0, chunk_rows=4)
-    torch.testing.assert_close(chunked.log_norm, whole.log_norm)
-    g = torch.randn(3, 7)
-    a = logits_grad_torch(logits, torch.empty_like(logits), target, whole.row_max, whole.log_norm, whole.entropy, g, None, 1.0)
-    b = logits_grad_torch(logits, torch.empty_like(logits), target, whole.row_max, whole.log_norm, whole.entropy, g, None, 1.0,
-                          chunk_rows=4)
+    batch, whole = workspace_after_prologue(logits, target, mask)
+    _, chunked = workspace_after_prologue(logits, target, mask)
+    logprob_entropy_torch(logits, batch, whole, 1.0)
+    logprob_entropy_torch(logits, batch, chunked, 1.0, chunk_rows=4)
+    rows = slice(Plane.ROW_MAX, Plane.ENTROPY + 1)  # the planes the row twin writes
+    torch.testing.assert_close(chunked.per_token[rows], whole.per_token[rows])
+    whole.per_token[Plane.DLOSS_DLOGP] = torch.randn(3, 7)
+    a = logits_grad_torch(logits, torch.empty_like(logits), whole, 7, 1.0, 0.0)
+    b = logits_grad_torch(logits, torch.empty_like(logits), whole, 7, 1.0, 0.0, chunk_rows=4)
     torch.testing.assert_close(a, b)
 
 
@@ -75,14 +163,41 @@ class RecordingKernel:
 def test_long_completions_launch_on_grid_axis_zero(monkeypatch):
     # 70,000 tokens in one response: past CUDA's 65,535 cap on grid axes 1 and 2.
     recorder = RecordingKernel()
-    monkeypatch.setattr(forward_module, "logprob_entropy_fwd_kernel", recorder)
-    monkeypatch.setattr(grad_module, "logits_grad_kernel", recorder)
+    monkeypatch.setattr(dgpo_ops.backends, "triton_is_interpreted", lambda: True)
+    for module, name in ((forward_module, "logprob_entropy_fwd_kernel"), (grad_module, "logits_grad_kernel"),
+                         (prologue_module, "token_prologue_kernel"), (finalize_module, "finalize_kernel")):
+        monkeypatch.setattr(module, name, recorder)
     logits = torch.empty(1, 70_000, 8)
     target = torch.zeros(1, 70_000, dtype=torch.long)
-    mask = torch.ones(1, 70_000, dtype=torch.bool)
-    rows = forward_module.logprob_entropy(logits, target, mask, 1.0)
-    grad_module.logits_grad(logits, logits, target, rows.row_max, rows.log_norm, rows.entropy, rows.logp, None, 1.0)
-    assert recorder.grids == [(70_000,), (70_000,)]
+    dgpo_ops.fused_dgpo_loss(logits.requires_grad_(True), target, torch.ones(1), backend="triton",
+                             validation="deferred").loss.backward()
+    dgpo_ops.raise_deferred_errors()
+    assert recorder.grids == [(1,), (70_000,), (1,), (70_000,)]  # prologue per response, rows, finalize, rows
+
+
+def test_an_unknown_method_id_does_not_compile():
+    # token_terms names every MethodId and static_asserts otherwise: no silent fall-through to a method.
+    from dgpo_ops.kernels import aot
+
+    spec = aot._forward("fp32")
+    code = (
+        "import os, triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from dgpo_ops.kernels import aot\n"
+        "spec = aot._forward('fp32')\n"
+        "for method in (int(aot.MethodId.SAPO), 99):\n"
+        "    try:\n"
+        "        triton.compile(aot._source(spec, {'METHOD': method}), target=GPUTarget('cuda', 90, 32),\n"
+        "                       options=aot.LAUNCH['forward'])\n"
+        "        print(method, 'compiled')\n"
+        "    except Exception as error:\n"
+        "        cause = error.__cause__\n"
+        "        print(method, 'failed', type(cause).__name__, 'unknown METHOD id' in str(cause))\n"
+    )
+    assert spec.kernel == "forward"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["6 compiled", "99 failed CompileTimeAssertionFailure True"], out
 
 
 def test_triton_backend_on_cpu_without_the_interpreter_says_how_to_enable_it():

@@ -21,8 +21,9 @@ def model_dir(tmp_path_factory):
 def train(model_dir, output_dir, max_steps=3, resume=None, save_steps=None, **config):
     from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
 
+    config.setdefault("bf16", False)
     args = DGPOConfig(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=6, bf16=False, use_cpu=True, report_to=[], logging_steps=1,
+                      max_completion_length=6, use_cpu=True, report_to=[], logging_steps=1,
                       max_steps=max_steps, num_iterations=2, learning_rate=1e-3, seed=0,
                       save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                       disable_tqdm=True, **config)
@@ -101,3 +102,14 @@ def test_two_processes_share_dcpo_statistics(model_dir, tmp_path):
     assert ranks[0]["world"] == 2
     assert ranks[0]["dcpo"] == ranks[1]["dcpo"] and len(ranks[0]["dcpo"]) == 2
     assert ranks[0]["losses"] == ranks[1]["losses"] and all(math.isfinite(v) for v in ranks[0]["losses"])
+
+
+@pytest.mark.parametrize("fused", ["linear", "logits"])
+def test_bf16_autocast_keeps_fresh_batches_on_policy(model_dir, tmp_path, fused):
+    # bf16 autocast over fp32 weights (the trainer's bf16 runs): the old-policy log-probs come from the
+    # same op under the same autocast as the loss, so the first step on each fresh generation batch
+    # has ratios of exactly 1; the second step on it (num_iterations=2) has moved.
+    trainer = train(model_dir, tmp_path, max_steps=2, policy_loss="dgpo", fused=fused, bf16=True)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs[0]["ratio_mean"] == 1.0 and logs[0]["clip_ratio/region_mean"] == 0.0, logs[0]
+    assert logs[1]["ratio_mean"] != 1.0

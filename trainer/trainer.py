@@ -20,6 +20,8 @@ from trl import GRPOTrainer
 
 from dgpo_ops.fused import fused_loss_from_options
 from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
+from dgpo_ops.metrics import METRIC_NAMES
+from dgpo_ops.validation import raise_deferred_errors
 
 from .advantages import SmoothAdvantageStandardizer, prompt_key
 from .config import DGPOConfig
@@ -112,13 +114,15 @@ class DGPOTrainer(GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             ids, att = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
             targets = ids[:, -logits_to_keep:].masked_fill(att[:, -logits_to_keep:] == 0, -100)
+            # The same autocast as the loss: the old-policy log-probs of an unchanged policy then equal
+            # the loss's own, and on-policy ratios are exactly 1 in bf16 runs too.
             with self.accelerator.autocast():
                 hidden = self._completion_hidden(model, ids, att, logits_to_keep)
-            weight, bias = self._lm_head(model)
-            lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=self.temperature,
-                                            logit_scale=self.projection_options.logit_scale,
-                                            softcap=self.projection_options.softcap,
-                                            memory_budget=self.projection_options.memory_budget)
+                weight, bias = self._lm_head(model)
+                lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=self.temperature,
+                                                logit_scale=self.projection_options.logit_scale,
+                                                softcap=self.projection_options.softcap,
+                                                memory_budget=self.projection_options.memory_budget)
             logps.append(lp)
             entropies.append(ent)
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
@@ -182,12 +186,17 @@ class DGPOTrainer(GRPOTrainer):
         return out.loss
 
     def _log_loss_metrics(self, metrics, mask, mode):
-        # Masked means reduced across processes as (sum, count), like TRL's global_masked_mean.
+        # Masked means reduced across processes as (sum, count), like TRL's global_masked_mean: one
+        # vector, one reduction and one host read per step (TRL's logging reads its metrics too).
         count = mask.sum().float()
         names = list(LOGGED_METRICS) + (["kl_mean"] if self.beta != 0.0 else [])
-        local = torch.stack([metrics[name].float() * count for name in names] + [count])
+        local = torch.cat([metrics.as_tensor() * count, count[None]])
         totals = self.accelerator.reduce(local, reduction="sum")
-        means = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
+        every_mean = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
+        means = [every_mean[METRIC_NAMES.index(name)] for name in names]
+        # The read above waited for this step's kernels: input errors they found on the device
+        # (deferred validation) are raised now, at no extra synchronisation.
+        raise_deferred_errors()
         for name, value in zip(names, means):
             self._metrics[mode][LOGGED_METRICS.get(name, "kl")].append(value)
         low, high = means[names.index("ln_fraction")], means[names.index("hp_fraction")]

@@ -1,0 +1,119 @@
+"""The steps both fused ops run per call, on the device and without a host read:
+
+1. the prologue (``RowKernels.prologue``): canonical targets, counts, aggregation scales, input checks;
+2. the row forward (``RowKernels.forward``), with the method's epilogue where it applies;
+3. the loss and metrics: the finalize kernel after an epilogue, else the torch objective on the
+   per-token log-probs and entropies (``objective_route``: every method, GSPO's sequence ratio
+   included, with autograd on O(N) vectors only);
+4. in backward, the gradient kernel (``RowKernels.backward``).
+
+``CallPlan`` is everything a call decides on the host from metadata alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .aggregation import AGGREGATIONS
+from .backends import RowKernels
+from .inputs import canonical_batch, normalizer_spec
+from .kernels.interface import Plane
+from .kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs
+from .metrics import policy_metrics
+from .methods import MethodConfig
+from .objective import policy_objective
+from .options import LossOptions
+
+
+@dataclass
+class CallPlan:
+    inputs: TokenInputs
+    options: LossOptions
+    kernels: RowKernels
+    vocab: int
+    normalizer: tuple  # normalizer_spec(...)
+    normalizer_tensor: torch.Tensor | None
+    deferred: bool  # input values are checked on the device (dgpo_ops.validation)
+    needs_grad: bool
+
+    @property
+    def uses_epilogue(self) -> bool:
+        """Token-level methods are evaluated in the forward kernel's epilogue (Triton)."""
+        return self.kernels.has_epilogue and not self.options.sequence_level
+
+    @property
+    def has_kl(self) -> bool:
+        return self.options.beta != 0.0 and self.inputs.ref_logps is not None
+
+    @property
+    def grid_seq_len(self) -> int:
+        return self.inputs.grid[1]
+
+
+def plan_call(inputs: TokenInputs, options: LossOptions, kernels: RowKernels, vocab: int, loss_normalizer,
+              device, deferred: bool, needs_grad: bool) -> CallPlan:
+    if options.beta != 0.0 and inputs.ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps")
+    normalizer = normalizer_spec(loss_normalizer, device)
+    return CallPlan(inputs, options, kernels, vocab, normalizer, normalizer[2], deferred, needs_grad)
+
+
+@functools.lru_cache(maxsize=256)
+def method_params(config: MethodConfig, device: torch.device) -> torch.Tensor:
+    """The method's fp32 parameter vector on ``device``, made once per (config, device): later calls
+    copy nothing. The copy to a GPU is asynchronous (pinned source), so even the first call does not
+    synchronise."""
+    values = torch.tensor(config.kernel_params(), dtype=torch.float32)
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
+    return EpilogueInputs(
+        method_id=int(options.method.method_id),
+        gate_id=int(options.method.gate_id),
+        method_params=method_params(options.method, torch.device(device)),
+        beta=float(options.beta),
+        entropy_coef=float(options.entropy_coef),
+        kl_ratio_correction=options.kl_ratio_correction,
+    )
+
+
+def run_prologue(plan: CallPlan, workspace: RowWorkspace) -> None:
+    plan.kernels.prologue(plan.inputs, workspace.sequence_stats, workspace.seq_scale, workspace.status,
+                          workspace.target_index, plan.vocab, AGGREGATIONS[plan.options.aggregation], plan.normalizer)
+
+
+@dataclass
+class ObjectiveResult:
+    loss: torch.Tensor
+    dloss_dlogp: torch.Tensor | None  # (n_tokens,), scaled by the aggregation
+    stats: torch.Tensor
+
+
+def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
+    """Loss, scaled per-token coefficients and metrics from the row planes with the torch objective."""
+    B, T = plan.inputs.grid
+    planes = workspace.planes()
+    dtype = planes.dtype
+    scored = (workspace.target_index >= 0).view(B, T)
+    scale = torch.where(scored, workspace.seq_scale[:, None], 0.0)
+    batch = canonical_batch(plan.inputs, scored, scale, dtype)
+    logp, entropy = planes[Plane.LOGP].view(B, T), planes[Plane.ENTROPY].view(B, T)
+    if not plan.needs_grad:  # forward only (no_grad / inference_mode): the loss and metrics, no coefficients
+        terms = policy_objective(logp, entropy, batch, plan.options)
+        dloss_dlogp = None
+    else:
+        with torch.enable_grad():
+            logp_leaf = logp.detach().requires_grad_(True)
+            entropy_leaf = entropy.detach().requires_grad_(True)
+            terms = policy_objective(logp_leaf, entropy_leaf, batch, plan.options)
+            (dloss_dlogp,) = torch.autograd.grad(terms.loss, [logp_leaf], allow_unused=True)
+        dloss_dlogp = torch.zeros_like(logp) if dloss_dlogp is None else dloss_dlogp
+        dloss_dlogp = dloss_dlogp.reshape(-1)
+    metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, scored)
+    return ObjectiveResult(terms.loss.detach(), dloss_dlogp, metrics.as_tensor())

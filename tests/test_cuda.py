@@ -1,0 +1,138 @@
+"""On a GPU: no host synchronisation (CUDA's own sync debug mode), deferred validation, the fused-linear
+op under autocast, and a production-sized vocabulary. Skipped without CUDA (see helpers.requires_cuda)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgpo_ops
+from helpers import CUDA_MARKS, logits_batch
+
+pytestmark = CUDA_MARKS
+
+
+def cuda_inputs(B=4, T=64, V=32000, seed=0, dtype=torch.bfloat16):
+    inputs = logits_batch(B, T, V, seed=seed, dtype=dtype)
+    return {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks():
+    dgpo_ops.raise_deferred_errors()
+    yield
+    torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(beta=0.05, entropy_coef=0.01, aggregation="seq_mean_token_mean"),
+    dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean"),
+], ids=["token", "token_kl_entropy", "sequence"])
+def test_logits_op_never_synchronises(options):
+    inputs = cuda_inputs()
+    logits = inputs.pop("logits").requires_grad_(True)
+    inputs["loss_normalizer"] = inputs["mask"].sum().float()  # a device tensor, as TRL passes one
+    inputs["mask"] = inputs["mask"].int()
+
+    def step():
+        logits.grad = None
+        out = dgpo_ops.fused_dgpo_loss(logits, **inputs, **options)
+        out.loss.backward()
+        return out
+
+    step()  # compiles outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call now raises
+    out = step()
+    metrics = out.metrics.as_tensor()
+    torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(out.loss) and torch.isfinite(metrics).all() and torch.isfinite(logits.grad).all()
+    dgpo_ops.raise_deferred_errors()
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_linear_op_never_synchronises(autocast):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(4, 64, 256, device="cuda", generator=g, requires_grad=True)
+    weight = (torch.randn(32000, 256, device="cuda", generator=g) * 0.05).requires_grad_(True)
+    inputs = cuda_inputs()
+    inputs.pop("logits")
+
+    def step():
+        hidden.grad = weight.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, beta=0.02)
+        out.loss.backward()
+        return out
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    out = step()
+    torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(out.loss) and weight.grad.dtype == torch.float32
+    dgpo_ops.raise_deferred_errors()
+
+
+def test_deferred_errors_on_the_device():
+    inputs = cuda_inputs(V=1000)
+    inputs["target_ids"][1, 3] = 1000
+    out = dgpo_ops.fused_dgpo_loss(**inputs)  # auto: deferred on CUDA, no error yet
+    assert torch.isnan(out.loss).item()
+    with pytest.raises(ValueError, match=r"target_ids must be in \[0, 1000\) or -100; found 1000"):
+        dgpo_ops.raise_deferred_errors()
+    inputs = cuda_inputs(V=1000)
+    inputs["advantages"][0] = float("nan")
+    dgpo_ops.fused_dgpo_loss(**inputs)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="advantages has non-finite values"):
+        dgpo_ops.fused_dgpo_loss(**cuda_inputs(V=1000))  # the next call finds the finished bad one
+
+
+def rounded_like_the_model(logits, dtype):
+    return logits + (logits.to(dtype).double() - logits).detach()
+
+
+@pytest.mark.parametrize("setting", ["autocast_fp32_params", "bf16_params", "fp32"])
+@pytest.mark.parametrize("method", ["dgpo", "grpo", "sapo"])
+def test_linear_op_matches_the_models_logits(setting, method):
+    g = torch.Generator().manual_seed(2)
+    B, T, H, V = 2, 16, 64, 3000
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2
+    inputs = logits_batch(B, T, V, seed=3, logits=hidden @ weight.T)
+    inputs.pop("logits")
+    params_dtype = torch.bfloat16 if setting == "bf16_params" else torch.float32
+    low = setting != "fp32"
+    operands = [t.to(torch.bfloat16 if low else torch.float32) for t in (hidden, weight)]
+    ref_leaves = [t.double().requires_grad_(True) for t in operands]
+    ref_logits = ref_leaves[0] @ ref_leaves[1].T
+    if low:
+        ref_logits = rounded_like_the_model(ref_logits, torch.bfloat16)
+    ref = dgpo_ops.reference_loss(ref_logits, **inputs, method=method, beta=0.02)
+    ref_grads = torch.autograd.grad(ref.loss, ref_leaves)
+    leaves = [t.to(params_dtype).cuda().requires_grad_(True) for t in (hidden, weight)]
+    cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setting == "autocast_fp32_params"):
+        out = dgpo_ops.fused_linear_dgpo_loss(*leaves, **cuda, method=method, beta=0.02, memory_budget=V * 2 * 8)
+    grads = torch.autograd.grad(out.loss, leaves)
+    torch.testing.assert_close(out.loss.double().cpu(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    for got, want, leaf in zip(grads, ref_grads, leaves):
+        assert got.dtype == leaf.dtype
+        tolerance = dict(rtol=2.0**-6, atol=2e-3 * want.abs().max().item()) if low else dict(rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got.double().cpu(), want, **tolerance)
+
+
+def test_production_vocabulary_bf16():
+    inputs = logits_batch(2, 32, 151936, seed=4, dtype=torch.bfloat16)
+    logits = inputs.pop("logits")
+    ref_logits = logits.double().requires_grad_(True)
+    ref = dgpo_ops.reference_loss(ref_logits, **inputs, entropy_coef=0.01)
+    ref.loss.backward()
+    leaf = logits.cuda().requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(leaf, **{k: v.cuda() for k, v in inputs.items()}, entropy_coef=0.01)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.double().cpu(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    relative = (leaf.grad.double().cpu() - ref_logits.grad).norm() / ref_logits.grad.norm()
+    assert relative < 4e-3  # bf16 rounding of the stored gradient (2^-9 relative per element)

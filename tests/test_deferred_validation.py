@@ -1,0 +1,130 @@
+"""Deferred validation (the CUDA default, issue 12): bad values are found by the prologue kernel on the
+device, the loss and gradient become NaN at once, and the ValueError naming the argument (the same
+message as immediate validation gives) comes from a later call or ``raise_deferred_errors()``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgpo_ops
+from dgpo_ops.validation import pending_deferred_checks
+from helpers import logits_batch
+
+BACKENDS = ["triton", "torch"]
+
+
+def bad_inputs(kind: str) -> dict:
+    inputs = logits_batch(2, 5, 30, seed=21, per_token_adv=kind == "per_token_advantages")
+    inputs["rollout_weights"] = torch.rand(2, 5) + 0.5
+    if kind == "target_ids":
+        inputs["target_ids"][1, 2] = 30
+    elif kind == "negative_target_ids":
+        inputs["target_ids"][0, 3] = -7
+    elif kind == "mask":
+        inputs["mask"] = inputs["mask"].to(torch.int64)
+        inputs["mask"][0, 1] = 2
+    elif kind in ("advantages", "per_token_advantages"):
+        inputs["advantages"].view(-1)[-1] = float("nan")
+    elif kind == "old_logps":
+        inputs["old_logps"][0, 0] = float("inf")
+    elif kind == "ref_logps":
+        inputs["ref_logps"][1, 0] = float("-inf")
+    elif kind == "rollout_weights":
+        inputs["rollout_weights"][0, 0] = float("nan")
+    elif kind == "loss_normalizer":
+        inputs["loss_normalizer"] = torch.tensor(0.0)
+    else:
+        raise AssertionError(kind)
+    inputs["mask"] = inputs["mask"] if kind == "mask" else torch.ones(2, 5, dtype=torch.bool)  # every token scored
+    return inputs
+
+
+KINDS = ["target_ids", "negative_target_ids", "mask", "advantages", "per_token_advantages", "old_logps", "ref_logps",
+         "rollout_weights", "loss_normalizer"]
+ARGUMENT = {"negative_target_ids": "target_ids", "per_token_advantages": "advantages"}
+
+
+def immediate_message(inputs) -> str:
+    with pytest.raises(ValueError) as caught:
+        dgpo_ops.fused_dgpo_loss(**inputs, beta=0.1, validation="immediate")
+    return str(caught.value)
+
+
+@pytest.fixture(autouse=True)
+def no_pending_checks():
+    dgpo_ops.raise_deferred_errors()  # nothing left over from another test
+    yield
+    try:
+        dgpo_ops.raise_deferred_errors()
+    except ValueError:
+        pass
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_value_gives_nan_now_and_the_named_error_later(backend, kind):
+    inputs = bad_inputs(kind)
+    expected = immediate_message(inputs)
+    assert ARGUMENT.get(kind, kind) in expected
+    logits = inputs.pop("logits").requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(logits, **inputs, beta=0.1, backend=backend, validation="deferred")
+    assert torch.isnan(out.loss)
+    out.loss.backward()  # the gradient is poisoned too, never quietly wrong
+    scored = inputs["mask"].bool() & (inputs["target_ids"] >= 0) & (inputs["target_ids"] < 30)
+    assert torch.isnan(logits.grad[scored]).all()
+    assert pending_deferred_checks() == 1
+    with pytest.raises(ValueError) as caught:
+        dgpo_ops.raise_deferred_errors()
+    assert str(caught.value).startswith(expected), (str(caught.value), expected)
+    assert "earlier fused_dgpo_loss call" in str(caught.value)
+    assert pending_deferred_checks() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_next_call_raises_an_earlier_calls_error(backend):
+    inputs = bad_inputs("target_ids")
+    dgpo_ops.fused_dgpo_loss(**inputs, backend=backend, validation="deferred")
+    clean = logits_batch(2, 5, 30, seed=22)
+    with pytest.raises(ValueError, match="target_ids must be in \\[0, 30\\) or -100; found 30"):
+        dgpo_ops.fused_dgpo_loss(**clean, backend=backend, validation="deferred")
+    out = dgpo_ops.fused_dgpo_loss(**clean, backend=backend, validation="deferred")  # raised once, then clean
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clean_inputs_give_the_immediate_result(backend):
+    inputs = logits_batch(3, 6, 40, seed=23)
+    inputs["loss_normalizer"] = torch.tensor(7.0)
+    immediate = dgpo_ops.fused_dgpo_loss(**inputs, backend=backend, validation="immediate", beta=0.1)
+    deferred = dgpo_ops.fused_dgpo_loss(**inputs, backend=backend, validation="deferred", beta=0.1)
+    dgpo_ops.raise_deferred_errors()
+    assert torch.equal(immediate.loss, deferred.loss)
+    for name in immediate.metrics:
+        assert torch.equal(immediate.metrics[name], deferred.metrics[name]), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_linear_defers_too(backend):
+    inputs = bad_inputs("target_ids")
+    inputs.pop("logits")
+    g = torch.Generator().manual_seed(24)
+    hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    weight = torch.randn(30, 8, generator=g, requires_grad=True)
+    out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, backend=backend, validation="deferred")
+    assert torch.isnan(out.loss)
+    out.loss.backward()
+    assert torch.isnan(weight.grad).any()
+    with pytest.raises(ValueError, match="target_ids .* found 30 \\(found on the device in an earlier fused_linear"):
+        dgpo_ops.raise_deferred_errors()
+
+
+def test_validation_mode_is_checked():
+    with pytest.raises(ValueError, match="validation"):
+        dgpo_ops.fused_dgpo_loss(**logits_batch(2, 3, 20), validation="later")
+
+
+def test_auto_is_immediate_on_the_cpu():
+    inputs = bad_inputs("advantages")
+    with pytest.raises(ValueError, match="advantages has non-finite values on unmasked tokens$"):
+        dgpo_ops.fused_dgpo_loss(**inputs)

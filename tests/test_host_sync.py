@@ -1,0 +1,173 @@
+"""No host-device synchronisation and a small op budget per forward + backward (issue 12).
+
+Every aten op the fused ops dispatch is recorded by a ``TorchDispatchMode``. An op that reads a
+device value on the host (``_local_scalar_dense``: ``.item()``, ``float()``, ``tolist()``;
+``is_nonzero``: ``bool()``; ``nonzero``; ``masked_select``; boolean-mask ``index``; ``equal``)
+would be a synchronisation on CUDA, so it fails the test wherever it runs. Triton launches are not
+aten ops; under the interpreter they copy their arguments with aten ops, which the recorder does
+not count (it pauses inside the interpreter's launch and counts the launch instead).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dgpo_ops
+from dgpo_ops.metrics import METRIC_NAMES
+from helpers import METHOD_VARIANTS, variant_id
+
+SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default",
+               "aten.masked_select.default", "aten.equal.default"}
+OP_BUDGET = 20  # dispatched aten ops per forward + backward of a token-level method on Triton, metrics included
+
+
+class AtenRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.syncs: list[str] = []
+        self.launches = 0
+        self._paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._paused:
+            name = str(func)
+            self.ops.append(name)
+            boolean_index = name.startswith("aten.index.") and any(
+                torch.is_tensor(i) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else []) if i is not None)
+            if name in SYNCING_OPS or boolean_index:
+                self.syncs.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = AtenRecorder()
+    from triton.runtime import interpreter
+
+    launch = interpreter.GridExecutor.__call__
+
+    def counted_launch(self, *args, **kwargs):
+        rec.launches += 1
+        rec._paused += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            rec._paused -= 1
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted_launch)
+    return rec
+
+
+def loss_inputs(B=2, T=8, V=50, seed=0, int_mask=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g, requires_grad=True)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    return dict(
+        logits=logits,
+        target_ids=torch.randint(0, V, (B, T), generator=g),
+        advantages=torch.randn(B, generator=g),
+        mask=mask.to(torch.int64) if int_mask else mask,
+        old_logps=-torch.rand(B, T, generator=g) * 3,
+        ref_logps=-torch.rand(B, T, generator=g) * 3,
+    )
+
+
+def run_logits(inputs, **options):
+    out = dgpo_ops.fused_dgpo_loss(**inputs, validation="deferred", **options)
+    out.loss.backward()
+    return out
+
+
+def recorded(recorder, fn):
+    fn()  # compile / fill caches outside the recording: the steady state is what a training loop runs
+    recorder.ops.clear()
+    recorder.syncs.clear()
+    recorder.launches = 0
+    with recorder:
+        fn()
+    dgpo_ops.raise_deferred_errors()  # clean inputs: nothing to raise
+    return recorder
+
+
+@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+def test_triton_token_level_has_no_sync_and_stays_in_budget(recorder, variant):
+    name, params = variant
+    inputs = loss_inputs()
+    rec = recorded(recorder, lambda: run_logits(inputs, method=name, backend="triton", **params))
+    assert rec.syncs == [], rec.syncs
+    assert len(rec.ops) <= OP_BUDGET, rec.ops
+    assert rec.launches == 4, "prologue, row forward, finalize, row backward"
+
+
+@pytest.mark.parametrize("options", [
+    dict(beta=0.05, entropy_coef=0.01, temperature=0.7),
+    dict(aggregation="seq_mean_token_mean", kl_ratio_correction=True, beta=0.1),
+    dict(loss_normalizer="tensor"),
+    dict(int_mask=True, rollout_weights=True, inplace=True),
+], ids=["kl_entropy_temperature", "seq_mean_kl_ratio", "normalizer_tensor", "int_mask_weights_inplace"])
+def test_triton_options_have_no_sync_and_stay_in_budget(recorder, options):
+    options = dict(options)
+    inputs = loss_inputs(int_mask=options.pop("int_mask", False))
+    if options.pop("rollout_weights", False):
+        inputs["rollout_weights"] = torch.rand(2, 8) + 0.5
+    if options.get("loss_normalizer") == "tensor":
+        options["loss_normalizer"] = torch.tensor(11.0)
+    if options.get("inplace"):
+        leaf = inputs["logits"]
+        fn = lambda: run_logits({**inputs, "logits": leaf * 1.0}, backend="triton", **options)  # noqa: E731
+    else:
+        fn = lambda: run_logits(inputs, backend="triton", **options)  # noqa: E731
+    rec = recorded(recorder, fn)
+    assert rec.syncs == [], rec.syncs
+    # the inplace case adds the leaf's `* 1.0` and its backward: two ops that are the caller's
+    assert len(rec.ops) <= OP_BUDGET + (3 if options.get("inplace") else 0), rec.ops
+
+
+def test_reading_the_metrics_costs_one_op_each_and_no_sync(recorder):
+    inputs = loss_inputs()
+    holder = {}
+    rec = recorded(recorder, lambda: holder.update(out=run_logits(inputs, backend="triton")))
+    rec.ops.clear()
+    with rec:
+        values = [holder["out"].metrics[name] for name in holder["out"].metrics]
+    assert len(values) == len(METRIC_NAMES)
+    assert rec.syncs == [] and len(rec.ops) == len(values)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_every_route_is_sync_free(recorder, backend, level):
+    inputs = loss_inputs()
+    options = dict(importance_sampling_level=level, aggregation="seq_mean_token_mean", entropy_coef=0.01, beta=0.02)
+    rec = recorded(recorder, lambda: run_logits(inputs, backend=backend, **options))
+    assert rec.syncs == [], rec.syncs
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_linear_is_sync_free(recorder, backend, level):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 8, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    inputs = loss_inputs()
+    inputs.pop("logits")
+    options = dict(importance_sampling_level=level, aggregation="seq_mean_token_mean", backend=backend,
+                   validation="deferred", memory_budget=50 * 4 * 4, loss_normalizer=torch.tensor(3.0))
+
+    def step():
+        out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, **options)
+        out.loss.backward()
+
+    rec = recorded(recorder, step)
+    assert rec.syncs == [], rec.syncs
+
+
+def test_the_recorder_catches_a_sync(recorder):
+    # immediate validation reads values on the host: the same recorder must flag it
+    inputs = loss_inputs()
+    rec = recorded(recorder, lambda: dgpo_ops.fused_dgpo_loss(**inputs, validation="immediate").loss.backward())
+    assert {"aten._local_scalar_dense.default", "aten.is_nonzero.default"} & set(rec.syncs), rec.syncs
