@@ -50,8 +50,7 @@ def _specs():
     from dgpo_ops.methods import Gate, MethodId
 
     def backward(dtype, entropy):
-        return aot.Specialisation("backward", dtype,
-                                  tuple(sorted({"BLOCK_V": aot.BLOCK_V, "HAS_ENTROPY_GRAD": entropy}.items())))
+        return aot._backward(dtype, entropy)
 
     def forward(dtype, method=None, *flags):
         if method is None:
@@ -128,6 +127,12 @@ def derived(kind: str, spec, method: str | None) -> dict:
             elif isinstance(sub, ast.Call) and any(isinstance(a, ast.Name) and a.id == "method_params_ptr"
                                                    for a in sub.args):
                 out["param_bytes"] += 4 * PARAM_WORDS[method]
+            elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id == "read_targets":
+                # kernels/tokens.read_targets: one target id, and the mask value when HAS_MASK
+                reads = out["side_reads"]
+                reads["target ids"] = reads.get("target ids", 0) + TYPE_BYTES[signature["target_ids_ptr"]]
+                if consts.get("HAS_MASK"):
+                    reads["mask"] = reads.get("mask", 0) + TYPE_BYTES[signature["mask_ptr"]]
 
     def visit(stmts, in_loop: bool) -> None:
         for st in stmts:
@@ -194,8 +199,7 @@ def _compile_sass(spec) -> str:
     from dgpo_ops.kernels import aot
     from triton.backends.compiler import GPUTarget
 
-    compiled = triton.compile(aot._source(spec), target=GPUTarget("cuda", ARCH, 32),
-                              options={"num_warps": aot.NUM_WARPS})
+    compiled = triton.compile(aot._source(spec), target=GPUTarget("cuda", ARCH, 32), options=aot.LAUNCH[spec.kernel])
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -232,6 +236,17 @@ def analyse() -> list[dict]:
         row["agree"] = all(a == b for a, b in row["checks"].values())
         rows.append(row)
     return rows
+
+
+def linear_bytes(rows, dtype: str) -> float:
+    """Bytes per logit element of the fused-linear tile: the GEMM's write plus the row kernels' reads
+    and write (derived units of the forward without epilogue and the backward, of ``dtype`` tiles)."""
+    element = ELEM[dtype]
+    forward = next(r for r in rows if r["kind"] == "forward" and r["dtype"] == dtype)
+    backward = next(r for r in rows if r["kind"] == "backward" and r["dtype"] == dtype)
+    units = (forward["derived"]["row_read_units"] + backward["derived"]["row_read_units"]
+             + backward["derived"]["row_write_units"])
+    return element + units * 2  # derived units are V * 2 bytes per token, i.e. 2 bytes per element
 
 
 def _fmt_units(x: float) -> str:
@@ -313,6 +328,16 @@ def render(rows: list[dict]) -> tuple[str, dict]:
         "token costs 0 in the forward and 1 (a zero store) in the backward. "
         + ("The SASS count agrees with the derivation for every kernel above."
            if agree else "**The SASS count disagrees with the derivation somewhere above: see the table.**"),
+        "",
+        "**Fused linear** (`fused_linear_dgpo_loss`, a token-level method): the GEMM writes each logits tile "
+        "once in the tile dtype, the forward row kernel reads it, and the backward row kernel reads it and "
+        "writes the gradient over it in the GEMMs' operand dtype, which the dH and dW GEMMs read as their "
+        "operand. Per logit element, besides those GEMM operand reads: "
+        + "; ".join(f"{label} tiles {linear_bytes(rows, dtype):g} B" for label, dtype in (("bf16", "bf16"),
+                                                                                      ("fp32", "fp32")))
+        + " (the forward's and backward's derived row units above, in bytes, plus the GEMM's write). "
+        "The bf16 case is every bf16 run: autocast over fp32 weights, or bf16 weights. With a softcap the "
+        "tile is fp32 and tanh and its chain rule add passes; not counted here.",
         "",
         ("For comparison, from their sources (not compiled here): TRL 1.16's `trl.kernels` log-prob kernel "
         "and Liger-Kernel 0.8.5's `triton_grpo_loss` also read each row once in the forward and read and "

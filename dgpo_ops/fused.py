@@ -2,10 +2,9 @@
 beyond the gradient itself (none with ``inplace=True``), and without a host-device
 synchronisation on CUDA.
 
-Forward, for a token-level method on Triton, is three launches: the prologue (input checks,
-counts, aggregation scales), the row kernel (each logits row read once: log-sum-exp, the
-target's log-prob, the entropy and the method's per-token terms) and the finalize kernel (loss
-and metrics). Sequence-level ratios (GSPO) and the torch backend evaluate the objective with
+Forward, for a token-level method on Triton, is three launches: the row kernel (each logits row
+read once: log-sum-exp, the target's log-prob, the entropy and the method's per-token terms), the
+prologue (input checks, counts, aggregation scales) and the finalize kernel (loss and metrics). Sequence-level ratios (GSPO) and the torch backend evaluate the objective with
 torch on O(N) vectors instead. Backward is one launch: the gradient kernel expands two per-token
 coefficients over the vocabulary, reading the incoming gradient on the device.
 """
@@ -37,14 +36,17 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         token_shape = logits.shape[:-1]
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         workspace = RowWorkspace.allocate(token_shape, inputs.grid[0], logits.device, dtype)
-        run_prologue(plan, workspace)
         inv_temperature = 1.0 / options.temperature
+        # The row forward first: it waits for no other kernel, so the long pass over the logits
+        # starts as early as the host can launch it; the small prologue and finalize queue behind it.
         if plan.uses_epilogue:
             kernels.forward(logits, inputs, workspace, inv_temperature, epilogue_inputs(options, logits.device))
+            run_prologue(plan, workspace)
             kernels.finalize(workspace, plan.grid_seq_len, plan.has_kl)
             loss, stats, coefficient = workspace.loss, workspace.stats, None
         else:
             kernels.forward(logits, inputs, workspace, inv_temperature)
+            run_prologue(plan, workspace)
             result = objective_route(plan, workspace)
             loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
         if plan.deferred:

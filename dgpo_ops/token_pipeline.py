@@ -1,7 +1,10 @@
 """The steps both fused ops run per call, on the device and without a host read:
 
-1. the prologue (``RowKernels.prologue``): canonical targets, counts, aggregation scales, input checks;
-2. the row forward (``RowKernels.forward``), with the method's epilogue where it applies;
+1. the row forward (``RowKernels.forward``): canonical targets, log-sum-exp, log-prob, entropy, and
+   the method's epilogue where it applies;
+2. the prologue (``RowKernels.prologue``): scored-token counts, aggregation scales, input checks
+   (independent of the row forward: the logits op launches it second, the fused-linear op first,
+   since its gradients need the scales during the sweep);
 3. the loss and metrics: the finalize kernel after an epilogue, else the torch objective on the
    per-token log-probs and entropies (``objective_route``: every method, GSPO's sequence ratio
    included, with autograd on O(N) vectors only);
@@ -84,8 +87,8 @@ def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
 
 
 def run_prologue(plan: CallPlan, workspace: RowWorkspace) -> None:
-    plan.kernels.prologue(plan.inputs, workspace.sequence_stats, workspace.seq_scale, workspace.status,
-                          workspace.target_index, plan.vocab, AGGREGATIONS[plan.options.aggregation], plan.normalizer)
+    plan.kernels.prologue(plan.inputs, workspace.sequence_stats, workspace.seq_scale, workspace.status, plan.vocab,
+                          AGGREGATIONS[plan.options.aggregation], plan.normalizer)
 
 
 @dataclass

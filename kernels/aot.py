@@ -88,7 +88,8 @@ ALL_FLAGS = (True,) * len(FORWARD_FLAGS)
 
 
 def _forward(dtype, method=MethodId.DGPO, gate=Gate.SIGMOID, epilogue=True, flags=ALL_FLAGS):
-    constexprs = dict(METHOD=int(method), GATE=int(gate), HAS_EPILOGUE=epilogue, BLOCK_V=BLOCK_V)
+    # HAS_MASK on: TRL passes a completion mask; without one the kernel only loses a load.
+    constexprs = dict(METHOD=int(method), GATE=int(gate), HAS_EPILOGUE=epilogue, HAS_MASK=True, BLOCK_V=BLOCK_V)
     constexprs.update(zip(FORWARD_FLAGS, flags if epilogue else (False,) * len(FORWARD_FLAGS)))
     return Specialisation("forward", dtype, tuple(sorted(constexprs.items())))
 

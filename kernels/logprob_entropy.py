@@ -3,9 +3,12 @@ the entropy; for token-level methods an epilogue evaluates the method table in t
 
 One program per row on grid axis 0 (2^31 - 1 programs; the 65,535 cap of axes 1 and 2 never
 applies). The row is read once, in BLOCK_V tiles, with an online max / sum-exp / sum-exp-times-x
-in fp32: one exp per element. Tokens the prologue did not mark for scoring read nothing and write
-zeros. Row ``r`` of the launch is token ``token_offset + r`` of the call: the fused-linear op runs
-it on one token chunk's logits tile at a time.
+in fp32: one exp per element. Each program decides from the caller's target id and mask whether its
+token is scored (``tokens.read_targets``, the prologue's own test) and writes the canonical target
+index the later kernels read; a token not scored reads nothing and writes zeros. So the row forward
+waits for no other kernel: the logits op launches it first. Row ``r`` of the launch is token
+``token_offset + r`` of the call: the fused-linear op runs it on one token chunk's logits tile at a
+time.
 """
 
 import triton
@@ -13,6 +16,7 @@ import triton.language as tl
 
 from . import codes
 from .method_table import token_terms
+from .tokens import read_targets
 
 
 # Launch shapes measured on an H100 (bench/experiments/results/two_pass_probe-h100-1.json): 8192-wide
@@ -25,6 +29,8 @@ NUM_STAGES = 3
 @triton.jit
 def logprob_entropy_fwd_kernel(
     logits_ptr,
+    target_ids_ptr,
+    mask_ptr,
     target_index_ptr,
     per_token_ptr,
     advantages_ptr,
@@ -43,6 +49,10 @@ def logprob_entropy_fwd_kernel(
     stride_b,
     stride_t,
     stride_v,
+    target_stride_b,
+    target_stride_t,
+    mask_stride_b,
+    mask_stride_t,
     adv_stride_b,
     adv_stride_t,
     old_stride_b,
@@ -54,6 +64,7 @@ def logprob_entropy_fwd_kernel(
     METHOD: tl.constexpr,
     GATE: tl.constexpr,
     HAS_EPILOGUE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     HAS_OLD_LOGPS: tl.constexpr,
     HAS_KL: tl.constexpr,
     KL_TIMES_RATIO: tl.constexpr,
@@ -63,8 +74,13 @@ def logprob_entropy_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     token = token_offset + row
     row_ptr = logits_ptr + (row // rows_per_seq) * stride_b + (row % rows_per_seq) * stride_t
-    target = tl.load(target_index_ptr + token)
-    valid = target >= 0
+    b = token // grid_seq_len
+    t = token % grid_seq_len
+    target, listed, kept, _, in_range = read_targets(target_ids_ptr, mask_ptr, b, t, True, vocab, target_stride_b,
+                                                     target_stride_t, mask_stride_b, mask_stride_t, HAS_MASK)
+    valid = listed & kept & in_range
+    target = tl.where(valid, target, -1)
+    tl.store(target_index_ptr + token, target)  # what the finalize and backward kernels read
     vocab_end = tl.where(valid, vocab, 0)
 
     # Running over the row: max m, S = sum exp(x - m) and U = sum exp(x - m) (x - m). Centring U on
@@ -100,8 +116,6 @@ def logprob_entropy_fwd_kernel(
     tl.store(token_planes_ptr + codes.PLANE_ENTROPY * n_tokens, entropy)
 
     if HAS_EPILOGUE:
-        b = token // grid_seq_len
-        t = token % grid_seq_len
         adv = tl.load(advantages_ptr + b * adv_stride_b + t * adv_stride_t, mask=valid, other=0.0).to(tl.float32)
         if HAS_OLD_LOGPS:
             old_logp = tl.load(old_logps_ptr + b * old_stride_b + t * old_stride_t, mask=valid,
@@ -169,7 +183,7 @@ def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=N
     tokens ``token_offset ...`` of ``batch`` (a ``TokenInputs``). Writes ``workspace.per_token``.
 
     With ``epilogue`` (an ``EpilogueInputs``) the method's per-token terms are computed in the same
-    program; the prologue must have run (it writes ``workspace.target_index``).
+    program. Also writes ``workspace.target_index`` (the target id, or -1 for a token not scored).
     """
     check_vocab_stride(logits)
     rows, rows_per_seq, stride_b, stride_t, stride_v = logits_rows(logits)
@@ -187,16 +201,17 @@ def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=N
     has_kl = epilogue is not None and epilogue.beta != 0.0 and batch.ref_logps is not None
     block_v = block_v or default_block_v(vocab)
     logprob_entropy_fwd_kernel[(rows,)](
-        logits, workspace.target_index, workspace.per_token,
+        logits, batch.target_ids, pointer(batch.mask), workspace.target_index, workspace.per_token,
         batch.advantages, pointer(batch.old_logps), pointer(batch.ref_logps), pointer(batch.rollout_weights),
         pointer(epilogue and epilogue.method_params),
         inv_temperature, epilogue.beta if epilogue else 0.0, epilogue.entropy_coef if epilogue else 0.0,
         token_offset, workspace.n_tokens, batch.grid[1], rows_per_seq, vocab, stride_b, stride_t, stride_v,
-        *strides(batch.advantages), *strides(batch.old_logps), *strides(batch.ref_logps),
+        *strides(batch.target_ids), *strides(batch.mask), *strides(batch.advantages), *strides(batch.old_logps), *strides(batch.ref_logps),
         *strides(batch.rollout_weights),
         METHOD=epilogue.method_id if epilogue else 0,
         GATE=epilogue.gate_id if epilogue else 0,
         HAS_EPILOGUE=epilogue is not None,
+        HAS_MASK=batch.mask is not None,
         HAS_OLD_LOGPS=epilogue is not None and batch.old_logps is not None,
         HAS_KL=has_kl,
         KL_TIMES_RATIO=has_kl and epilogue.kl_ratio_correction,

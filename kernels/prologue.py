@@ -1,9 +1,9 @@
-"""Prologue kernel: checks the per-token inputs on the device, marks the tokens to score, counts them
-per response and computes the aggregation scale of each response; no host synchronisation.
+"""Prologue kernel: checks the per-token inputs on the device, counts the tokens to score per response
+and computes the aggregation scale of each response; no host synchronisation.
 
-One program per response walks its ``T`` tokens in ``BLOCK_T`` blocks. It writes the canonical
-target index of every token (the target id, or -1 for a token that is not scored: ignored, masked
-or out of range) and, per response, the scored-token count, the ``InputError`` bits it found and
+One program per response walks its ``T`` tokens in ``BLOCK_T`` blocks (which tokens are scored:
+``tokens.read_targets``, the same test the row forward applies, so the two kernels do not wait for
+each other) and writes, per response, the scored-token count, the ``InputError`` bits it found and
 its first out-of-range target id. The last program to finish (an arrival counter) reduces over the
 responses: the call's error bits, token count and first bad target id go to the status vector, and
 the per-response scale ``s_b`` (``loss = sum_t s_b(t) L_t``) to ``seq_scale``. Input that cannot be
@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import codes
+from .tokens import read_targets
 
 
 
@@ -47,7 +48,6 @@ def token_prologue_kernel(
     ref_logps_ptr,
     rollout_weights_ptr,
     normalizer_ptr,
-    target_index_ptr,
     sequence_stats_ptr,
     seq_scale_ptr,
     status_ptr,
@@ -85,22 +85,18 @@ def token_prologue_kernel(
     for start in range(0, seq_len, BLOCK_T):
         t = start + tl.arange(0, BLOCK_T).to(tl.int64)
         inside = t < seq_len
-        target = tl.load(target_ids_ptr + b * target_stride_b + t * target_stride_t, mask=inside,
-                         other=codes.IGNORE_INDEX).to(tl.int64)
-        scored = inside & (target != codes.IGNORE_INDEX)
+        target, listed, kept, keep, in_range = read_targets(
+            target_ids_ptr, mask_ptr, b, t, inside, vocab, target_stride_b, target_stride_t, mask_stride_b,
+            mask_stride_t, HAS_MASK)
         # Out-of-range ids are an error wherever they sit, masked or not (as the host check does).
-        bad_target = scored & ((target < 0) | (target >= vocab))
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + b * mask_stride_b + t * mask_stride_t, mask=inside, other=0)
-            if CHECK_MASK_VALUES:
-                bad_mask = inside & (keep != 0) & (keep != 1)
-                errors = errors | tl.where(tl.sum(bad_mask.to(tl.int32), axis=0) > 0, codes.ERR_MASK, 0)
-            scored = scored & (keep != 0)
+        bad_target = listed & ~in_range
+        if CHECK_MASK_VALUES:
+            bad_mask = inside & (keep != 0) & (keep != 1)
+            errors = errors | tl.where(tl.sum(bad_mask.to(tl.int32), axis=0) > 0, codes.ERR_MASK, 0)
+        scored = listed & kept
         errors = errors | tl.where(tl.sum(bad_target.to(tl.int32), axis=0) > 0, codes.ERR_TARGET_IDS, 0)
         first_bad = tl.minimum(first_bad, tl.min(tl.where(bad_target, t, codes.NO_TOKEN), axis=0))
-        valid = scored & ~bad_target
-        tl.store(target_index_ptr + b * seq_len + t, tl.where(valid, target, -1), mask=inside)
-        count += tl.sum(valid.to(tl.int64), axis=0)
+        count += tl.sum((scored & in_range).to(tl.int64), axis=0)
         errors = _check_finite(errors, advantages_ptr, adv_stride_b, adv_stride_t, b, t, scored, codes.ERR_ADVANTAGES)
         if HAS_OLD_LOGPS:
             errors = _check_finite(errors, old_logps_ptr, old_stride_b, old_stride_t, b, t, scored, codes.ERR_OLD_LOGPS)
@@ -174,8 +170,7 @@ def token_prologue_kernel(
         tl.store(status_ptr + codes.STATUS_TOKENS, total)
 
 
-def token_prologue(batch, sequence_stats, seq_scale, status, target_index, vocab: int, aggregation_codes,
-                   normalizer) -> None:
+def token_prologue(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes, normalizer) -> None:
     """Launch the prologue over a ``TokenInputs`` batch (``dgpo_ops.kernels.row_io``).
 
     ``status`` must hold zeros (its arrival counter); ``aggregation_codes`` is
@@ -196,7 +191,7 @@ def token_prologue(batch, sequence_stats, seq_scale, status, target_index, vocab
     token_prologue_kernel[(n_seqs,)](
         batch.target_ids, pointer(batch.mask), batch.advantages, pointer(batch.old_logps), pointer(batch.ref_logps),
         pointer(batch.rollout_weights), pointer(normalizer_tensor),
-        target_index, sequence_stats, seq_scale, status,
+        sequence_stats, seq_scale, status,
         float(normalizer_value), n_seqs, seq_len, vocab,
         *strides(batch.target_ids), *strides(batch.mask), *strides(batch.advantages), *strides(batch.old_logps),
         *strides(batch.ref_logps), *strides(batch.rollout_weights),

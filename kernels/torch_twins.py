@@ -22,22 +22,27 @@ def _grid_view(batch, tensor):
     return tensor
 
 
-def token_prologue_torch(batch, sequence_stats, seq_scale, status, target_index, vocab: int, aggregation_codes,
+def _scored(batch, vocab: int):
+    """(target as int64, listed, scored, valid) on the (B, T) grid: the twin of ``tokens.read_targets``."""
+    target = _grid_view(batch, batch.target_ids).to(torch.int64)
+    listed = target != IGNORE_INDEX
+    scored = listed if batch.mask is None else listed & (_grid_view(batch, batch.mask) != 0)
+    in_range = (target >= 0) & (target < vocab)
+    return target, listed, scored, scored & in_range, in_range
+
+
+def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes,
                          normalizer) -> None:
-    """Twin of ``token_prologue``: validity, counts, scales and error bits, all on the device."""
+    """Twin of ``token_prologue``: counts, scales and error bits, all on the device."""
     B, T = batch.grid
     per_response, denominator = aggregation_codes
     normalizer_kind, normalizer_value, normalizer_tensor = normalizer
-    target = _grid_view(batch, batch.target_ids).to(torch.int64)
-    scored = target != IGNORE_INDEX
-    bad_target = scored & ((target < 0) | (target >= vocab))
+    target, listed, scored, valid, in_range = _scored(batch, vocab)
+    bad_target = listed & ~in_range
     errors = torch.where(bad_target.any(), int(InputError.TARGET_IDS), 0)
-    if batch.mask is not None:
+    if batch.mask is not None and batch.mask.dtype != torch.bool:
         mask = _grid_view(batch, batch.mask)
-        if mask.dtype != torch.bool:
-            errors = errors | torch.where(((mask != 0) & (mask != 1)).any(), int(InputError.MASK), 0)
-        scored = scored & (mask != 0)
-    valid = scored & ~bad_target
+        errors = errors | torch.where(((mask != 0) & (mask != 1)).any(), int(InputError.MASK), 0)
     for name, bit in (("advantages", InputError.ADVANTAGES), ("old_logps", InputError.OLD_LOGPS),
                       ("ref_logps", InputError.REF_LOGPS), ("rollout_weights", InputError.ROLLOUT_WEIGHTS)):
         value = getattr(batch, name)
@@ -61,7 +66,6 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, target_index,
     within = 1.0 / counts.clamp(min=1).to(dtype) if per_response else torch.ones(B, dtype=dtype, device=counts.device)
     scale = within / denom
     seq_scale.copy_(torch.where(errors != 0, float("nan"), scale))
-    target_index.copy_(torch.where(valid, target, -1).reshape(-1))
     sequence_stats[SequenceStat.TOKENS].copy_(counts)
     sequence_stats[SequenceStat.ERRORS].copy_(errors.expand(B))
     sequence_stats[SequenceStat.FIRST_BAD_TARGET].copy_(bad_value.expand(B))
@@ -97,12 +101,15 @@ def _compute_dtype(logits):
 
 def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=None, token_offset: int = 0,
                           chunk_rows=None) -> None:
-    """Twin of ``logprob_entropy`` without the epilogue: the row planes of ``workspace``."""
+    """Twin of ``logprob_entropy`` without the epilogue: the target index and the row planes of ``workspace``."""
     if epilogue is not None:
         raise ValueError("the torch twin evaluates methods with the objective, not in an epilogue")
     n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
     dtype = _compute_dtype(logits)
     planes = workspace.planes()
+    target, _, _, valid, _ = _scored(batch, logits.shape[-1])
+    workspace.target_index[token_offset:token_offset + n] = torch.where(valid, target, -1).reshape(-1)[
+        token_offset:token_offset + n]
     targets = workspace.target_index[token_offset:token_offset + n]
     for rows, (chunk,) in _row_chunks([logits], chunk_rows):
         x = chunk.to(dtype) * inv_temperature
