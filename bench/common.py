@@ -523,8 +523,11 @@ def machine() -> dict:
         "liger_kernel": _version("liger-kernel"),
         "transformers": _version("transformers"),
         "pytest_benchmark": _version("pytest-benchmark"),
-        "dgpo_ops_commit": _git("rev-parse", "--short", "HEAD"),
-        "dgpo_ops_worktree_dirty": bool(_git("status", "--porcelain", "--", "dgpo_ops", "kernels")),
+        # A tree copied to another machine without its history (a GPU lent for one run) names its
+        # commit in DGPO_OPS_COMMIT; the copy's own git metadata would name another.
+        "dgpo_ops_commit": os.environ.get("DGPO_OPS_COMMIT") or _git("rev-parse", "--short", "HEAD"),
+        "dgpo_ops_worktree_dirty": (False if os.environ.get("DGPO_OPS_COMMIT")
+                                    else bool(_git("status", "--porcelain", "--", "dgpo_ops", "kernels"))),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }

@@ -165,6 +165,30 @@ def run_table(doc) -> list[str]:
     return lines
 
 
+def absolute_table(doc) -> list[str]:
+    """Best-of-rounds time in milliseconds of every competitor (GPU runs: the targets are absolute)."""
+    records = doc["records"]
+    present = [c for c in COMPETITORS if any(r["competitor"] == c and r["status"] == "ok" for r in records)]
+    lines = ["| method | N | V | " + " | ".join(f"{c} (ms)" for c in present) + " |",
+             "|" + "---|" * (3 + len(present))]
+    for method, n, v in _sizes(records):
+        cells = [method, str(n), str(v)]
+        for c in present:
+            t = _time(_ok(records, c, method, n, v))
+            cells.append("-" if t is None else f"{t * 1e3:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def fused_linear_section(results_dir: Path = RESULTS_DIR) -> list[str]:
+    """The tables `python bench/fused_linear.py` wrote, one per device."""
+    out = []
+    for path in sorted(results_dir.glob("fused_linear-*.md")):
+        out += [f"**Fused linear + loss** ([`{path.relative_to(REPO)}`]({path.relative_to(REPO)}), "
+                "from `python bench/fused_linear.py`):", "", *path.read_text().strip().splitlines(), ""]
+    return out
+
+
 def _skips(doc) -> list[str]:
     """One line per (competitor, reason)."""
     lines = []
@@ -225,6 +249,8 @@ def readme_section(runs, traffic: dict | None) -> str:
             "",
             *run_table(doc),
             "",
+            *((["Absolute times (best of the rounds, ms, CUDA-synchronised wall time of one forward + backward as "
+                "a user calls it):", "", *absolute_table(doc), ""]) if doc["machine"]["device"] == "cuda" else []),
             (f"Every competitor's loss and a sample of gradient rows match the eager path's "
             f"({'all ' + str(len(parity)) + ' checks pass' if parity_ok else 'SOME CHECKS FAIL: see the JSON'})."),
             "",
@@ -233,6 +259,7 @@ def readme_section(runs, traffic: dict | None) -> str:
             *_load_note(doc),
             "",
         ]
+    out += fused_linear_section()
     if traffic:
         out += [
             ("**Traffic model** (no GPU needed; [`bench/results/traffic.md`](bench/results/traffic.md)): the bf16 "

@@ -1,0 +1,391 @@
+"""One GPU session's checks of the sync-free pipeline (issues 12 and 14), printed as a short table.
+
+    python bench/experiments/gpu_check.py [--out DIR] [--skip-linear]
+
+* correctness on CUDA: every method variant of the tests, fp32 and bf16 logits, against an fp64
+  reference; GSPO, KL + entropy + temperature, inplace, flat and strided logits, a large vocabulary;
+* no host synchronisation: forward + backward of both fused ops under
+  ``torch.cuda.set_sync_debug_mode("error")`` (a synchronising CUDA call raises), and the number
+  of CUDA kernels one forward + backward launches (torch.profiler);
+* deferred validation on CUDA: a bad target id gives a NaN loss at once and a ValueError naming
+  ``target_ids`` from ``raise_deferred_errors()``;
+* timings (median ms of ``triton.testing.do_bench``, and wall time per call of a loop that
+  synchronises once at its end) at N = 8192 bf16 logits: ours, Liger's triton_grpo_loss and TRL's
+  kernel + loss, forward + backward and forward only; the fused-linear op against TRL's
+  ChunkedLogProbFunction + loss, under bf16 autocast with fp32 parameters and with bf16 parameters,
+  with peak memory.
+
+Writes ``gpu_check.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+
+import dgpo_ops  # noqa: E402
+from helpers import METHOD_VARIANTS, logits_batch, variant_id  # noqa: E402
+
+DEV = "cuda"
+RESULTS: dict = {}
+
+
+def section(name):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                RESULTS[name] = fn(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - a failed section is reported, the others still run
+                RESULTS[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-3000:]}
+                print(f"[{name}] FAILED: {type(error).__name__}: {error}", flush=True)
+            RESULTS.setdefault("section_seconds", {})[name] = time.perf_counter() - started
+        return run
+    return wrap
+
+
+def to_device(inputs):
+    return {k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in inputs.items()}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@section("correctness")
+def correctness():
+    worst = {}
+    bundles = {
+        "plain": {},
+        "kl_entropy_temperature": dict(beta=0.05, entropy_coef=0.01, temperature=0.7),
+        "gspo": dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", entropy_coef=0.02),
+    }
+    for dtype in (torch.float32, torch.bfloat16):
+        for variant in METHOD_VARIANTS:
+            name, params = variant
+            for bundle, options in bundles.items():
+                inputs = logits_batch(3, 6, 300, seed=1, dtype=dtype)
+                logits = inputs.pop("logits")
+                ref_logits = logits.double().requires_grad_(True)
+                ref = dgpo_ops.reference_loss(ref_logits, **inputs, method=name, **params, **options)
+                ref.loss.backward()
+                x = logits.to(DEV).requires_grad_(True)
+                out = dgpo_ops.fused_dgpo_loss(x, **to_device(inputs), method=name, **params, **options)
+                out.loss.backward()
+                key = f"{variant_id(variant)}/{bundle}/{str(dtype)[6:]}"
+                worst[key] = dict(loss=abs(float(out.loss) - float(ref.loss)),
+                                  logps=float((out.logps.cpu() - ref.logps).abs().max()),
+                                  grad=rel(x.grad.cpu(), ref_logits.grad))
+    # large vocabulary, bf16, inplace, strided and flat logits
+    extra = {}
+    inputs = logits_batch(2, 64, 151936, seed=2, dtype=torch.bfloat16)
+    logits = inputs.pop("logits")
+    ref_logits = logits.double().requires_grad_(True)
+    ref = dgpo_ops.reference_loss(ref_logits, **inputs)
+    ref.loss.backward()
+    x = logits.to(DEV).requires_grad_(True)
+    produced = x * 1.0
+    out = dgpo_ops.fused_dgpo_loss(produced, **to_device(inputs), inplace=True)
+    (grad,) = torch.autograd.grad(out.loss, produced)
+    extra["V151936_bf16_inplace"] = dict(loss=abs(float(out.loss) - float(ref.loss)), grad=rel(grad.cpu(), ref_logits.grad))
+    base = torch.randn(2, 7, 50, device=DEV).requires_grad_(True)
+    small = logits_batch(2, 6, 50, seed=3)
+    small.pop("logits")
+    strided = base[:, :-1]
+    ref_s = dgpo_ops.reference_loss(strided.detach().cpu().double(), **small)
+    out_s = dgpo_ops.fused_dgpo_loss(strided, **to_device(small))
+    extra["strided"] = abs(float(out_s.loss) - float(ref_s.loss))
+    flat = {k: v.reshape(12, *v.shape[2:]) for k, v in logits_batch(2, 6, 50, seed=4, per_token_adv=True).items()}
+    ref_f = dgpo_ops.reference_loss(**flat)
+    out_f = dgpo_ops.fused_dgpo_loss(**to_device(flat))
+    extra["flat"] = abs(float(out_f.loss) - float(ref_f.loss))
+    largest = {metric: max(worst.items(), key=lambda kv: kv[1][metric]) for metric in ("loss", "logps", "grad")}
+    print("[correctness] cases:", len(worst), "largest:",
+          {m: (k, round(v[m], 9)) for m, (k, v) in largest.items()}, "extra:", extra, flush=True)
+    return {"cases": worst, "extra": extra}
+
+
+def logits_inputs(N, V, dtype=torch.bfloat16, seed=0):
+    B, T = N // 1024, 1024
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    logits = (torch.randn(B, T, V, device=DEV, generator=g, dtype=torch.float32) * 2).to(dtype).requires_grad_(True)
+    target = torch.randint(0, V, (B, T), device=DEV, generator=g)
+    mask = torch.rand(B, T, device=DEV, generator=g) > 0.12
+    old = -torch.rand(B, T, device=DEV, generator=g) * 5
+    adv = torch.randn(B, device=DEV, generator=g)
+    return logits, target, mask, old, adv
+
+
+@section("no_sync")
+def no_sync():
+    out = {}
+    logits, target, mask, old, adv = logits_inputs(2048, 32000)
+    normalizer = mask.sum().float()
+
+    def logits_step(**kwargs):
+        res = dgpo_ops.fused_dgpo_loss(logits, target, adv, mask.int(), old, loss_normalizer=normalizer, **kwargs)
+        res.loss.backward()
+        return res
+
+    logits_step()  # compile outside the check
+    logits_step(importance_sampling_level="sequence", aggregation="seq_mean_token_mean")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for name, kwargs in (("token", {}), ("token_entropy_kl", dict(entropy_coef=0.01)),
+                             ("sequence", dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean"))):
+            logits.grad = None
+            logits_step(**kwargs)
+            out[name] = "no sync"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    # kernel launches of one forward + backward
+    logits.grad = None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        logits_step()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    out["cuda_kernels_per_fwd_bwd"] = len(kernels)
+    out["kernel_names"] = sorted(set(kernels))
+    # fused linear under autocast
+    hidden = torch.randn(2, 512, 256, device=DEV, requires_grad=True)
+    weight = (torch.randn(32000, 256, device=DEV) * 0.02).requires_grad_(True)
+    t2 = torch.randint(0, 32000, (2, 512), device=DEV)
+
+    def linear_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            res = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, t2, adv[:2], old_logps=old[:2, :512],
+                                                  loss_normalizer=normalizer)
+        res.loss.backward()
+
+    linear_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        linear_step()
+        out["linear_autocast"] = "no sync"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    print("[no_sync]", {k: v for k, v in out.items() if k != "kernel_names"}, flush=True)
+    return out
+
+
+@section("deferred")
+def deferred():
+    out = {}
+    logits, target, mask, old, adv = logits_inputs(1024, 1000)
+    bad = target.clone()
+    bad[0, 5] = 1000
+    res = dgpo_ops.fused_dgpo_loss(logits, bad, adv, mask, old)
+    out["loss_is_nan"] = bool(torch.isnan(res.loss).item())
+    try:
+        dgpo_ops.raise_deferred_errors()
+        out["raised"] = None
+    except ValueError as error:
+        out["raised"] = str(error)
+    nan_adv = adv.clone()
+    nan_adv[0] = float("nan")
+    dgpo_ops.fused_dgpo_loss(logits, target, nan_adv, mask, old)
+    torch.cuda.synchronize()
+    try:
+        dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old)  # the next call raises the earlier error
+        out["next_call_raised"] = None
+    except ValueError as error:
+        out["next_call_raised"] = str(error)
+    print("[deferred]", out, flush=True)
+    return out
+
+
+def wall_ms(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def bench(fn):
+    from triton.testing import do_bench
+
+    return {"do_bench_ms": do_bench(fn, return_mode="median"), "wall_ms": wall_ms(fn)}
+
+
+@section("logits_timing")
+def logits_timing():
+    rows = []
+    for V in (32000, 151936, 262144):
+        logits, target, mask, old, adv = logits_inputs(8192, V)
+        for method in ("dgpo", "grpo"):
+            def step(method=method):
+                logits.grad = None
+                dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, method=method).loss.backward()
+
+            rows.append({"V": V, "impl": f"ours-{method}", **bench(step)})
+
+        def forward_only():
+            with torch.no_grad():
+                dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, method="dgpo")
+
+        rows.append({"V": V, "impl": "ours-forward-no_grad", **bench(forward_only)})
+        try:
+            from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+            padded = torch.zeros(logits.shape[0], logits.shape[1] + 1, V, dtype=logits.dtype, device=DEV)
+            padded[:, :-1] = logits.detach()
+            padded.requires_grad_(True)
+            cmask = mask.int()
+
+            def liger():
+                padded.grad = None
+                loss, _ = triton_grpo_loss(padded, old, None, target, adv, completion_mask=cmask, temperature=1.0,
+                                           beta=0.0, eps_low=0.2, eps_high=0.2, inplace=False, loss_type="bnpo",
+                                           reduce=True)
+                loss.backward()
+
+            rows.append({"V": V, "impl": "liger-grpo", **bench(liger)})
+            del padded
+        except Exception as error:  # noqa: BLE001
+            rows.append({"V": V, "impl": "liger-grpo", "error": str(error)[:200]})
+        try:
+            from trl.kernels import selective_log_softmax_and_entropy
+
+            def trl_step():
+                logits.grad = None
+                logp, _ = selective_log_softmax_and_entropy(logits, target, 1.0, mask)
+                ratio = torch.exp(logp - old)
+                a = adv[:, None]
+                per_token = -torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)
+                loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+                loss.backward()
+
+            rows.append({"V": V, "impl": "trl-grpo", **bench(trl_step)})
+        except Exception as error:  # noqa: BLE001
+            rows.append({"V": V, "impl": "trl-grpo", "error": str(error)[:200]})
+        del logits
+        torch.cuda.empty_cache()
+        for row in rows[-5:]:
+            print("[logits]", row, flush=True)
+    return rows
+
+
+def linear_inputs(H, N=8192, V=151936, dtype=torch.float32, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    hidden = (torch.randn(8, N // 8, H, device=DEV, generator=g) / H**0.5).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, device=DEV, generator=g) * 0.5).to(dtype).requires_grad_(True)
+    target = torch.randint(0, V, (8, N // 8), device=DEV, generator=g)
+    mask = torch.rand(8, N // 8, device=DEV, generator=g) > 0.12
+    old = -torch.rand(8, N // 8, device=DEV, generator=g) * 12
+    adv = torch.randn(8, device=DEV, generator=g)
+    return hidden, weight, target, mask, old, adv
+
+
+def measure_linear(step, hidden, weight):
+    def run():
+        hidden.grad = None
+        weight.grad = None
+        step()
+
+    run()
+    torch.cuda.synchronize()
+    hidden.grad = None
+    weight.grad = None
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    times = []
+    for _ in range(5):
+        hidden.grad = None
+        weight.grad = None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return {"ms_median": times[len(times) // 2], "ms_min": times[0], "peak_extra_gb": peak / 1e9}
+
+
+@section("linear_timing")
+def linear_timing():
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer import utils as trl_utils
+
+    chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 4096)
+    rows = []
+    for H in (1536, 4096):
+        for params_dtype, autocast in ((torch.float32, True), (torch.bfloat16, False)):
+            hidden, weight, target, mask, old, adv = linear_inputs(H, dtype=params_dtype)
+
+            def ours():
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, target, adv, mask, old, method="grpo")
+                out.loss.backward()
+
+            def trl():
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    flat_target = target.reshape(-1)
+                    logps = ChunkedLogProbFunction.apply(hidden.reshape(-1, H), weight, None, flat_target, 1.0, chunk,
+                                                         None, 1.0, ("entropy",))[0].view(target.shape)
+                    ratio = torch.exp(logps - old)
+                    a = adv[:, None]
+                    per_token = -torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)
+                    loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+                loss.backward()
+
+            label = f"H={H} {'autocast-bf16 fp32-params' if autocast else 'bf16-params'}"
+            for impl, fn in (("ours", ours), ("trl", trl)):
+                try:
+                    row = {"H": H, "setting": label, "impl": impl, **measure_linear(fn, hidden, weight)}
+                except Exception as error:  # noqa: BLE001
+                    row = {"H": H, "setting": label, "impl": impl, "error": f"{type(error).__name__}: {error}"[:300]}
+                rows.append(row)
+                print("[linear]", row, flush=True)
+            del hidden, weight
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--skip-linear", action="store_true")
+    parser.add_argument("--timing-only", action="store_true", help="only the logits timings (and linear unless skipped)")
+    args = parser.parse_args()
+    import triton
+
+    RESULTS["env"] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    if not args.timing_only:
+        correctness()
+        no_sync()
+        deferred()
+    logits_timing()
+    if not args.skip_linear:
+        linear_timing()
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    print("\nsummary")
+    for row in RESULTS.get("logits_timing", []) if isinstance(RESULTS.get("logits_timing"), list) else []:
+        if "error" not in row:
+            print(f"  V={row['V']:<7} {row['impl']:<22} do_bench {row['do_bench_ms']:.3f} ms  wall {row['wall_ms']:.3f} ms")
+    for row in RESULTS.get("linear_timing", []) if isinstance(RESULTS.get("linear_timing"), list) else []:
+        if "error" not in row:
+            print(f"  {row['setting']:<34} {row['impl']:<5} {row['ms_median']:.1f} ms  +{row['peak_extra_gb']:.2f} GB")
+    print("sections:", {k: ("FAILED" if isinstance(v, dict) and "error" in v else "ok") for k, v in RESULTS.items()
+                         if k not in ("env", "section_seconds")})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The fused linear + policy loss (hidden states and lm_head weight in, loss and gradients out) against
+TRL 1.16's ``ChunkedLogProbFunction`` + TRL's loss, Liger-Kernel's ``LigerFusedLinearGRPOLoss`` and the
+eager path (whole logits, ``log_softmax``, TRL's loss), side by side.
+
+    python bench/fused_linear.py [--sizes NxHxV ...] [--settings ...] [--competitors ...] [--repeats 5]
+
+On a GPU (the default sizes are issue 14's: N = 8192, V = 151,936, H = 1,536 and 4,096) each
+(size, setting, competitor) runs in this process: time is the median of ``--repeats`` forward +
+backward calls (CUDA-synchronised wall time), peak memory is ``torch.cuda.max_memory_allocated``
+during one call over what was allocated before it. Settings: ``autocast`` (bf16 autocast over fp32
+hidden states and weight: a bf16 training run with fp32 master weights, ``DGPOTrainer``'s case) and
+``bf16`` (bf16 hidden states and weight, no autocast). On the CPU (``fp32``, the smaller default
+sizes) each competitor runs in its own process and peak memory is that process's max RSS over its
+RSS once the inputs existed. The loss is DAPO's clip (eps 0.2 / 0.28) with a token mean over
+unmasked tokens; every competitor's loss is compared with ours.
+
+Writes ``bench/results/fused_linear-<device>.json`` and the table beside it (``.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+COMPETITORS = {
+    "ours": "dgpo_ops.fused_linear_dgpo_loss",
+    "trl": "TRL 1.16 ChunkedLogProbFunction + TRL loss",
+    "liger": "Liger-Kernel LigerFusedLinearGRPOLoss (dapo)",
+    "eager": "whole logits + log_softmax + TRL loss",
+}
+GPU_SIZES = ["8192x1536x151936", "8192x4096x151936"]
+CPU_SIZES = ["4096x1024x32768", "4096x1024x151936"]
+
+
+def make_inputs(N, H, V, setting, device, seed=0):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    params_dtype = torch.bfloat16 if setting == "bf16" else torch.float32
+    B = max(1, N // 1024)
+    hidden = (torch.randn(B, N // B, H, generator=g, device=device) / H**0.5).to(params_dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g, device=device) * 0.5).to(params_dtype).requires_grad_(True)
+    target = torch.randint(0, V, (B, N // B), generator=g, device=device)
+    mask = torch.rand(B, N // B, generator=g, device=device) > 0.12
+    old_logps = -torch.rand(B, N // B, generator=g, device=device) * 12.0
+    advantages = torch.randn(B, generator=g, device=device)
+    return hidden, weight, target, mask, old_logps, advantages
+
+
+def trl_loss(logps, old_logps, advantages, mask):
+    import torch
+
+    ratio = torch.exp(logps - old_logps)
+    a = advantages[:, None]
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def step_fn(competitor, inputs, setting):
+    """A closure running one forward + backward of ``competitor`` and returning the loss tensor."""
+    import torch
+
+    hidden, weight, target, mask, old_logps, advantages = inputs
+    autocast = setting == "autocast"
+    device = hidden.device.type
+    B, T, H = hidden.shape
+
+    def context():
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=autocast)
+
+    if competitor == "ours":
+        import dgpo_ops
+
+        def step():
+            with context():
+                out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, target, advantages, mask, old_logps,
+                                                      method="grpo", eps_low=EPS_LOW, eps_high=EPS_HIGH)
+            out.loss.backward()
+            return out.loss
+    elif competitor == "trl":
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer import utils as trl_utils
+
+        chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 4096)
+
+        def step():
+            with context():
+                logps = ChunkedLogProbFunction.apply(hidden.reshape(-1, H), weight, None, target.reshape(-1), 1.0,
+                                                     chunk, None, 1.0, ("entropy",))[0].view(B, T)
+                loss = trl_loss(logps, old_logps, advantages, mask)
+            loss.backward()
+            return loss
+    elif competitor == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        module = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH,
+                                          loss_type="dapo")
+
+        def step():
+            with context():
+                loss, _ = module(hidden, weight, target, mask.int(), advantages, old_per_token_logps=old_logps,
+                                 num_items_in_batch=mask.sum())
+            loss.backward()
+            return loss
+    elif competitor == "eager":
+        def step():
+            with context():
+                logits = hidden @ weight.t()
+                logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, target[..., None])[..., 0]
+                loss = trl_loss(logps, old_logps, advantages, mask)
+            loss.backward()
+            return loss
+    else:
+        raise ValueError(competitor)
+    return step
+
+
+def measure_cuda(competitor, size, setting, repeats):
+    import torch
+
+    N, H, V = size
+    inputs = make_inputs(N, H, V, setting, "cuda")
+    step = step_fn(competitor, inputs, setting)
+
+    def run():
+        inputs[0].grad = inputs[1].grad = None
+        return step()
+
+    started = time.perf_counter()
+    loss = run()  # compiles (Triton, torch.compile in Liger) outside the timed calls
+    torch.cuda.synchronize()
+    first_call = time.perf_counter() - started
+    inputs[0].grad = inputs[1].grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    times = []
+    for _ in range(repeats):
+        inputs[0].grad = inputs[1].grad = None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"seconds_median": times[len(times) // 2], "seconds_min": times[0], "first_call_s": first_call,
+            "extra_peak_bytes": peak, "loss": float(loss), "weight_grad_norm": float(inputs[1].grad.float().norm())}
+
+
+def child(competitor, N, H, V, setting, repeats):
+    """CPU: one competitor in a fresh process (RSS is the process's)."""
+    import torch
+
+    torch.manual_seed(0)
+    step_fn(competitor, make_inputs(8, 8, 8, setting, "cpu"), setting)  # imports stay out of time and memory
+    inputs = make_inputs(N, H, V, setting, "cpu")
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step = step_fn(competitor, inputs, setting)
+    times, loss = [], None
+    for _ in range(repeats):
+        inputs[0].grad = inputs[1].grad = None
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times.sort()
+    print(json.dumps({"seconds_median": times[len(times) // 2], "seconds_min": times[0],
+                      "extra_peak_bytes": (peak - baseline) * 1024, "loss": float(loss),
+                      "weight_grad_norm": float(inputs[1].grad.float().norm())}))
+
+
+def machine(device) -> dict:
+    import torch
+    import triton
+
+    info = {"device": device, "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton.__version__, "cpu_count": os.cpu_count()}
+    from importlib import metadata
+
+    for name, distribution in (("trl", "trl"), ("liger_kernel", "liger-kernel")):
+        try:
+            info[name] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:  # a competitor's package may be missing
+            info[name] = None
+    if device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name()
+    if os.environ.get("DGPO_OPS_COMMIT"):  # a tree copied without its history names its commit (bench/common.py)
+        info["dgpo_ops_commit"], info["dgpo_ops_worktree_dirty"] = os.environ["DGPO_OPS_COMMIT"], False
+        return info
+    try:
+        info["dgpo_ops_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                 text=True, cwd=RESULTS_DIR).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=RESULTS_DIR).stdout.strip()
+        info["dgpo_ops_worktree_dirty"] = bool(dirty)
+    except OSError:
+        info["dgpo_ops_commit"] = None
+    return info
+
+
+def write_markdown(doc, path: Path):
+    m = doc["machine"]
+    where = m.get("device_name") or f"CPU ({m['cpu_count']} cores)"
+    lines = [
+        f"{where}, torch {m['torch']}, triton {m['triton']}, trl {m.get('trl')}, liger-kernel {m.get('liger_kernel')}; "
+        f"dgpo_ops {m.get('dgpo_ops_commit')}{' + local changes' if m.get('dgpo_ops_worktree_dirty') else ''}; "
+        f"`{doc['command']}`. Forward + backward of DAPO's loss from hidden states and the lm_head weight; "
+        f"time: median of {doc['repeats']} calls; extra peak memory of one call.",
+        "",
+        "| N | H | V | setting | " + " | ".join(f"{c} (ms)" for c in doc["competitors"]) + " | "
+        + " | ".join(f"{c} peak (GB)" for c in doc["competitors"]) + " | largest loss difference to ours |",
+        "|" + "---|" * (5 + 2 * len(doc["competitors"])),
+    ]
+    for row in doc["rows"]:
+        cells = [str(row["N"]), str(row["H"]), str(row["V"]), row["setting"]]
+        results = row["results"]
+        cells += [f"{results[c]['seconds_median'] * 1e3:.1f}" if "seconds_median" in results.get(c, {}) else "-"
+                  for c in doc["competitors"]]
+        cells += [f"{results[c]['extra_peak_bytes'] / 1e9:.2f}" if "extra_peak_bytes" in results.get(c, {}) else "-"
+                  for c in doc["competitors"]]
+        ours = results.get("ours", {}).get("loss")
+        diffs = [abs(r["loss"] - ours) for c, r in results.items() if c != "ours" and "loss" in r and ours is not None]
+        cells.append(f"{max(diffs):.1e}" if diffs else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    errors = [f"* {c} at {r['N']}x{r['H']}x{r['V']} {r['setting']}: {res['error']}" for r in doc["rows"]
+              for c, res in r["results"].items() if "error" in res]
+    path.write_text("\n".join(lines + ([""] + errors if errors else [])) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", help="NxHxV (default: issue 14's on a GPU, two CPU sizes on the CPU)")
+    parser.add_argument("--settings", nargs="+", choices=["autocast", "bf16", "fp32"])
+    parser.add_argument("--competitors", nargs="+", choices=list(COMPETITORS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--child", nargs=5, metavar=("COMPETITOR", "N", "H", "V", "SETTING"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        competitor, N, H, V, setting = args.child
+        return child(competitor, int(N), int(H), int(V), setting, args.repeats)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = [tuple(int(x) for x in s.split("x")) for s in (args.sizes or (GPU_SIZES if device == "cuda" else CPU_SIZES))]
+    settings = args.settings or (["autocast", "bf16"] if device == "cuda" else ["fp32"])
+    competitors = args.competitors or (list(COMPETITORS) if device == "cuda" else ["ours", "trl"])
+    rows = []
+    for size in sizes:
+        for setting in settings:
+            row = {"N": size[0], "H": size[1], "V": size[2], "setting": setting, "results": {}}
+            for competitor in competitors:
+                print(f"[{'x'.join(map(str, size))} {setting}] {competitor} ...", flush=True)
+                try:
+                    if device == "cuda":
+                        result = measure_cuda(competitor, size, setting, args.repeats)
+                        torch.cuda.empty_cache()
+                    else:
+                        proc = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--child",
+                                               competitor, *map(str, size), setting], capture_output=True, text=True)
+                        if proc.returncode != 0:
+                            raise RuntimeError(proc.stderr.strip().splitlines()[-1])
+                        result = json.loads(proc.stdout.strip().splitlines()[-1])
+                except Exception as error:  # noqa: BLE001 - record and go on with the others
+                    result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                row["results"][competitor] = result
+                print(f"    {json.dumps(result)}", flush=True)
+            rows.append(row)
+    tag = "cpu" if device == "cpu" else "cuda-" + "".join(
+        ch if ch.isalnum() else "-" for ch in torch.cuda.get_device_name().lower()).strip("-")
+    doc = {"command": "python bench/fused_linear.py" + (" " + " ".join(argv) if argv else ""),
+           "machine": machine(device), "repeats": args.repeats, "competitors": competitors,
+           "competitor_labels": {c: COMPETITORS[c] for c in competitors}, "rows": rows}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"fused_linear-{tag}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_markdown(doc, out / f"fused_linear-{tag}.md")
+    print((out / f"fused_linear-{tag}.md").read_text())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
