@@ -38,14 +38,14 @@ from .finalize import MAX_BLOCK as FINALIZE_BLOCK
 from .finalize import finalize_kernel
 from .interface import Denominator, Gate, MethodId, Normalizer
 from .logits_grad import logits_grad_kernel
-from .logprob_entropy import BLOCK_V_MAX, NUM_STAGES, NUM_WARPS, logprob_entropy_fwd_kernel
+from .logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
 from .prologue import token_prologue_kernel
 
-BLOCK_V = BLOCK_V_MAX  # the production tile (vocabularies >= BLOCK_V); smaller vocabularies use a smaller power of 2
 KERNELS = {"forward": logprob_entropy_fwd_kernel, "backward": logits_grad_kernel, "prologue": token_prologue_kernel,
            "finalize": finalize_kernel}
-LAUNCH = {"forward": dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-          "backward": dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+# The production tiles (vocabularies at least that wide) and the launchers' shapes.
+LAUNCH = {"forward": dict(num_warps=FORWARD_SHAPE.num_warps, num_stages=FORWARD_SHAPE.num_stages),
+          "backward": dict(num_warps=BACKWARD_SHAPE.num_warps, num_stages=BACKWARD_SHAPE.num_stages),
           "prologue": dict(num_warps=4), "finalize": dict(num_warps=8)}
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i64", "target_index_ptr": "*i64",
@@ -89,13 +89,14 @@ ALL_FLAGS = (True,) * len(FORWARD_FLAGS)
 
 def _forward(dtype, method=MethodId.DGPO, gate=Gate.SIGMOID, epilogue=True, flags=ALL_FLAGS):
     # HAS_MASK on: TRL passes a completion mask; without one the kernel only loses a load.
-    constexprs = dict(METHOD=int(method), GATE=int(gate), HAS_EPILOGUE=epilogue, HAS_MASK=True, BLOCK_V=BLOCK_V)
+    constexprs = dict(METHOD=int(method), GATE=int(gate), HAS_EPILOGUE=epilogue, HAS_MASK=True,
+                      BLOCK_V=FORWARD_SHAPE.block_v)
     constexprs.update(zip(FORWARD_FLAGS, flags if epilogue else (False,) * len(FORWARD_FLAGS)))
     return Specialisation("forward", dtype, tuple(sorted(constexprs.items())))
 
 
 def _backward(dtype, entropy=False, scaled=False):
-    constexprs = dict(BLOCK_V=BLOCK_V, HAS_ENTROPY_GRAD=entropy, COEF_IS_SCALED=scaled, HAS_GRAD_LOSS=True)
+    constexprs = dict(BLOCK_V=BACKWARD_SHAPE.block_v, HAS_ENTROPY_GRAD=entropy, COEF_IS_SCALED=scaled, HAS_GRAD_LOSS=True)
     return Specialisation("backward", dtype, tuple(sorted(constexprs.items())))
 
 
@@ -267,7 +268,7 @@ def main(argv=None) -> int:
     found = problems(rows)
     bf16 = sorted({row["bf16_round"] for row in rows if "bf16_round" in row})
     report = "\n".join([
-        f"triton {triton.__version__}, row kernels: BLOCK_V={BLOCK_V}, num_warps={NUM_WARPS}, num_stages={NUM_STAGES}; "
+        f"triton {triton.__version__}, row forward {FORWARD_SHAPE}, row backward {BACKWARD_SHAPE}; "
         f"{len(rows)} specialisations",
         format_report(rows),
         f"bf16 gradient stores convert with: {', '.join(bf16)} (cvt.rn: round to nearest even)",

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import codes
-from .logprob_entropy import check_vocab_stride, default_block_v, launch_shape, logits_rows
+from .logprob_entropy import BACKWARD_SHAPE, check_vocab_stride, default_block_v, launch_shape, logits_rows
 
 
 
@@ -110,7 +110,7 @@ def logits_grad(logits, grad_logits, workspace, grid_seq_len: int, inv_temperatu
         return grad_logits
     vocab = logits.shape[-1]
     n_tokens = workspace.n_tokens
-    block_v = block_v or default_block_v(vocab)
+    block_v = block_v or default_block_v(vocab, BACKWARD_SHAPE)
     logits_grad_kernel[(rows,)](
         logits, grad_logits, workspace.target_index, workspace.per_token,
         workspace.per_token if dloss_dlogp is None else dloss_dlogp, workspace.seq_scale,
@@ -121,6 +121,6 @@ def logits_grad(logits, grad_logits, workspace, grid_seq_len: int, inv_temperatu
         HAS_GRAD_LOSS=grad_loss is not None,
         HAS_ENTROPY_GRAD=entropy_coef != 0.0,
         BLOCK_V=block_v,
-        **launch_shape(block_v),
+        **launch_shape(block_v, BACKWARD_SHAPE),
     )
     return grad_logits

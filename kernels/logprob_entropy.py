@@ -11,6 +11,8 @@ waits for no other kernel: the logits op launches it first. Row ``r`` of the lau
 time.
 """
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
@@ -19,11 +21,23 @@ from .method_table import token_terms
 from .tokens import read_targets
 
 
-# Launch shapes measured on an H100 (bench/experiments/results/two_pass_probe-h100-1.json): 8192-wide
-# tiles, 8 warps and 3 stages were the fastest of the shapes tried at V = 32,000 to 262,144.
-BLOCK_V_MAX = 8192
-NUM_WARPS = 8
-NUM_STAGES = 3
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """A row kernel's vocabulary tile (for vocabularies at least that wide), warps and stages."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int
+
+
+# Chosen from H100 measurements (csrc_notes.md, "Launch shapes"). The forward: 4096 x 4 warps ran
+# the whole op as fast as 8192 x 8 warps and its forward alone faster (0.79 vs 0.84 ms at V = 151,936),
+# and it compiles without a spill where 8192 x 8 warps spills one register for dcpo and aspo on sm_90.
+# The backward: 8192 x 8 warps was the fastest bare gradient kernel at V = 32,000 to 262,144.
+FORWARD_SHAPE = LaunchShape(block_v=4096, num_warps=4, num_stages=3)
+BACKWARD_SHAPE = LaunchShape(block_v=8192, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -154,12 +168,16 @@ def logprob_entropy_fwd_kernel(
         tl.store(token_planes_ptr + codes.PLANE_KL * n_tokens, tl.where(valid, kl, 0.0))
 
 
-def default_block_v(vocab: int) -> int:
-    return min(triton.next_power_of_2(vocab), BLOCK_V_MAX)
+def default_block_v(vocab: int, shape: LaunchShape) -> int:
+    return min(triton.next_power_of_2(vocab), shape.block_v)
 
 
-def launch_shape(block_v: int) -> dict:
-    return dict(num_warps=NUM_WARPS if block_v >= 4096 else 4, num_stages=NUM_STAGES if block_v >= 4096 else 2)
+def launch_shape(block_v: int, shape: LaunchShape) -> dict:
+    """The warps and stages for a tile of ``block_v``: the shape's own, or 4 warps for a narrower
+    tile (a small vocabulary)."""
+    if block_v >= shape.block_v:
+        return dict(num_warps=shape.num_warps, num_stages=shape.num_stages)
+    return dict(num_warps=min(4, shape.num_warps), num_stages=2)
 
 
 def check_vocab_stride(logits) -> None:
@@ -199,7 +217,7 @@ def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=N
         return (0, 0) if tensor is None else batch.strides(tensor)
 
     has_kl = epilogue is not None and epilogue.beta != 0.0 and batch.ref_logps is not None
-    block_v = block_v or default_block_v(vocab)
+    block_v = block_v or default_block_v(vocab, FORWARD_SHAPE)
     logprob_entropy_fwd_kernel[(rows,)](
         logits, batch.target_ids, pointer(batch.mask), workspace.target_index, workspace.per_token,
         batch.advantages, pointer(batch.old_logps), pointer(batch.ref_logps), pointer(batch.rollout_weights),
@@ -217,6 +235,6 @@ def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=N
         KL_TIMES_RATIO=has_kl and epilogue.kl_ratio_correction,
         HAS_ROLLOUT_WEIGHTS=epilogue is not None and batch.rollout_weights is not None,
         BLOCK_V=block_v,
-        **launch_shape(block_v),
+        **launch_shape(block_v, FORWARD_SHAPE),
     )
 

@@ -22,7 +22,6 @@ from . import codes
 from .tokens import read_targets
 
 
-
 @triton.jit
 def _non_finite(x):
     return (x != x) | (tl.abs(x) == float("inf"))
