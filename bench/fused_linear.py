@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -154,8 +155,7 @@ def measure_cuda(competitor, size, setting, repeats):
         run()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    times.sort()
-    return {"seconds_median": times[len(times) // 2], "seconds_min": times[0], "first_call_s": first_call,
+    return {"seconds_median": statistics.median(times), "seconds_min": min(times), "first_call_s": first_call,
             "extra_peak_bytes": peak, "loss": float(loss), "weight_grad_norm": float(inputs[1].grad.float().norm())}
 
 
@@ -175,8 +175,7 @@ def child(competitor, N, H, V, setting, repeats):
         loss = step()
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times.sort()
-    print(json.dumps({"seconds_median": times[len(times) // 2], "seconds_min": times[0],
+    print(json.dumps({"seconds_median": statistics.median(times), "seconds_min": min(times),
                       "extra_peak_bytes": (peak - baseline) * 1024, "loss": float(loss),
                       "weight_grad_norm": float(inputs[1].grad.float().norm())}))
 
@@ -202,8 +201,8 @@ def machine(device) -> dict:
     try:
         info["dgpo_ops_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                  text=True, cwd=RESULTS_DIR).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=RESULTS_DIR).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "dgpo_ops", "kernels"], capture_output=True,
+                               text=True, cwd=RESULTS_DIR.parent.parent).stdout.strip()  # the op's code, as bench/common
         info["dgpo_ops_worktree_dirty"] = bool(dirty)
     except OSError:
         info["dgpo_ops_commit"] = None

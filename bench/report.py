@@ -312,6 +312,7 @@ def _plot(runs, path: Path, quantity: str) -> None:
     for row, (_, doc) in enumerate(runs):
         m = doc["machine"]
         dev = m["device_name"] if m["device"] == "cuda" else f"CPU, {m['torch_threads']} threads"
+        dev += f" @ {m.get('dgpo_ops_commit')}"  # one row per run: several runs of one device differ by commit
         ns = sorted({r["N"] for r in doc["records"] if r["status"] == "ok"})
         for col in range(cols):
             ax = axes[row][col]

@@ -128,3 +128,36 @@ def test_auto_is_immediate_on_the_cpu():
     inputs = bad_inputs("advantages")
     with pytest.raises(ValueError, match="advantages has non-finite values on unmasked tokens$"):
         dgpo_ops.fused_dgpo_loss(**inputs)
+
+
+@pytest.mark.parametrize("normalizer, match", [
+    (True, "loss_normalizer must be a number or a one-element tensor, got True"),
+    ("tokens", "loss_normalizer must be a number"),
+    (torch.tensor([3.0, 4.0]), "loss_normalizer must be a number or a one-element real tensor"),
+    (torch.tensor(True), "loss_normalizer must be a number or a one-element real tensor"),
+    (float("inf"), "loss_normalizer must be a finite number > 0"),
+    (-2, "loss_normalizer must be a finite number > 0"),
+])
+@pytest.mark.parametrize("op", ["reference", "fused", "fused_linear"])
+def test_a_bad_loss_normalizer_is_named(op, normalizer, match):
+    # Its type and shape are checked on the host in every mode; a value in a device tensor is what
+    # deferred validation checks on the device.
+    inputs = logits_batch(2, 3, 20, seed=25)
+    if op == "fused_linear":
+        inputs.pop("logits")
+        call = lambda: dgpo_ops.fused_linear_dgpo_loss(torch.randn(2, 3, 4), torch.randn(20, 4), **inputs,  # noqa: E731
+                                                       loss_normalizer=normalizer, validation="deferred")
+    else:
+        fn = dgpo_ops.reference_loss if op == "reference" else dgpo_ops.fused_dgpo_loss
+        extra = {} if op == "reference" else {"validation": "deferred"}
+        call = lambda: fn(**inputs, loss_normalizer=normalizer, **extra)  # noqa: E731
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("budget", [0, -5, float("inf"), 1.5e9, "512MiB", None, True])
+def test_a_bad_memory_budget_is_named(budget):
+    inputs = logits_batch(2, 3, 20, seed=26)
+    inputs.pop("logits")
+    with pytest.raises(ValueError, match="memory_budget must be a positive integer number of bytes"):
+        dgpo_ops.fused_linear_dgpo_loss(torch.randn(2, 3, 4), torch.randn(20, 4), **inputs, memory_budget=budget)
