@@ -4,9 +4,10 @@ synchronisation on CUDA.
 
 Forward, for a token-level method on Triton, is three launches: the row kernel (each logits row
 read once: log-sum-exp, the target's log-prob, the entropy and the method's per-token terms), the
-prologue (input checks, counts, aggregation scales) and the finalize kernel (loss and metrics). Sequence-level ratios (GSPO) and the torch backend evaluate the objective with
-torch on O(N) vectors instead. Backward is one launch: the gradient kernel expands two per-token
-coefficients over the vocabulary, reading the incoming gradient on the device.
+prologue (input checks, counts, aggregation scales) and the finalize kernel (loss and metrics).
+Sequence-level ratios (GSPO) and the torch backend evaluate the objective with torch on O(N)
+vectors instead. Backward is one launch: the gradient kernel expands two per-token coefficients
+over the vocabulary, reading the incoming gradient on the device.
 """
 
 from __future__ import annotations
