@@ -16,7 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .backends import select_kernels
-from .inputs import check_values, token_inputs
+from .inputs import check_values, per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
@@ -53,7 +53,9 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         if plan.deferred:
             defer(workspace.status, plan.vocab, plan.normalizer_tensor, "fused_dgpo_loss")
         if plan.needs_grad:
-            ctx.save_for_backward(logits)
+            # The planes are saved too: out.logps and out.entropy are views of them, so editing those
+            # in place before backward fails loudly instead of changing the gradient.
+            ctx.save_for_backward(logits, workspace.per_token)
             ctx.plan, ctx.workspace, ctx.coefficient = plan, workspace, coefficient
         ctx.mark_non_differentiable(workspace.per_token, stats)
         return loss, workspace.per_token, stats
@@ -63,7 +65,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_per_token, _grad_stats):
         if grad_loss is None:
             return None, None
-        (logits,) = ctx.saved_tensors
+        logits, _planes = ctx.saved_tensors  # unpacking checks that nobody edited the planes in place
         plan = ctx.plan
         options = plan.options
         grad_logits = logits if options.inplace else torch.empty_like(logits)
@@ -96,7 +98,7 @@ def fused_loss_from_options(
     if deferred:
         poll_deferred_errors()  # errors of earlier calls the device has finished: raised now, never waited for
     else:
-        check_values(inputs, logits.shape[-1], loss_normalizer)
+        check_values(inputs, logits.shape[-1], loss_normalizer, per_token_dtype(logits.dtype))
     loss, per_token, stats = FusedPolicyLossFunction.apply(logits, plan)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 

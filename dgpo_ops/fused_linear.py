@@ -34,7 +34,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .backends import select_kernels
-from .inputs import check_values, token_inputs
+from .inputs import check_values, per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
@@ -202,9 +202,9 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
             projection = _Projection(weight, bias, precision)
             tiles = _Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
-            per_token_dtype = torch.float64 if precision.tile == torch.float64 else torch.float32
             token_shape = (n_tokens,) if call.inputs.flat else call.inputs.grid
-            workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device, per_token_dtype)
+            workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
+                                              per_token_dtype(precision.tile))
             run_prologue(call, workspace)
             token_level = not options.sequence_level
             wants = [call.needs_grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
@@ -317,7 +317,7 @@ def fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages,
     if deferred:
         poll_deferred_errors()
     else:
-        check_values(inputs, weight.shape[0], loss_normalizer)
+        check_values(inputs, weight.shape[0], loss_normalizer, per_token_dtype(weight.dtype))
     loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias,
                                                                  LinearPlan(call, projection_options))
     loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)

@@ -126,9 +126,10 @@ def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.T
     return Normalizer.VALUE, float(loss_normalizer), None
 
 
-def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None) -> None:
+def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=torch.float32) -> None:
     """Check the values now (host reads: a sync on CUDA tensors), with the errors the prologue
-    kernel would report later."""
+    kernel would report later. Per-token floats must be finite in the per-token compute ``dtype``
+    (fp32, or fp64 for fp64 logits): an fp64 1e39 would be inf where the loss is computed."""
     target_ids = inputs.target_ids
     out_of_range = (target_ids != IGNORE_INDEX) & ((target_ids < 0) | (target_ids >= vocab))
     if out_of_range.any():
@@ -145,7 +146,7 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None) -> None:
             continue
         if value.dim() == 1 and not inputs.flat:
             value = value[:, None].expand(scored.shape)
-        if not torch.isfinite(value[scored]).all():
+        if not torch.isfinite(value[scored].to(dtype)).all():
             raise ValueError(f"{name} has non-finite values on unmasked tokens")
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
     if kind == Normalizer.TENSOR:
@@ -191,10 +192,10 @@ def prepare_batch(logits_shape, logits_dtype, device, target_ids, advantages, ma
     the reference's path, and the ground truth for the prologue kernel."""
     inputs = token_inputs(logits_shape, logits_dtype, device, target_ids, advantages, mask, old_logps, ref_logps,
                           rollout_weights, aggregation, needs_sequences)
-    check_values(inputs, logits_shape[-1], loss_normalizer)
+    dtype = per_token_dtype(logits_dtype)
+    check_values(inputs, logits_shape[-1], loss_normalizer, dtype)
     B, T = inputs.grid
     scored = inputs.target_ids.reshape(B, T) != IGNORE_INDEX
     if inputs.mask is not None:
         scored = scored & (inputs.mask.reshape(B, T) != 0)
-    dtype = per_token_dtype(logits_dtype)
     return canonical_batch(inputs, scored, token_scales(scored, aggregation, loss_normalizer, dtype), dtype)

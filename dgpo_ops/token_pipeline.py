@@ -23,7 +23,7 @@ import torch
 from .aggregation import AGGREGATIONS
 from .backends import RowKernels
 from .inputs import canonical_batch, normalizer_spec
-from .kernels.interface import Plane
+from .kernels.interface import Plane, Status
 from .kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs
 from .metrics import policy_metrics
 from .methods import MethodConfig
@@ -119,4 +119,7 @@ def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
         dloss_dlogp = torch.zeros_like(logp) if dloss_dlogp is None else dloss_dlogp
         dloss_dlogp = dloss_dlogp.reshape(-1)
     metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, scored)
-    return ObjectiveResult(terms.loss.detach(), dloss_dlogp, metrics.as_tensor())
+    # As the finalize kernel: input the prologue could not score makes the loss NaN even when it hides
+    # every scored token (the scales are NaN, but no scored token carries them into the sum).
+    loss = torch.where(workspace.status[Status.ERRORS] != 0, float("nan"), terms.loss.detach())
+    return ObjectiveResult(loss, dloss_dlogp, metrics.as_tensor())

@@ -115,8 +115,8 @@ def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op:
         host, done = ring.host[slot], ring.events[slot]
     else:  # more calls in flight than slots: a fresh pinned buffer and event (still no wait)
         ring, host, done = None, torch.empty(status.shape, dtype=status.dtype, pin_memory=True), torch.cuda.Event()
-    host.copy_(status, non_blocking=True)
-    done.record()
+    host.copy_(status, non_blocking=True)  # on the status device's current stream
+    done.record(torch.cuda.current_stream(status.device))  # that stream, whichever device is current
     with _lock:
         _pending.append(_PendingCheck(host, done, vocab, normalizer, op, ring, slot))
 

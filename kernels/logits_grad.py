@@ -24,8 +24,10 @@ from .logprob_entropy import BACKWARD_SHAPE, check_vocab_stride, default_block_v
 @triton.jit
 def _one_minus_exp(log_p):
     # 1 - exp(log p) = -expm1(log p) without the cancellation near 0 (Kahan's expm1): once per row.
+    # Where exp underflows to 0 (log p below about -87 to -104, or -inf) the answer is 1, not 0/0.
     u = tl.exp(log_p)
-    return tl.where(u == 1.0, -log_p, (1.0 - u) * log_p / tl.log(u))
+    kahan = (1.0 - u) * log_p / tl.log(tl.where(u == 0.0, 0.5, u))
+    return tl.where(u == 1.0, -log_p, tl.where(u == 0.0, 1.0, kahan))
 
 
 @triton.jit

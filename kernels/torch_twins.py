@@ -46,8 +46,9 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, a
     for name, bit in (("advantages", InputError.ADVANTAGES), ("old_logps", InputError.OLD_LOGPS),
                       ("ref_logps", InputError.REF_LOGPS), ("rollout_weights", InputError.ROLLOUT_WEIGHTS)):
         value = getattr(batch, name)
-        if value is not None:
-            errors = errors | torch.where((scored & ~torch.isfinite(_grid_view(batch, value))).any(), int(bit), 0)
+        if value is not None:  # finite where the loss is computed (fp32, or fp64 for fp64 logits)
+            finite = torch.isfinite(_grid_view(batch, value).to(seq_scale.dtype))
+            errors = errors | torch.where((scored & ~finite).any(), int(bit), 0)
     counts = valid.sum(dim=1)
     total = counts.sum()
     # argmax of a boolean tensor is its first True (row-major); 0 when there is none (the bit is off then).

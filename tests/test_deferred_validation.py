@@ -161,3 +161,30 @@ def test_a_bad_memory_budget_is_named(budget):
     inputs.pop("logits")
     with pytest.raises(ValueError, match="memory_budget must be a positive integer number of bytes"):
         dgpo_ops.fused_linear_dgpo_loss(torch.randn(2, 3, 4), torch.randn(20, 4), **inputs, memory_budget=budget)
+
+
+@pytest.mark.parametrize("route", ["triton_sequence", "torch_token"])
+def test_errors_that_hide_every_scored_token_still_give_a_nan_loss(route):
+    inputs = logits_batch(2, 4, 20, seed=27)
+    inputs["mask"][:] = False
+    inputs["target_ids"][0, 0] = 99  # out of range, masked: still an error
+    options = dict(backend="triton", importance_sampling_level="sequence", aggregation="seq_mean_token_mean")
+    if route == "torch_token":
+        options = dict(backend="torch")
+    out = dgpo_ops.fused_dgpo_loss(**inputs, validation="deferred", **options)
+    assert torch.isnan(out.loss)
+    with pytest.raises(ValueError, match="found 99"):
+        dgpo_ops.raise_deferred_errors()
+
+
+def test_finite_means_finite_where_the_loss_is_computed():
+    # 1e39 is finite in fp64 but inf in the fp32 the loss uses: both modes name it.
+    inputs = logits_batch(2, 3, 20, seed=28)
+    inputs["advantages"] = inputs["advantages"].double()
+    inputs["advantages"][1] = 1e39
+    with pytest.raises(ValueError, match="advantages has non-finite values"):
+        dgpo_ops.fused_dgpo_loss(**inputs, validation="immediate")
+    out = dgpo_ops.fused_dgpo_loss(**inputs, validation="deferred", backend="triton")
+    assert torch.isnan(out.loss)
+    with pytest.raises(ValueError, match="advantages has non-finite values"):
+        dgpo_ops.raise_deferred_errors()

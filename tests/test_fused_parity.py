@@ -371,3 +371,33 @@ def test_nan_logit_gives_nan_loss_for_every_method(backend):
         inputs["logits"][1, 0, 5] = float("nan")
         out = dgpo_ops.fused_dgpo_loss(**inputs, method=name, **params, backend=backend)
         assert torch.isnan(out.loss), name
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_target_far_below_the_max_keeps_its_gradient(backend):
+    # log p of the target below -104: exp(log p) underflows to 0 in fp32 and 1 - p must be 1 there
+    # (the kernel's expm1 formula once gave 0/0 -> 0, dropping the target's gradient silently).
+    inputs = logits_batch(2, 3, 64, seed=40)
+    inputs["target_ids"][:, 1] = 5
+    logits = inputs.pop("logits")
+    logits[:, 1, 5] = logits[:, 1].max(dim=-1).values - 130.0
+    inputs["old_logps"] = None
+    inputs["advantages"] = torch.tensor([1.0, -0.7])
+    fused, ref = logits.clone().requires_grad_(True), logits.double().requires_grad_(True)
+    dgpo_ops.fused_dgpo_loss(fused, **inputs, method="grpo", backend=backend).loss.backward()
+    dgpo_ops.reference_loss(ref, **inputs, method="grpo").loss.backward()
+    assert ref.grad[:, 1, 5].abs().min() > 0.05
+    torch.testing.assert_close(fused.grad.double(), ref.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("output", ["logps", "entropy"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_editing_the_per_token_outputs_in_place_fails_loudly(backend, output):
+    # out.logps and out.entropy are views of what backward reads: an in-place edit must not change
+    # the gradient silently.
+    inputs = logits_batch(2, 3, 20, seed=41)
+    logits = inputs.pop("logits").requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(logits, **inputs, backend=backend, entropy_coef=0.1)
+    getattr(out, output).zero_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
