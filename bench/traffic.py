@@ -31,7 +31,6 @@ ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
 # every token of a launch, so they come from L2 after the first token; listed apart from per-token bytes.
 PARAM_WORDS = {"dgpo": 4, "grpo": 3}
 ACCESS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?(LDG|STG)(\.[A-Z0-9.]+)?\s")
-BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+0x([0-9a-f]+)")
 
 
 def _flags(*names: str) -> tuple:
@@ -170,11 +169,7 @@ def sass_traffic(sass: str, spec) -> dict:
     """LDG/STG of the SASS, split into the vocabulary loop (back-edge of a backward branch) and the rest."""
     from dgpo_ops.kernels import aot
 
-    loops = []
-    for match in BRANCH.finditer(sass):
-        at, target = int(match.group(1), 16), int(match.group(3), 16)
-        if target < at:  # a back-edge (the trailing `BRA self` trap has target == at)
-            loops.append((target, at))
+    loops = aot.sass_loops(sass)
     threads = aot.LAUNCH[spec.kernel]["num_warps"] * 32
     block_v = dict(spec.constexprs)["BLOCK_V"]
     inventory = {"loop": {}, "outside": {}}

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from .kernels.interface import Denominator
+from .kernels.interface import Denominator, InputError
+from .validation import MESSAGES
 
 # name -> (divide each token by its response length?, default denominator): the prologue kernel
 # reads the same two codes.
@@ -30,21 +31,27 @@ def check_aggregation(aggregation: str) -> None:
         raise ValueError(f"unknown aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
 
 
-def check_loss_normalizer(loss_normalizer) -> None:
-    """A finite number > 0 or a one-element real tensor holding one (read here: host code only)."""
-    if loss_normalizer is None:
-        return
+def check_normalizer_form(loss_normalizer) -> None:
+    """A number or a one-element real tensor (its value is not read here)."""
     if torch.is_tensor(loss_normalizer):
         if loss_normalizer.numel() != 1 or loss_normalizer.dtype == torch.bool or loss_normalizer.is_complex():
             raise ValueError("loss_normalizer must be a number or a one-element real tensor, got a tensor of "
                              f"shape {tuple(loss_normalizer.shape)} and dtype {loss_normalizer.dtype}")
-        value = float(loss_normalizer)
     elif isinstance(loss_normalizer, bool) or not isinstance(loss_normalizer, (int, float)):
         raise ValueError(f"loss_normalizer must be a number or a one-element tensor, got {loss_normalizer!r}")
-    else:
-        value = float(loss_normalizer)
+
+
+def check_normalizer_value(value: float) -> None:
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"loss_normalizer must be a finite number > 0, got {loss_normalizer!r}")
+        raise ValueError(MESSAGES[InputError.LOSS_NORMALIZER].format(normalizer=repr(value)))
+
+
+def check_loss_normalizer(loss_normalizer) -> None:
+    """A finite number > 0, or a one-element real tensor holding one (read here: host code only)."""
+    if loss_normalizer is None:
+        return
+    check_normalizer_form(loss_normalizer)
+    check_normalizer_value(float(loss_normalizer) if torch.is_tensor(loss_normalizer) else loss_normalizer)
 
 
 def token_scales(mask: torch.Tensor, aggregation: str, loss_normalizer: float | torch.Tensor | None = None,

@@ -15,15 +15,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backends import select_kernels
-from .inputs import check_values, per_token_dtype, token_inputs
+from .inputs import token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
-from .token_pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, run_prologue
-from .validation import defer, poll_deferred_errors, resolve_mode
+from .token_pipeline import CallPlan, epilogue_inputs, objective_route, prepare_call, run_prologue
+from .validation import defer
 
 
 class FusedPolicyLossFunction(torch.autograd.Function):
@@ -91,14 +90,8 @@ def fused_loss_from_options(
             "inplace=True overwrites the logits with their gradient: pass logits computed by the model "
             "(a non-leaf tensor), not a leaf whose values you keep"
         )
-    kernels = select_kernels(options.backend, logits)
-    deferred = resolve_mode(options.validation, logits.device) == "deferred"
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    plan = plan_call(inputs, options, kernels, logits.shape[-1], loss_normalizer, logits.device, deferred, needs_grad)
-    if deferred:
-        poll_deferred_errors()  # errors of earlier calls the device has finished: raised now, never waited for
-    else:
-        check_values(inputs, logits.shape[-1], loss_normalizer, per_token_dtype(logits.dtype))
+    plan = prepare_call(inputs, options, logits, logits.shape[-1], loss_normalizer, logits.device, needs_grad)
     loss, per_token, stats = FusedPolicyLossFunction.apply(logits, plan)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 

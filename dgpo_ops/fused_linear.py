@@ -33,15 +33,14 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backends import select_kernels
-from .inputs import check_values, per_token_dtype, token_inputs
+from .inputs import per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
-from .token_pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, run_prologue
-from .validation import defer, poll_deferred_errors, resolve_mode
+from .token_pipeline import CallPlan, epilogue_inputs, objective_route, prepare_call, run_prologue
+from .validation import defer
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
 # cuBLAS writes an fp32 product of bf16/fp16 operands directly (torch >= 2.8, CUDA).
@@ -89,10 +88,6 @@ class Precision:
         # softcap's tanh is taken on an fp32 tile (the product accumulated in fp32, not rounded first).
         tile = operand if softcap is None else torch.float32
         return cls(operand, tile, operand, torch.float32)
-
-    @property
-    def fp32_tile_of_low_precision(self) -> bool:
-        return self.tile == torch.float32 and self.operand in LOW_PRECISION
 
 
 class _Projection:
@@ -310,14 +305,8 @@ def fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages,
         raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
     tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
                              device=hidden.device)
-    kernels = select_kernels(options.backend, tile_probe)
-    deferred = resolve_mode(options.validation, hidden.device) == "deferred"
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    call = plan_call(inputs, options, kernels, weight.shape[0], loss_normalizer, hidden.device, deferred, needs_grad)
-    if deferred:
-        poll_deferred_errors()
-    else:
-        check_values(inputs, weight.shape[0], loss_normalizer, per_token_dtype(weight.dtype))
+    call = prepare_call(inputs, options, tile_probe, weight.shape[0], loss_normalizer, hidden.device, needs_grad)
     loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias,
                                                                  LinearPlan(call, projection_options))
     loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)

@@ -13,14 +13,14 @@ Three steps, each usable alone:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .aggregation import TOKEN_LEVEL_AGGREGATIONS, token_scales
-from .kernels.interface import IGNORE_INDEX, Normalizer
+from .aggregation import TOKEN_LEVEL_AGGREGATIONS, check_normalizer_form, check_normalizer_value, token_scales
+from .kernels.interface import IGNORE_INDEX, InputError, Normalizer
 from .kernels.row_io import TokenInputs
+from .validation import MESSAGES
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
@@ -110,19 +110,14 @@ def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.T
     tensor read (and checked) on the device. Host numbers and CPU tensors are checked here."""
     if loss_normalizer is None:
         return Normalizer.ABSENT, 0.0, None
+    check_normalizer_form(loss_normalizer)
     if torch.is_tensor(loss_normalizer):
-        if loss_normalizer.numel() != 1 or loss_normalizer.dtype == torch.bool or loss_normalizer.is_complex():
-            raise ValueError("loss_normalizer must be a number or a one-element real tensor, got a tensor of "
-                             f"shape {tuple(loss_normalizer.shape)} and dtype {loss_normalizer.dtype}")
         if loss_normalizer.device == device:  # read on the device, by the kernels
             return Normalizer.TENSOR, 0.0, loss_normalizer.detach().reshape(())
         if loss_normalizer.device.type != "cpu":
             raise ValueError(f"loss_normalizer is on {loss_normalizer.device} but logits are on {device}")
         loss_normalizer = loss_normalizer.detach().reshape(()).item()  # a CPU tensor beside GPU logits: no device sync
-    if isinstance(loss_normalizer, bool) or not isinstance(loss_normalizer, (int, float)):
-        raise ValueError(f"loss_normalizer must be a number or a one-element tensor, got {loss_normalizer!r}")
-    if not math.isfinite(loss_normalizer) or loss_normalizer <= 0:
-        raise ValueError(f"loss_normalizer must be a finite number > 0, got {loss_normalizer!r}")
+    check_normalizer_value(loss_normalizer)
     return Normalizer.VALUE, float(loss_normalizer), None
 
 
@@ -134,11 +129,11 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=to
     out_of_range = (target_ids != IGNORE_INDEX) & ((target_ids < 0) | (target_ids >= vocab))
     if out_of_range.any():
         bad = target_ids[out_of_range][0].item()
-        raise ValueError(f"target_ids must be in [0, {vocab}) or {IGNORE_INDEX}; found {bad}")
+        raise ValueError(MESSAGES[InputError.TARGET_IDS].format(vocab=vocab, ignore=IGNORE_INDEX, bad_target=bad))
     scored = target_ids != IGNORE_INDEX
     if inputs.mask is not None:
         if inputs.mask.dtype != torch.bool and ((inputs.mask != 0) & (inputs.mask != 1)).any():
-            raise ValueError("mask must hold only 0 and 1 (or be boolean)")
+            raise ValueError(MESSAGES[InputError.MASK])
         scored = scored & (inputs.mask != 0)
     for name in PER_TOKEN_FLOATS:
         value = getattr(inputs, name)
@@ -147,12 +142,10 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=to
         if value.dim() == 1 and not inputs.flat:
             value = value[:, None].expand(scored.shape)
         if not torch.isfinite(value[scored].to(dtype)).all():
-            raise ValueError(f"{name} has non-finite values on unmasked tokens")
+            raise ValueError(MESSAGES[InputError[name.upper()]])
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
     if kind == Normalizer.TENSOR:
-        value = float(tensor)
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"loss_normalizer must be a finite number > 0, got {value!r}")
+        check_normalizer_value(float(tensor))
 
 
 def per_token_dtype(logits_dtype) -> torch.dtype:

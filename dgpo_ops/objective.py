@@ -35,7 +35,8 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def check_kl_inputs(batch: TokenBatch, options: LossOptions) -> None:
+def check_kl_inputs(batch, options: LossOptions) -> None:
+    """``batch``: anything with ``ref_logps`` (a ``TokenBatch`` or the kernels' ``TokenInputs``)."""
     if options.beta != 0.0 and batch.ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps")
 

@@ -21,14 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from .aggregation import AGGREGATIONS
-from .backends import RowKernels
-from .inputs import canonical_batch, normalizer_spec
+from .backends import RowKernels, select_kernels
+from .inputs import canonical_batch, check_values, normalizer_spec, per_token_dtype
 from .kernels.interface import Plane, Status
 from .kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs
 from .metrics import policy_metrics
 from .methods import MethodConfig
-from .objective import policy_objective
+from .objective import check_kl_inputs, policy_objective
 from .options import LossOptions
+from .validation import poll_deferred_errors, resolve_mode
 
 
 @dataclass
@@ -38,7 +39,6 @@ class CallPlan:
     kernels: RowKernels
     vocab: int
     normalizer: tuple  # normalizer_spec(...)
-    normalizer_tensor: torch.Tensor | None
     deferred: bool  # input values are checked on the device (dgpo_ops.validation)
     needs_grad: bool
 
@@ -55,13 +55,25 @@ class CallPlan:
     def grid_seq_len(self) -> int:
         return self.inputs.grid[1]
 
+    @property
+    def normalizer_tensor(self) -> torch.Tensor | None:
+        return self.normalizer[2]
 
-def plan_call(inputs: TokenInputs, options: LossOptions, kernels: RowKernels, vocab: int, loss_normalizer,
-              device, deferred: bool, needs_grad: bool) -> CallPlan:
-    if options.beta != 0.0 and inputs.ref_logps is None:
-        raise ValueError("beta > 0 needs ref_logps")
-    normalizer = normalizer_spec(loss_normalizer, device)
-    return CallPlan(inputs, options, kernels, vocab, normalizer, normalizer[2], deferred, needs_grad)
+
+def prepare_call(inputs: TokenInputs, options: LossOptions, kernel_probe: torch.Tensor, vocab: int, loss_normalizer,
+                 device, needs_grad: bool) -> CallPlan:
+    """Everything a call decides on the host, from metadata: the kernels (for tensors like
+    ``kernel_probe``), the validation mode, the normaliser. Immediate validation checks the values
+    here; deferred validation raises the errors of earlier calls the device has finished (never waits)."""
+    check_kl_inputs(inputs, options)
+    kernels = select_kernels(options.backend, kernel_probe)
+    deferred = resolve_mode(options.validation, device) == "deferred"
+    plan = CallPlan(inputs, options, kernels, vocab, normalizer_spec(loss_normalizer, device), deferred, needs_grad)
+    if deferred:
+        poll_deferred_errors()
+    else:
+        check_values(inputs, vocab, loss_normalizer, per_token_dtype(kernel_probe.dtype))
+    return plan
 
 
 @functools.lru_cache(maxsize=256)

@@ -162,14 +162,20 @@ BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+0x
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def hot_loop_mufu(sass: str) -> dict:
-    """MUFU instructions in the loop that issues the most 128-bit loads (the vocabulary loop): its
-    span is a backward branch's target to the branch."""
+def sass_loops(sass: str) -> list[tuple[int, int]]:
+    """(start, end) addresses of every loop of a SASS listing: a backward branch's target to the
+    branch (the trailing `BRA self` trap has target == address and is not a loop)."""
     loops = []
     for match in BRANCH.finditer(sass):
         at, target = int(match.group(1), 16), int(match.group(2), 16)
         if target < at:
             loops.append((target, at))
+    return loops
+
+
+def hot_loop_mufu(sass: str) -> dict:
+    """MUFU instructions in the loop that issues the most 128-bit loads (the vocabulary loop)."""
+    loops = sass_loops(sass)
     instructions = [(int(m.group(1), 16), m.group(2)) for m in INSTRUCTION.finditer(sass)]
     best = None
     for lo, hi in loops:

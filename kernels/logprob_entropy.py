@@ -136,7 +136,8 @@ def logprob_entropy_fwd_kernel(
                                other=0.0).to(tl.float32)
         else:
             old_logp = logp
-        loss, psi, region = token_terms(logp - old_logp, adv, old_logp, logp, method_params_ptr, METHOD, GATE)
+        loss, psi, region, ratio_used = token_terms(logp - old_logp, adv, old_logp, logp, method_params_ptr, METHOD,
+                                                    GATE)
         dloss_dlogp = -adv * psi
         if HAS_ROLLOUT_WEIGHTS:
             weight = tl.load(rollout_weights_ptr + b * rw_stride_b + t * rw_stride_t, mask=valid,
@@ -157,9 +158,6 @@ def logprob_entropy_fwd_kernel(
             loss += beta * kl
             dloss_dlogp += beta * dkl_dlogp
         loss -= entropy_coef * entropy
-        # The ratio the method was evaluated at: exp of the clamped log ratio, as token_terms uses it.
-        ratio_used = tl.exp(tl.clamp(logp - old_logp, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP,
-                                     propagate_nan=codes.NAN_PROPAGATING))
         tl.store(token_planes_ptr + codes.PLANE_TOKEN_LOSS * n_tokens, tl.where(valid, loss, 0.0))
         tl.store(token_planes_ptr + codes.PLANE_DLOSS_DLOGP * n_tokens, tl.where(valid, dloss_dlogp, 0.0))
         tl.store(token_planes_ptr + codes.PLANE_RATIO * n_tokens, tl.where(valid, ratio_used, 1.0))

@@ -1,7 +1,7 @@
 """Triton mirror of the method table (``dgpo_ops/methods.py``) for the kernels' per-token epilogue.
 
 ``token_terms`` takes one token's scalars and the fp32 parameter vector a ``MethodConfig`` lowers
-to (``kernel_params``), and returns ``(L, psi, region)``. The method is a constexpr switch that
+to (``kernel_params``), and returns ``(L, psi, region, r)``. The method is a constexpr switch that
 names every ``MethodId`` and fails to compile on any other value (``tl.static_assert``), so a
 method without a Triton branch is a compile error, never another method's numbers. Every
 hyperparameter is a runtime value. Tests compare this mirror with the torch table row by row.
@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from . import codes
-
 
 
 @triton.jit
@@ -80,7 +79,8 @@ def _sapo_gate(r, tau, GATE: tl.constexpr):
 
 @triton.jit
 def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
-    """(L, psi, region) of one token; ``logp`` is the token's own log-prob (cispo's value uses it)."""
+    """(L, psi, region, r) of one token: ``r`` is the ratio psi was evaluated at (exp of the clamped
+    log ratio). ``logp`` is the token's own log-prob (cispo's value uses it)."""
     log_ratio = tl.clamp(log_ratio, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP, propagate_nan=codes.NAN_PROPAGATING)
     r = tl.exp(log_ratio)
     # min/max/clamp here propagate NaN (plain tl.minimum returns the other operand): a NaN ratio
@@ -149,4 +149,4 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         region = tl.zeros_like(log_ratio).to(tl.int32) + codes.REGION_M
     else:
         tl.static_assert(False, "token_terms: unknown METHOD id (add the method's branch here)")
-    return loss, psi, region
+    return loss, psi, region, r

@@ -28,10 +28,6 @@ class TokenInputs:
     ref_logps: torch.Tensor | None = None
     rollout_weights: torch.Tensor | None = None
 
-    @property
-    def n_tokens(self) -> int:
-        return self.grid[0] * self.grid[1]
-
     def strides(self, tensor: torch.Tensor) -> tuple[int, int]:
         """(response stride, time stride) of a per-token or per-response tensor on the grid."""
         if self.flat:
@@ -92,13 +88,3 @@ class RowWorkspace:
     def planes(self) -> torch.Tensor:
         """The per-token planes as ``(NUM_PLANES, n_tokens)`` (a view)."""
         return self.per_token.view(NUM_PLANES, self.n_tokens)
-
-
-@dataclass
-class RowForward:
-    """Per-token results of the forward pass; log-sum-exp = row_max + log_norm (kept apart for precision)."""
-
-    row_max: torch.Tensor
-    log_norm: torch.Tensor
-    logp: torch.Tensor
-    entropy: torch.Tensor

@@ -22,11 +22,15 @@ def _grid_view(batch, tensor):
     return tensor
 
 
-def _scored(batch, vocab: int):
-    """(target as int64, listed, scored, valid) on the (B, T) grid: the twin of ``tokens.read_targets``."""
-    target = _grid_view(batch, batch.target_ids).to(torch.int64)
+def _scored(batch, vocab: int, tokens: slice = slice(None)):
+    """(target as int64, listed, scored, valid, in_range) of the tokens ``tokens`` of the flattened
+    grid (all of them by default), each flat: the twin of ``tokens.read_targets``."""
+    target = _grid_view(batch, batch.target_ids).reshape(-1)[tokens].to(torch.int64)
     listed = target != IGNORE_INDEX
-    scored = listed if batch.mask is None else listed & (_grid_view(batch, batch.mask) != 0)
+    if batch.mask is not None:
+        scored = listed & (_grid_view(batch, batch.mask).reshape(-1)[tokens] != 0)
+    else:
+        scored = listed
     in_range = (target >= 0) & (target < vocab)
     return target, listed, scored, scored & in_range, in_range
 
@@ -37,7 +41,7 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, a
     B, T = batch.grid
     per_response, denominator = aggregation_codes
     normalizer_kind, normalizer_value, normalizer_tensor = normalizer
-    target, listed, scored, valid, in_range = _scored(batch, vocab)
+    target, listed, scored, valid, in_range = (t.view(B, T) for t in _scored(batch, vocab))
     bad_target = listed & ~in_range
     errors = torch.where(bad_target.any(), int(InputError.TARGET_IDS), 0)
     if batch.mask is not None and batch.mask.dtype != torch.bool:
@@ -108,9 +112,8 @@ def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=No
     n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
     dtype = _compute_dtype(logits)
     planes = workspace.planes()
-    target, _, _, valid, _ = _scored(batch, logits.shape[-1])
-    workspace.target_index[token_offset:token_offset + n] = torch.where(valid, target, -1).reshape(-1)[
-        token_offset:token_offset + n]
+    target, _, _, valid, _ = _scored(batch, logits.shape[-1], slice(token_offset, token_offset + n))
+    workspace.target_index[token_offset:token_offset + n] = torch.where(valid, target, -1)
     targets = workspace.target_index[token_offset:token_offset + n]
     for rows, (chunk,) in _row_chunks([logits], chunk_rows):
         x = chunk.to(dtype) * inv_temperature

@@ -9,34 +9,36 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
-import dgpo_ops
 from dgpo_ops.kernels.method_table import token_terms as mirror_token_terms
 from helpers import METHOD_VARIANTS, config, spanning_tokens, trust_region, variant_id
 
+import dgpo_ops
+
 
 @triton.jit
-def evaluate_mirror_kernel(log_ratio_ptr, adv_ptr, old_logp_ptr, params_ptr, loss_ptr, psi_ptr, region_ptr, n,
+def evaluate_mirror_kernel(log_ratio_ptr, adv_ptr, old_logp_ptr, params_ptr, loss_ptr, psi_ptr, region_ptr, ratio_ptr, n,
                            METHOD: tl.constexpr, GATE: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     log_ratio = tl.load(log_ratio_ptr + offsets, mask=inside, other=0.0)
     adv = tl.load(adv_ptr + offsets, mask=inside, other=0.0)
     old_logp = tl.load(old_logp_ptr + offsets, mask=inside, other=0.0)
-    loss, psi, region = mirror_token_terms(log_ratio, adv, old_logp, log_ratio + old_logp, params_ptr, METHOD, GATE)
+    loss, psi, region, ratio = mirror_token_terms(log_ratio, adv, old_logp, log_ratio + old_logp, params_ptr, METHOD,
+                                                  GATE)
     tl.store(loss_ptr + offsets, loss, mask=inside)
+    tl.store(ratio_ptr + offsets, ratio, mask=inside)
     tl.store(psi_ptr + offsets, psi, mask=inside)
     tl.store(region_ptr + offsets, region.to(tl.int8), mask=inside)
 
 
 def mirror(cfg, log_ratio, adv, old_logp):
     n = log_ratio.numel()
-    loss, psi = torch.empty(n), torch.empty(n)
+    loss, psi, ratio = torch.empty(n), torch.empty(n), torch.empty(n)
     region = torch.empty(n, dtype=torch.int8)
     params = torch.tensor(cfg.kernel_params(), dtype=torch.float32)
-    evaluate_mirror_kernel[(triton.cdiv(n, 64),)](log_ratio, adv, old_logp, params, loss, psi, region, n,
+    evaluate_mirror_kernel[(triton.cdiv(n, 64),)](log_ratio, adv, old_logp, params, loss, psi, region, ratio, n,
                                                   METHOD=int(cfg.method_id), GATE=int(cfg.gate_id), BLOCK=64)
-    return loss, psi, region
+    return loss, psi, region, ratio
 
 
 def fp32_tokens(cfg):
@@ -59,8 +61,10 @@ def test_mirror_matches_the_table(variant):
     cfg = config(variant)
     log_ratio, adv, old_logp = fp32_tokens(cfg)
     want = dgpo_ops.token_terms(cfg, log_ratio, adv, old_logp)
-    loss, psi, region = mirror(cfg, log_ratio, adv, old_logp)
+    loss, psi, region, ratio = mirror(cfg, log_ratio, adv, old_logp)
     assert torch.equal(region, want.region)
+    # the ratio psi was evaluated at: exp of the log ratio clamped to +-20 (the metrics' ratio)
+    torch.testing.assert_close(ratio, log_ratio.clamp(-20, 20).exp(), rtol=2e-6, atol=0)
     torch.testing.assert_close(psi, want.psi, rtol=2e-6, atol=1e-7)
     torch.testing.assert_close(loss, want.loss, rtol=2e-6, atol=1e-7)
 
@@ -71,7 +75,7 @@ def test_nan_ratio_gives_nan_loss_in_table_and_mirror(variant):
     log_ratio = torch.tensor([float("nan")] * 2)
     adv = torch.tensor([1.0, -1.0])
     old_logp = torch.tensor([math.log(0.3)] * 2)
-    loss, psi, _ = mirror(cfg, log_ratio, adv, old_logp)
+    loss, psi, _, _ = mirror(cfg, log_ratio, adv, old_logp)
     want = dgpo_ops.token_terms(cfg, log_ratio, adv, old_logp)
     assert torch.isnan(want.loss).all() and torch.isnan(loss).all()
     assert torch.isnan(psi).all() == torch.isnan(want.psi).all()
