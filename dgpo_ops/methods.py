@@ -21,7 +21,15 @@ from typing import Callable, ClassVar, NamedTuple
 import torch
 
 # The codes and slots the kernels read are the kernels' own interface (a leaf module); re-exported here.
-from .kernels.interface import LOG_RATIO_CLAMP, NUM_KERNEL_PARAMS, Gate, KernelParam, MethodId, Region  # noqa: F401
+from .kernels.interface import (  # noqa: F401
+    LOG_RATIO_CLAMP,
+    LOGP_FLOOR,
+    NUM_KERNEL_PARAMS,
+    Gate,
+    KernelParam,
+    MethodId,
+    Region,
+)
 
 
 def _check_range(method: str, name: str, value, low=None, high=None, low_open=False):
@@ -260,23 +268,23 @@ def _regions(rd, adv, low, high):
     """Region codes from the trust region [low, high] (tensors or floats) and the sign of A."""
     pos, neg = adv > 0, adv < 0
     below, above = rd < low, rd > high
-    region = torch.full_like(rd, Region.M, dtype=torch.int8)
-    region = torch.where(below & neg, Region.LN, region)
-    region = torch.where(above & pos, Region.HP, region)
-    region = torch.where(below & pos, Region.LP, region)
-    return torch.where(above & neg, Region.HN, region).to(torch.int8)
+    region = torch.full_like(rd, Region.M.value, dtype=torch.int8)
+    region = torch.where(below & neg, Region.LN.value, region)
+    region = torch.where(above & pos, Region.HP.value, region)
+    region = torch.where(below & pos, Region.LP.value, region)
+    return torch.where(above & neg, Region.HN.value, region).to(torch.int8)
 
 
 def _ppo_clip(x: TokenInputs, low, high, dual_clip) -> TokenTerms:
     rd, adv = x.ratio_detached, x.advantage
     region = _regions(rd, adv, low, high)
-    in_ln = region == Region.LN
-    clipped = in_ln | (region == Region.HP)
+    in_ln = region == Region.LN.value
+    clipped = in_ln | (region == Region.HP.value)
     dual = (adv < 0) & (rd > dual_clip)
     loss = torch.where(clipped, -adv * torch.where(in_ln, _full(low, rd), _full(high, rd)), -adv * x.ratio)
     loss = torch.where(dual, -adv * dual_clip, loss)
     psi = torch.where(clipped | dual, torch.zeros_like(rd), rd)
-    return TokenTerms(loss, psi, torch.where(dual, Region.DUAL, region).to(torch.int8))
+    return TokenTerms(loss, psi, torch.where(dual, Region.DUAL.value, region).to(torch.int8))
 
 
 def _capped_is(x: TokenInputs, low, high) -> TokenTerms:
@@ -319,7 +327,7 @@ def _gppo(cfg: GppoConfig | CeGppoConfig, x: TokenInputs) -> TokenTerms:
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     dual_clip = math.inf if cfg.dual_clip is None else cfg.dual_clip
     region = _regions(rd, adv, low, high)
-    in_ln, in_hp = region == Region.LN, region == Region.HP
+    in_ln, in_hp = region == Region.LN.value, region == Region.HP.value
     unit = r / rd  # value 1, gradient r/sg(r): the gradient-preserving trick
     loss = torch.where(in_ln, -adv * cfg.beta1 * low * unit, -adv * r)
     loss = torch.where(in_hp, -adv * cfg.beta2 * high * unit, loss)
@@ -328,7 +336,7 @@ def _gppo(cfg: GppoConfig | CeGppoConfig, x: TokenInputs) -> TokenTerms:
     dual = (adv < 0) & (-adv * dual_clip < loss.detach())
     loss = torch.where(dual, -adv * dual_clip, loss)
     psi = torch.where(dual, torch.zeros_like(rd), psi)
-    return TokenTerms(loss, psi, torch.where(dual, Region.DUAL, region).to(torch.int8))
+    return TokenTerms(loss, psi, torch.where(dual, Region.DUAL.value, region).to(torch.int8))
 
 
 def _aspo(cfg: AspoConfig, x: TokenInputs) -> TokenTerms:
@@ -349,7 +357,7 @@ def _aspo(cfg: AspoConfig, x: TokenInputs) -> TokenTerms:
     neg_loss = torch.where(neg_dual, -adv * c * logp, -adv * u)
     neg_psi = torch.where(neg_dual, _full(c, rd), torch.where(rd < low, zero, rd))
     dual = torch.where(pos, pos_dual, neg_dual) & (adv != 0)
-    region = torch.where(dual, Region.DUAL, _regions(rd, adv, low, high)).to(torch.int8)
+    region = torch.where(dual, Region.DUAL.value, _regions(rd, adv, low, high)).to(torch.int8)
     return TokenTerms(
         torch.where(pos, pos_loss, neg_loss), torch.where(pos, pos_psi, neg_psi), region
     )
@@ -359,7 +367,7 @@ def _dgpo(cfg: DgpoConfig, x: TokenInputs) -> TokenTerms:
     log_r, rd, adv = x.log_ratio, x.ratio_detached, x.advantage
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     region = _regions(rd, adv, low, high)
-    in_ln, in_hp = region == Region.LN, region == Region.HP
+    in_ln, in_hp = region == Region.LN.value, region == Region.HP.value
     log_rd = log_r.detach()
     # LN: exp(l + n sg(l) - (n+1) l_old) / low^n. Exponents are zeroed outside their region so
     # an overflow there cannot turn into 0 * inf = nan in the backward of torch.where.
@@ -417,6 +425,27 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+class _StraightThroughClamp(torch.autograd.Function):
+    """Clamps the value and passes the gradient unchanged. Unlike ``x + (x.clamp(...) - x).detach()``
+    it stays finite for infinite ``x`` (inf - inf would be nan); NaN stays NaN."""
+
+    @staticmethod
+    def forward(x, low, high):
+        return x.clamp(low, high)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def straight_through_clamp(x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    return _StraightThroughClamp.apply(x, low, high)
+
+
 def method_config(method: str | MethodConfig, **params) -> MethodConfig:
     """Build (and validate) the config of a method by name; unknown names and parameters raise ValueError."""
     if isinstance(method, MethodConfig):
@@ -447,12 +476,12 @@ def token_terms(
     ``logp`` is the token's own log-prob for the methods whose value uses ``l`` (cispo, dispo,
     aspo's dual branch); it defaults to ``log_ratio + old_logp``, which is ``l`` at token level.
     The log ratio is clamped to [-20, 20] straight-through: values are clamped, the gradient
-    passes, so psi is evaluated at the clamped ratio instead of being zeroed.
+    passes, so psi is evaluated at the clamped ratio instead of being zeroed (an infinite log
+    ratio too).
     """
     if logp is None:
         logp = log_ratio + old_logp
-    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    log_ratio = log_ratio + (clamped - log_ratio).detach()
+    log_ratio = straight_through_clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     inputs = TokenInputs(log_ratio, ratio, ratio.detach(), advantage, logp, old_logp)
     terms = METHODS[cfg.name].token_fn(cfg, inputs)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from .inputs import TokenBatch
-from .methods import LOG_RATIO_CLAMP, TokenTerms, token_terms
+from .methods import LOG_RATIO_CLAMP, LOGP_FLOOR, TokenTerms, straight_through_clamp, token_terms
 from .options import LossOptions
 
 
@@ -31,7 +31,9 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    delta = ref_logp - logp
+    """k3 = exp(d) - d - 1 of d = l_ref - l, d clamped straight-through before the exponential as the
+    policy's log ratio is (so 100 nats from the reference give a large finite value, not inf)."""
+    delta = straight_through_clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.exp(delta) - delta - 1.0
 
 
@@ -45,6 +47,9 @@ def policy_objective(
     logp: torch.Tensor, entropy: torch.Tensor | None, batch: TokenBatch, options: LossOptions
 ) -> ObjectiveTerms:
     """Scalar loss from per-token log-probs ``(B, T)`` and entropies (differentiable in both)."""
+    # Floored straight-through: a target of probability 0 (log p = -inf) gives finite values, and
+    # the on-policy ratio l - l is 1, not -inf - -inf.
+    logp = straight_through_clamp(logp, LOGP_FLOOR, None)
     old_logp = batch.old_logps if batch.old_logps is not None else logp.detach()
     log_ratio = logp - old_logp
     if options.sequence_level:
@@ -57,8 +62,9 @@ def policy_objective(
     if options.beta != 0.0:
         check_kl_inputs(batch, options)
         kl_value = kl_k3(logp, batch.ref_logps)
-        if options.kl_ratio_correction:  # as TRL: by the (token or sequence) ratio, unclamped, with its gradient
-            kl_value = kl_value * torch.exp(log_ratio)
+        if options.kl_ratio_correction:  # as TRL: by the (token or sequence) ratio, with its gradient
+            # (the ratio the method was evaluated at: clamped straight-through, as every exponential here)
+            kl_value = kl_value * torch.exp(straight_through_clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         per_token = per_token + options.beta * kl_value
         kl = kl_value.detach()
     if options.entropy_coef != 0.0:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import enum
 
 LOG_RATIO_CLAMP = 20.0  # |log r| is clamped (straight-through) before L and psi are evaluated
+# Log-ratios to the reference policy (the k3 KL) are clamped the same way before their exponential.
+# The token's log-prob enters the objective floored here (straight-through): a -inf target logit
+# (probability exactly 0) then gives a finite loss and gradient instead of -inf - -inf = nan.
+LOGP_FLOOR = -1.0e6
 IGNORE_INDEX = -100  # target id of a token that is not scored (TRL's and torch's convention)
 
 

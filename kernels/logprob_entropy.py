@@ -130,6 +130,9 @@ def logprob_entropy_fwd_kernel(
     tl.store(token_planes_ptr + codes.PLANE_ENTROPY * n_tokens, entropy)
 
     if HAS_EPILOGUE:
+        # The objective sees log p floored (straight-through: the coefficient below is d/d log p all
+        # the same), so a target with probability 0 gives finite values, as in dgpo_ops.objective.
+        logp = tl.maximum(logp, codes.LOGP_FLOOR, propagate_nan=codes.NAN_PROPAGATING)
         adv = tl.load(advantages_ptr + b * adv_stride_b + t * adv_stride_t, mask=valid, other=0.0).to(tl.float32)
         if HAS_OLD_LOGPS:
             old_logp = tl.load(old_logps_ptr + b * old_stride_b + t * old_stride_t, mask=valid,
@@ -148,13 +151,15 @@ def logprob_entropy_fwd_kernel(
         if HAS_KL:
             delta = tl.load(ref_logps_ptr + b * ref_stride_b + t * ref_stride_t, mask=valid,
                             other=0.0).to(tl.float32) - logp
+            # Clamped straight-through before the exponential, as the policy ratio is.
+            delta = tl.clamp(delta, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP, propagate_nan=codes.NAN_PROPAGATING)
             ref_ratio = tl.exp(delta)
             kl = ref_ratio - delta - 1.0
             dkl_dlogp = 1.0 - ref_ratio
             if KL_TIMES_RATIO:  # r KL: d(r KL)/dl = r (KL + dKL/dl) = r (l - l_ref), without cancellation
-                ratio = tl.exp(logp - old_logp)
-                dkl_dlogp = -ratio * delta
-                kl = ratio * kl
+                # r is the clamped ratio the method was evaluated at.
+                dkl_dlogp = -ratio_used * delta
+                kl = ratio_used * kl
             loss += beta * kl
             dloss_dlogp += beta * dkl_dlogp
         loss -= entropy_coef * entropy

@@ -123,8 +123,9 @@ def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=No
         top = x.amax(dim=-1, keepdim=True)
         top = torch.where(top == float("-inf"), 0.0, top)
         logp = log_probs.gather(1, index)[:, 0]
-        # log S = (x_t - max) - log p_t: the pair (max, log S) the backward needs.
-        log_norm = (x.gather(1, index) - top)[:, 0] - logp
+        # log S, of the pair (max, log S) the backward needs, is minus the log-prob at the max (exactly:
+        # x_max - max = 0). Not (x_t - max) - log p_t: that is -inf - -inf for a target logit of -inf.
+        log_norm = -log_probs.amax(dim=-1)
         # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf.
         entropy = -log_probs.exp().mul_(torch.where(log_probs > float("-inf"), log_probs, 0.0)).sum(dim=-1)
         at = slice(token_offset + rows.start, token_offset + rows.stop)
