@@ -58,7 +58,8 @@ def token_scales(mask: torch.Tensor, aggregation: str, loss_normalizer: float | 
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-token scale s_t (zero on masked tokens) for a boolean ``(B, T)`` mask."""
     check_aggregation(aggregation)
-    check_loss_normalizer(loss_normalizer)
+    if not torch.compiler.is_compiling():  # compiled, the reference checks it in dgpo_ops::checked_inputs
+        check_loss_normalizer(loss_normalizer)
     per_response, default_denominator = AGGREGATIONS[aggregation]
     scale = mask.to(dtype)
     if per_response:

@@ -13,7 +13,6 @@ over the vocabulary, reading the incoming gradient on the device.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .inputs import token_inputs
 from .kernels.interface import Plane
@@ -21,8 +20,42 @@ from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
+from .backends import RowKernels
 from .token_pipeline import CallPlan, epilogue_inputs, objective_route, prepare_call, run_prologue
-from .validation import defer
+from .validation import defer, refuse_double_backward
+
+
+def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False):
+    """The forward kernels of one call: ``(workspace, loss, stats, dloss_dlogp)``; the last is None
+    after an epilogue (the coefficients are in the workspace) and under no_grad."""
+    inputs, options, kernels = plan.inputs, plan.options, plan.kernels
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    workspace = RowWorkspace.allocate(logits.shape[:-1], inputs.grid[0], logits.device, dtype, zero_planes)
+    inv_temperature = 1.0 / options.temperature
+    # The row forward first: it waits for no other kernel, so the long pass over the logits
+    # starts as early as the host can launch it; the small prologue and finalize queue behind it.
+    if plan.uses_epilogue:
+        kernels.forward(logits, inputs, workspace, inv_temperature, epilogue_inputs(options, logits.device))
+        run_prologue(plan, workspace)
+        kernels.finalize(workspace, plan.grid_seq_len, plan.has_kl)
+        loss, stats, coefficient = workspace.loss, workspace.stats, None
+    else:
+        kernels.forward(logits, inputs, workspace, inv_temperature)
+        run_prologue(plan, workspace)
+        result = objective_route(plan, workspace)
+        loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
+    if plan.deferred:
+        defer(workspace.status, plan.vocab, plan.normalizer_tensor, "fused_dgpo_loss")
+    return workspace, loss, stats, coefficient
+
+
+def backward_pass(kernels: RowKernels, options: LossOptions, logits, grad_logits, workspace: RowWorkspace,
+                  coefficient, grad_loss) -> torch.Tensor:
+    """d loss / d logits into ``grad_logits`` (the logits themselves with ``inplace``)."""
+    grid_seq_len = logits.shape[1] if logits.dim() == 3 else logits.shape[0]
+    kernels.backward(logits, grad_logits, workspace, grid_seq_len, 1.0 / options.temperature, options.entropy_coef,
+                     grad_loss=grad_loss, dloss_dlogp=coefficient)
+    return grad_logits
 
 
 class FusedPolicyLossFunction(torch.autograd.Function):
@@ -32,25 +65,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, plan: CallPlan):
         ctx.set_materialize_grads(False)
-        inputs, options, kernels = plan.inputs, plan.options, plan.kernels
-        token_shape = logits.shape[:-1]
-        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        workspace = RowWorkspace.allocate(token_shape, inputs.grid[0], logits.device, dtype)
-        inv_temperature = 1.0 / options.temperature
-        # The row forward first: it waits for no other kernel, so the long pass over the logits
-        # starts as early as the host can launch it; the small prologue and finalize queue behind it.
-        if plan.uses_epilogue:
-            kernels.forward(logits, inputs, workspace, inv_temperature, epilogue_inputs(options, logits.device))
-            run_prologue(plan, workspace)
-            kernels.finalize(workspace, plan.grid_seq_len, plan.has_kl)
-            loss, stats, coefficient = workspace.loss, workspace.stats, None
-        else:
-            kernels.forward(logits, inputs, workspace, inv_temperature)
-            run_prologue(plan, workspace)
-            result = objective_route(plan, workspace)
-            loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
-        if plan.deferred:
-            defer(workspace.status, plan.vocab, plan.normalizer_tensor, "fused_dgpo_loss")
+        workspace, loss, stats, coefficient = forward_pass(logits, plan)
         if plan.needs_grad:
             # The planes are saved too: out.logps and out.entropy are views of them, so editing those
             # in place before backward fails loudly instead of changing the gradient.
@@ -60,21 +75,50 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         return loss, workspace.per_token, stats
 
     @staticmethod
-    @once_differentiable  # the gradient kernel is not itself differentiable
     def backward(ctx, grad_loss, _grad_per_token, _grad_stats):
+        refuse_double_backward("fused_dgpo_loss")  # the gradient kernel is not itself differentiable
         if grad_loss is None:
             return None, None
         logits, _planes = ctx.saved_tensors  # unpacking checks that nobody edited the planes in place
-        plan = ctx.plan
-        options = plan.options
+        options = ctx.plan.options
         grad_logits = logits if options.inplace else torch.empty_like(logits)
-        plan.kernels.backward(logits, grad_logits, ctx.workspace, plan.grid_seq_len, 1.0 / options.temperature,
-                              options.entropy_coef, grad_loss=grad_loss, dloss_dlogp=ctx.coefficient)
+        backward_pass(ctx.plan.kernels, options, logits, grad_logits, ctx.workspace, ctx.coefficient, grad_loss)
         if options.inplace:
             # The logits now hold their gradient: anything else that saved them must fail loudly
             # when it unpacks them, not compute with the gradient.
             torch.autograd.graph.increment_version(logits)
         return grad_logits, None
+
+
+def _elements_may_overlap(tensor: torch.Tensor) -> bool:
+    """Whether two indices of ``tensor`` may address one element: False when, with the dimensions
+    ordered by stride, each stride steps past everything the smaller ones span (every dense,
+    permuted or sliced layout)."""
+    dims = sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def check_inplace_target(logits: torch.Tensor) -> None:
+    """``inplace=True`` writes the gradient over the logits: refuse storage the caller keeps (a leaf,
+    or a view of one) and storage where one element stands for several logits (``expand``)."""
+    base = logits
+    while base._base is not None:
+        base = base._base
+    if base.is_leaf and base.requires_grad:
+        what = "a leaf" if base is logits else "a view of a leaf"
+        raise ValueError(
+            f"inplace=True overwrites the logits with their gradient, and these are {what} whose values you "
+            "keep: pass logits computed by the model (a non-leaf tensor), or inplace=False")
+    if _elements_may_overlap(logits):
+        raise ValueError(
+            f"inplace=True writes one gradient value per logit, but these logits (shape {tuple(logits.shape)}, "
+            f"strides {logits.stride()}) share memory between elements (e.g. from expand): pass "
+            "inplace=False, or .contiguous() logits")
 
 
 def fused_loss_from_options(
@@ -83,13 +127,15 @@ def fused_loss_from_options(
 ) -> PolicyLossOutput:
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
+    if torch.compiler.is_compiling():  # one custom op in the graph (dgpo_ops.compiled)
+        from .compiled import compiled_fused_loss
+
+        return compiled_fused_loss(logits, target_ids, advantages, mask, old_logps, ref_logps, options,
+                                   loss_normalizer, rollout_weights)
     inputs = token_inputs(logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps,
                           ref_logps, rollout_weights, options.aggregation, options.sequence_level)
-    if options.inplace and logits.is_leaf and logits.requires_grad:
-        raise ValueError(
-            "inplace=True overwrites the logits with their gradient: pass logits computed by the model "
-            "(a non-leaf tensor), not a leaf whose values you keep"
-        )
+    if options.inplace:
+        check_inplace_target(logits)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     plan = prepare_call(inputs, options, logits, logits.shape[-1], loss_normalizer, logits.device, needs_grad)
     loss, per_token, stats = FusedPolicyLossFunction.apply(logits, plan)

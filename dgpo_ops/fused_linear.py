@@ -31,7 +31,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .inputs import per_token_dtype, token_inputs
 from .kernels.interface import Plane
@@ -40,7 +39,7 @@ from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
 from .token_pipeline import CallPlan, epilogue_inputs, objective_route, prepare_call, run_prologue
-from .validation import defer
+from .validation import defer, refuse_double_backward
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
 # cuBLAS writes an fp32 product of bf16/fp16 operands directly (torch >= 2.8, CUDA).
@@ -78,13 +77,10 @@ class Precision:
     accumulate: torch.dtype  # gradient accumulators
 
     @classmethod
-    def resolve(cls, weight: torch.Tensor, softcap: float | None) -> "Precision":
+    def resolve(cls, weight: torch.Tensor, softcap: float | None, autocast_dtype: torch.dtype | None) -> "Precision":
         if weight.dtype == torch.float64:
             return cls(torch.float64, torch.float64, torch.float64, torch.float64)
-        device = weight.device.type
-        operand = weight.dtype
-        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in LOW_PRECISION:
-            operand = torch.get_autocast_dtype(device)
+        operand = autocast_dtype if autocast_dtype in LOW_PRECISION else weight.dtype
         # softcap's tanh is taken on an fp32 tile (the product accumulated in fp32, not rounded first).
         tile = operand if softcap is None else torch.float32
         return cls(operand, tile, operand, torch.float32)
@@ -185,67 +181,82 @@ def _sweep(hidden, projection, tiles, on_tile):
         on_tile(start, stop, tile)
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype in force for ``device`` now (None without autocast)."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_autocast: torch.dtype | None,
+                        zero_planes: bool = False):
+    """The sweep of one call: ``(loss, per_token, stats, grad_hidden, grad_weight, grad_bias)``, the
+    gradients fp32 (fp64) accumulators of the inputs ``wants`` names (None for the others).
+    ``compute_autocast`` is the autocast dtype the call was made under (None: none)."""
+    call = plan.call
+    options, kernels = call.options, call.kernels
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    precision = Precision.resolve(weight, plan.projection.softcap, compute_autocast)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
+        projection = _Projection(weight, bias, precision)
+        tiles = _Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
+        token_shape = (n_tokens,) if call.inputs.flat else call.inputs.grid
+        workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
+                                          per_token_dtype(precision.tile), zero_planes)
+        run_prologue(call, workspace)
+        token_level = not options.sequence_level
+        accumulate = precision.accumulate
+
+        def zeros_like(t, wanted):
+            return torch.zeros(t.shape, dtype=accumulate, device=t.device) if wanted else None
+
+        grad_hidden, grad_weight, grad_bias = (zeros_like(t, w) for t, w in zip((hidden, weight, bias), wants))
+        epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
+
+        def gradient(start, stop, tile, dloss_dlogp=None):
+            grad = tiles.grad[: stop - start]
+            kernels.backward(tile, grad, workspace, call.grid_seq_len, tiles.kernel_scale, options.entropy_coef,
+                             dloss_dlogp=dloss_dlogp, token_offset=start)
+            tiles.chain_rule(tile, grad)
+            projection.accumulate_grads(grad, hidden[start:stop],
+                                        None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
+                                        grad_bias)
+
+        def first_pass(start, stop, tile):
+            kernels.forward(tile, call.inputs, workspace, tiles.kernel_scale, epilogue, token_offset=start)
+            if token_level and call.needs_grad and call.uses_epilogue:
+                gradient(start, stop, tile)
+
+        _sweep(hidden, projection, tiles, first_pass)
+        if call.uses_epilogue:
+            kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
+            loss, stats = workspace.loss, workspace.stats
+        else:
+            result = objective_route(call, workspace)
+            loss, stats = result.loss, result.stats
+            if call.needs_grad:
+                # The objective's coefficients are known only now: a second sweep recomputes the tiles.
+                _sweep(hidden, projection, tiles,
+                       lambda start, stop, tile: gradient(start, stop, tile, dloss_dlogp=result.dloss_dlogp))
+    if call.deferred:
+        defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
+    return loss, workspace.per_token, stats, grad_hidden, grad_weight, grad_bias
+
+
 class FusedLinearPolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, plan: LinearPlan):
         """``hidden`` is ``(n_tokens, H)``, in the token order of the call's grid."""
         ctx.set_materialize_grads(False)
-        call = plan.call
-        options, kernels = call.options, call.kernels
-        n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        precision = Precision.resolve(weight, plan.projection.softcap)
-        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
-            projection = _Projection(weight, bias, precision)
-            tiles = _Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
-            token_shape = (n_tokens,) if call.inputs.flat else call.inputs.grid
-            workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
-                                              per_token_dtype(precision.tile))
-            run_prologue(call, workspace)
-            token_level = not options.sequence_level
-            wants = [call.needs_grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-            accumulate = precision.accumulate
-
-            def zeros_like(t, wanted):
-                return torch.zeros(t.shape, dtype=accumulate, device=t.device) if wanted else None
-
-            grad_hidden, grad_weight, grad_bias = (zeros_like(t, w) for t, w in zip((hidden, weight, bias), wants))
-            epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
-
-            def gradient(start, stop, tile, dloss_dlogp=None):
-                grad = tiles.grad[: stop - start]
-                kernels.backward(tile, grad, workspace, call.grid_seq_len, tiles.kernel_scale, options.entropy_coef,
-                                 dloss_dlogp=dloss_dlogp, token_offset=start)
-                tiles.chain_rule(tile, grad)
-                projection.accumulate_grads(grad, hidden[start:stop],
-                                            None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
-                                            grad_bias)
-
-            def first_pass(start, stop, tile):
-                kernels.forward(tile, call.inputs, workspace, tiles.kernel_scale, epilogue, token_offset=start)
-                if token_level and call.needs_grad and call.uses_epilogue:
-                    gradient(start, stop, tile)
-
-            _sweep(hidden, projection, tiles, first_pass)
-            if call.uses_epilogue:
-                kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
-                loss, stats = workspace.loss, workspace.stats
-            else:
-                result = objective_route(call, workspace)
-                loss, stats = result.loss, result.stats
-                if call.needs_grad:
-                    # The objective's coefficients are known only now: a second sweep recomputes the tiles.
-                    _sweep(hidden, projection, tiles,
-                           lambda start, stop, tile: gradient(start, stop, tile, dloss_dlogp=result.dloss_dlogp))
-        if call.deferred:
-            defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        wants = [plan.call.needs_grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+        loss, per_token, stats, *grads = linear_forward_pass(hidden, weight, bias, plan, wants,
+                                                             autocast_dtype(hidden.device))
+        ctx.save_for_backward(*grads)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(workspace.per_token, stats)
-        return loss, workspace.per_token, stats
+        ctx.mark_non_differentiable(per_token, stats)
+        return loss, per_token, stats
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss, _grad_per_token, _grad_stats):
+        refuse_double_backward("fused_linear_dgpo_loss")
         # On CUDA an accumulator in the input's dtype is scaled in place and handed over: no copy of
         # the weight-sized gradient, and no host read of the incoming gradient to skip a unit scale.
         # It can be handed over once; elsewhere (CPU, gradcheck) every backward scales a copy.
@@ -299,6 +310,13 @@ def fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages,
                                    loss_normalizer=None, rollout_weights=None) -> PolicyLossOutput:
     weight, bias = _gathered(weight), _gathered(bias)
     flat_hidden, logits_shape = _flatten_tokens(hidden, weight, bias)
+    if torch.compiler.is_compiling():  # one custom op in the graph (dgpo_ops.compiled)
+        from .compiled import compiled_fused_linear_loss
+
+        if options.inplace:
+            raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
+        return compiled_fused_linear_loss(flat_hidden, weight, bias, target_ids, advantages, mask, old_logps,
+                                          ref_logps, options, projection_options, loss_normalizer, rollout_weights)
     inputs = token_inputs(logits_shape, weight.dtype, hidden.device, target_ids, advantages, mask, old_logps,
                           ref_logps, rollout_weights, options.aggregation, options.sequence_level)
     if options.inplace:

@@ -180,13 +180,15 @@ def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tens
 
 
 def prepare_batch(logits_shape, logits_dtype, device, target_ids, advantages, mask, old_logps, ref_logps,
-                  rollout_weights, aggregation, loss_normalizer, needs_sequences) -> TokenBatch:
-    """Structure, values (checked now) and the canonical layout, with torch's aggregation scales:
-    the reference's path, and the ground truth for the prologue kernel."""
+                  rollout_weights, aggregation, loss_normalizer, needs_sequences, check: bool = True) -> TokenBatch:
+    """Structure, values (checked now unless ``check`` is False: the compiled reference checks them
+    in a custom op) and the canonical layout, with torch's aggregation scales: the reference's path,
+    and the ground truth for the prologue kernel."""
     inputs = token_inputs(logits_shape, logits_dtype, device, target_ids, advantages, mask, old_logps, ref_logps,
                           rollout_weights, aggregation, needs_sequences)
     dtype = per_token_dtype(logits_dtype)
-    check_values(inputs, logits_shape[-1], loss_normalizer, dtype)
+    if check:
+        check_values(inputs, logits_shape[-1], loss_normalizer, dtype)
     B, T = inputs.grid
     scored = inputs.target_ids.reshape(B, T) != IGNORE_INDEX
     if inputs.mask is not None:

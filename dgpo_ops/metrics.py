@@ -68,7 +68,7 @@ def policy_metrics(
         return torch.where(mask, values.detach().to(torch.float32), 0.0).sum() / count
 
     ratio = torch.exp(log_ratio)
-    values = {name: masked_mean(region == code) for name, code in REGION_METRICS.items()}
+    values = {name: masked_mean(region == int(code)) for name, code in REGION_METRICS.items()}
     values["ratio_mean"] = masked_mean(ratio)
     values["eur"] = masked_mean(psi / ratio)
     values["entropy_mean"] = masked_mean(entropy)

@@ -6,6 +6,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from .aggregation import check_aggregation
 from .backends import BACKENDS
 from .methods import DgpoConfig, MethodConfig, method_config
@@ -57,18 +59,38 @@ class LossOptions:
     def build(cls, method="dgpo", **kwargs) -> "LossOptions":
         """Split keyword arguments into loss options and method parameters (validated by the method).
 
-        The same arguments give the same (immutable) options: they are built and validated once."""
-        try:
-            key = tuple((name, type(value), value) for name, value in sorted(kwargs.items()))
-            return _build_cached(method, type(method), key)
-        except TypeError:  # an unhashable argument: build it uncached (validation names it)
-            return _build(cls, method, kwargs)
+        The same arguments give the same (immutable) options: they are built and validated once.
+        Under ``torch.compile`` they are built at trace time and enter the graph as a constant."""
+        if torch.compiler.is_compiling():
+            # Built at trace time; the traced code reads the object from a module dict by a constant
+            # key, so the compiler sees a guarded global object, not one created in the graph.
+            return COMPILED_OPTIONS[_build_constant(method, tuple(sorted(kwargs.items())))]
+        return _build_eager(method, kwargs)
+
+
+def _build_eager(method, kwargs) -> LossOptions:
+    try:
+        key = tuple((name, type(value), value) for name, value in sorted(kwargs.items()))
+        return _build_cached(method, type(method), key)
+    except TypeError:  # an unhashable argument: build it uncached (validation names it)
+        return _build(LossOptions, method, kwargs)
 
 
 def _build(cls, method, kwargs) -> LossOptions:
     option_names = cls.__dataclass_fields__.keys() - {"method"}
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
     return cls(method=method_config(method, **kwargs), **options)
+
+
+COMPILED_OPTIONS: dict[str, LossOptions] = {}
+
+
+@torch.compiler.assume_constant_result
+def _build_constant(method, items) -> str:
+    options = _build_eager(method, dict(items))
+    key = repr(options)
+    COMPILED_OPTIONS.setdefault(key, options)
+    return key
 
 
 @functools.lru_cache(maxsize=512)

@@ -52,10 +52,19 @@ def reference_loss_from_options(
     logits, target_ids, advantages, mask, old_logps, ref_logps, options: LossOptions, loss_normalizer=None,
     rollout_weights=None,
 ) -> PolicyLossOutput:
+    compiling = torch.compiler.is_compiling()
     batch = prepare_batch(
         logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps, ref_logps,
-        rollout_weights, options.aggregation, loss_normalizer, options.sequence_level,
+        rollout_weights, options.aggregation, loss_normalizer, options.sequence_level, check=not compiling,
     )
+    if compiling:
+        # The value checks (host reads) as one op that returns 1.0 or raises; the logits are scaled
+        # by it so that it runs before anything reads them (an out-of-range target, say).
+        from .compiled import checked_inputs_op, options_spec, split_normalizer
+
+        logits = logits * checked_inputs_op(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
+                                            *split_normalizer(loss_normalizer), list(logits.shape), logits.dtype,
+                                            options_spec(options))
     grid = batch.mask.shape
     x = logits.reshape(*grid, logits.shape[-1])
     x = x.to(torch.promote_types(x.dtype, torch.float32)) / options.temperature

@@ -60,15 +60,23 @@ class CallPlan:
         return self.normalizer[2]
 
 
+def plan_call(inputs: TokenInputs, options: LossOptions, kernel_probe: torch.Tensor, vocab: int, loss_normalizer,
+              device, needs_grad: bool) -> CallPlan:
+    """The plan from metadata alone (no value is read): what ``prepare_call`` decides, and what a
+    fake (meta) implementation of the custom ops needs for the shapes of its outputs."""
+    check_kl_inputs(inputs, options)
+    kernels = select_kernels(options.backend, kernel_probe)
+    deferred = resolve_mode(options.validation, device) == "deferred"
+    return CallPlan(inputs, options, kernels, vocab, normalizer_spec(loss_normalizer, device), deferred, needs_grad)
+
+
 def prepare_call(inputs: TokenInputs, options: LossOptions, kernel_probe: torch.Tensor, vocab: int, loss_normalizer,
                  device, needs_grad: bool) -> CallPlan:
     """Everything a call decides on the host, from metadata: the kernels (for tensors like
     ``kernel_probe``), the validation mode, the normaliser. Immediate validation checks the values
     here; deferred validation raises the errors of earlier calls the device has finished (never waits)."""
-    check_kl_inputs(inputs, options)
-    kernels = select_kernels(options.backend, kernel_probe)
-    deferred = resolve_mode(options.validation, device) == "deferred"
-    plan = CallPlan(inputs, options, kernels, vocab, normalizer_spec(loss_normalizer, device), deferred, needs_grad)
+    plan = plan_call(inputs, options, kernel_probe, vocab, loss_normalizer, device, needs_grad)
+    deferred = plan.deferred
     if deferred:
         poll_deferred_errors()
     else:
@@ -123,7 +131,9 @@ def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
         terms = policy_objective(logp, entropy, batch, plan.options)
         dloss_dlogp = None
     else:
-        with torch.enable_grad():
+        # Autograd on O(N) vectors. Inside the custom op of a compiled call (dgpo_ops.compiled) the
+        # dispatcher has autograd excluded below the op's own autograd node: re-admit it here.
+        with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False):
             logp_leaf = logp.detach().requires_grad_(True)
             entropy_leaf = entropy.detach().requires_grad_(True)
             terms = policy_objective(logp_leaf, entropy_leaf, batch, plan.options)

@@ -167,3 +167,13 @@ def raise_deferred_errors() -> None:
 def pending_deferred_checks() -> int:
     with _lock:
         return len(_pending)
+
+
+def refuse_double_backward(op: str) -> None:
+    """Called at the top of a fused op's backward. Its gradient is computed by kernels (and, for the
+    linear op, already in the forward) with no graph of its own: under ``create_graph=True`` it
+    would come back silently detached, so a gradient penalty built on it would be quietly wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op} does not support double backward (create_graph=True): its gradient has no graph. "
+            "Use dgpo_ops.reference_loss for higher-order gradients")

@@ -65,14 +65,15 @@ class RowWorkspace:
     loss: torch.Tensor  # fp32 ()
 
     @classmethod
-    def allocate(cls, token_shape, n_seqs: int, device, dtype=torch.float32) -> "RowWorkspace":
+    def allocate(cls, token_shape, n_seqs: int, device, dtype=torch.float32, zero_planes=False) -> "RowWorkspace":
         """Buffers for the tokens of ``token_shape`` (``(B, T)`` or ``(N,)``): the planes take that
         shape too, so a plane is the per-token output as it is. ``dtype`` is fp64 only for the
-        torch twins on fp64 logits."""
+        torch twins on fp64 logits. Planes a route does not write stay uninitialised unless
+        ``zero_planes`` (a custom op hands every plane out, and its outputs must be deterministic)."""
         floats, int64 = dict(dtype=dtype, device=device), dict(dtype=torch.int64, device=device)
         n_tokens = math.prod(token_shape)
         return cls(
-            per_token=torch.empty((NUM_PLANES, *token_shape), **floats),
+            per_token=(torch.zeros if zero_planes else torch.empty)((NUM_PLANES, *token_shape), **floats),
             target_index=torch.empty((n_tokens,), **int64),
             sequence_stats=torch.empty((NUM_SEQUENCE_STATS, n_seqs), **int64),
             seq_scale=torch.empty((n_seqs,), **floats),

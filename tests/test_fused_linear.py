@@ -134,6 +134,16 @@ def test_incoming_gradient_scales_every_parameter():
         torch.testing.assert_close(b, 3.0 * a)
 
 
+def test_double_backward_is_refused():
+    # Its gradients are made in the forward, with no graph: create_graph=True would hand them back
+    # without the second-order terms of hidden and weight. It fails instead.
+    (hidden, weight, bias), inputs = linear_case()
+    leaves = [t.requires_grad_(True) for t in (hidden, weight, bias)]
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2])
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.loss, leaves, create_graph=True)
+
+
 def test_masked_tokens_get_zero_hidden_gradient():
     (hidden, weight, _), inputs = linear_case(bias=False)
     hidden.requires_grad_(True)

@@ -330,13 +330,44 @@ def test_inplace_rejects_a_leaf_and_invalidates_other_users_of_the_logits(backen
         (out.loss + z_loss).backward()
 
 
-def test_double_backward_is_refused():
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_double_backward_is_refused_where_it_is_asked_for(backend):
+    # create_graph=True used to hand back a silently detached gradient; a gradient penalty built on
+    # it was then quietly wrong. The request itself now fails, naming the way out.
     inputs = logits_batch(2, 3, 20, seed=15)
     logits = inputs.pop("logits").requires_grad_(True)
-    out = dgpo_ops.fused_dgpo_loss(logits, **inputs, backend="torch")
-    (grad,) = torch.autograd.grad(out.loss, logits, create_graph=True)
-    with pytest.raises(RuntimeError, match="does not require grad|differentiate twice"):
-        grad.sum().backward()
+    out = dgpo_ops.fused_dgpo_loss(logits, **inputs, backend=backend)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.loss, logits, create_graph=True)
+    (grad,) = torch.autograd.grad(dgpo_ops.fused_dgpo_loss(logits, **inputs, backend=backend).loss, logits)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_refuses_a_view_of_a_leaf(backend):
+    inputs = logits_batch(2, 3, 20, seed=17)
+    leaf = inputs.pop("logits").requires_grad_(True)
+    kept = leaf.detach().clone()
+    with pytest.raises(ValueError, match="a view of a leaf"):
+        dgpo_ops.fused_dgpo_loss(leaf[:, :], **inputs, backend=backend, inplace=True)
+    assert torch.equal(leaf.detach(), kept)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_refuses_logits_whose_elements_share_memory(backend):
+    inputs = logits_batch(2, 3, 20, seed=18)
+    row = inputs.pop("logits")[:1, :1].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="share memory"):
+        dgpo_ops.fused_dgpo_loss((row * 1.0).expand(2, 3, 20), **inputs, backend=backend, inplace=True)
+    # Sliced and permuted views of the model's logits do not overlap and are taken.
+    leaf = logits_batch(2, 3, 20, seed=18)["logits"].requires_grad_(True)
+    reference = dgpo_ops.fused_dgpo_loss(leaf, **inputs, backend=backend)
+    (expected,) = torch.autograd.grad(reference.loss, leaf)
+    for make in (lambda x: torch.cat([x, x[:, :1]], dim=1)[:, :-1],
+                 lambda x: x.transpose(0, 1).contiguous().transpose(0, 1)):
+        out = dgpo_ops.fused_dgpo_loss(make(leaf * 1.0), **inputs, backend=backend, inplace=True)
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        torch.testing.assert_close(grad, expected)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

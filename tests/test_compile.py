@@ -1,0 +1,142 @@
+"""torch.compile(fullgraph=True) of the fused ops and the reference gives the eager results
+(issue 13, item 2); the custom ops pass torch.library.opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import METHOD_VARIANTS, logits_batch, variant_id
+
+import dgpo_ops
+from dgpo_ops.compiled import checked_inputs_op, fused_linear_policy_loss_op, fused_policy_loss_op, options_spec
+from dgpo_ops.fused_linear import ProjectionOptions
+from dgpo_ops.options import LossOptions
+
+ONE_PER_METHOD = list({name: (name, params) for name, params in reversed(METHOD_VARIANTS)}.values())
+B, T, H, V = 2, 4, 8, 24
+
+
+def linear_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.4
+    inputs = logits_batch(B, T, V, seed=seed, logits=(hidden @ weight.T).double())
+    inputs.pop("logits")
+    return hidden, weight, inputs
+
+
+def all_three(logits, hidden, weight, inputs, kwargs):
+    """Reference, fused logits op and fused linear op in one function (one graph when compiled)."""
+    ref = dgpo_ops.reference_loss(logits, **inputs, **kwargs)
+    fused = dgpo_ops.fused_dgpo_loss(logits, **inputs, **kwargs)
+    linear = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, **kwargs)
+    outs = (ref, fused, linear)
+    return [o.loss for o in outs], [o.logps for o in outs], [o.metrics["eur"] for o in outs], \
+        [o.metrics["hp_fraction"] for o in outs]
+
+
+def leaves(hidden, weight):
+    logits = (hidden @ weight.T).detach().requires_grad_(True)
+    return logits, hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("variant", ONE_PER_METHOD, ids=variant_id)
+def test_compiled_equals_eager_for_every_method(variant):
+    name, params = variant
+    hidden, weight, inputs = linear_inputs()
+    kwargs = dict(method=name, **params, beta=0.02, entropy_coef=0.01)
+    torch._dynamo.reset()
+    compiled = torch.compile(all_three, fullgraph=True, backend="aot_eager")  # fullgraph: no graph break
+    eager_leaves, compiled_leaves = leaves(hidden, weight), leaves(hidden, weight)
+    eager = all_three(*eager_leaves, inputs, kwargs)
+    got = compiled(*compiled_leaves, inputs, kwargs)
+    for expected_group, got_group in zip(eager, got):
+        for e, c in zip(expected_group, got_group):
+            torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-7)
+    (sum(eager[0])).backward()
+    (sum(got[0])).backward()
+    for e_leaf, c_leaf in zip(eager_leaves, compiled_leaves):
+        assert c_leaf.grad is not None and torch.isfinite(c_leaf.grad).all()
+        torch.testing.assert_close(c_leaf.grad, e_leaf.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_inductor_compiles_the_fused_op(level):
+    inputs = logits_batch(B, T, V, seed=3)
+    logits = inputs.pop("logits")
+    kwargs = dict(method="dgpo", importance_sampling_level=level, aggregation="seq_mean_token_mean")
+
+    def loss_fn(x):
+        return dgpo_ops.fused_dgpo_loss(x, **inputs, **kwargs).loss
+
+    torch._dynamo.reset()
+    x_eager, x_compiled = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    loss_fn(x_eager).backward()
+    torch.compile(loss_fn, fullgraph=True)(x_compiled).backward()
+    torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_compiled_autocast_linear_op_multiplies_in_bf16_as_eager():
+    hidden, weight, inputs = linear_inputs(seed=4)
+
+    def loss_fn(h, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return dgpo_ops.fused_linear_dgpo_loss(h, w, **inputs, method="grpo").loss
+
+    torch._dynamo.reset()
+    eager = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    compiled = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    loss_e = loss_fn(*eager)
+    loss_c = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(*compiled)
+    torch.testing.assert_close(loss_c, loss_e, rtol=0, atol=0)
+    loss_e.backward()
+    loss_c.backward()
+    for e, c in zip(eager, compiled):
+        assert c.grad.dtype == torch.float32
+        torch.testing.assert_close(c.grad, e.grad, rtol=0, atol=0)
+    # ... and that is not what fp32 products give: the autocast dtype reached the op.
+    fp32 = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, method="grpo").loss
+    assert fp32.item() != loss_e.item()
+
+
+@pytest.mark.parametrize("fn", ["reference_loss", "fused_dgpo_loss"])
+def test_compiled_calls_keep_the_input_errors(fn):
+    inputs = logits_batch(B, T, V, seed=5)
+    logits = inputs.pop("logits")
+    inputs["target_ids"] = inputs["target_ids"].clone()
+    inputs["target_ids"][0, 0] = V + 3
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: getattr(dgpo_ops, fn)(x, **inputs).loss, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"target_ids must be in \[0, 24\)"):
+        compiled(logits)
+
+
+def test_inplace_is_refused_under_compile():
+    inputs = logits_batch(B, T, V, seed=6)
+    logits = inputs.pop("logits")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: dgpo_ops.fused_dgpo_loss(x * 1.0, **inputs, inplace=True).loss,
+                             fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="inplace=True is not supported under torch.compile"):
+        compiled(logits.requires_grad_(True))
+
+
+def test_opcheck_every_custom_op():
+    inputs = logits_batch(B, T, V, seed=7)
+    logits = inputs.pop("logits").requires_grad_(True)
+    target_ids, advantages, mask, old_logps = (inputs[k] for k in ("target_ids", "advantages", "mask", "old_logps"))
+    spec = options_spec(LossOptions.build("dgpo", beta=0.0))
+    hidden, weight = torch.randn(B * T, H, requires_grad=True), (torch.randn(V, H) * 0.3).requires_grad_(True)
+    cases = [
+        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, None, None, spec, True)),
+        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, None, 7.0,
+                                options_spec(LossOptions.build("grpo", importance_sampling_level="sequence")), True)),
+        (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
+                                       None, None, options_spec(LossOptions.build("grpo"), ProjectionOptions()),
+                                       [True, True, False], "")),
+        (checked_inputs_op, (target_ids, advantages, mask, old_logps, None, None, None, None, [B, T, V],
+                             torch.float32, spec)),
+    ]
+    for op, args in cases:
+        results = torch.library.opcheck(op, args)
+        assert set(results.values()) == {"SUCCESS"}, (op, results)
