@@ -103,9 +103,12 @@ def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
         (["--eval-size", "-1"], "--eval-size must be >= 0, got -1"),
         (["--worked-fraction", "2"], "--worked-fraction must be in [0, 1], got 2.0"),
         (["--sft-fraction", "0"], "--sft-fraction must be in (0, 1], got 0.0"),
+        (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+        (["--max-steps", "-5"], "--max-steps must be >= 1, got -5"),
     ],
     ids=["vllm", "bf16", "compare", "hub-model", "local-model", "dataset", "unknown", "invalid", "trl-vllm",
-         "reward-weights", "too-many", "no-train", "negative-eval", "worked-fraction", "sft-fraction"],
+         "reward-weights", "too-many", "no-train", "negative-eval", "worked-fraction", "sft-fraction",
+         "zero-steps", "negative-steps"],
 )
 def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
     import torch
@@ -326,3 +329,22 @@ def test_two_processes_run_the_command_with_one_warm_start_and_one_output_dir(tm
     assert [e["step"] for e in run["eval_curve"]] == [0, 1, 2]
     assert (out / "seed-0" / "warm_start" / "config.json").exists()
     assert result.stdout.count("[seed 0] warm start: 4 SFT steps") == 1
+
+
+def test_a_cuda_run_routes_attention_away_from_cudnn(monkeypatch):
+    # The bf16 non-finite gradients of the main job on an H100 come from cuDNN's SDPA backward on
+    # fully masked (left-pad) rows at lengths 64 mod 128 (pytorch/pytorch#196678); a CUDA run turns
+    # that backend off before anything else. The setting is process-wide, so it is restored here.
+    import torch
+    from dgpo_ops.trainer import cli
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        monkeypatch.setattr(cli, "check_environment", lambda args: {"cuda": True, "bf16": True})
+        monkeypatch.setattr(cli, "_process_state", lambda device: (_ for _ in ()).throw(RuntimeError("stop here")))
+        with pytest.raises(RuntimeError, match="stop here"):
+            cli.train_command(cli.build_parser().parse_args([]), {})
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -113,3 +113,62 @@ def test_bf16_autocast_keeps_fresh_batches_on_policy(model_dir, tmp_path, fused)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logs[0]["ratio_mean"] == 1.0 and logs[0]["clip_ratio/region_mean"] == 0.0, logs[0]
     assert logs[1]["ratio_mean"] != 1.0
+
+
+class NaNGradientOnce:
+    """A hook that makes one parameter's gradient NaN for the first ``times`` backward passes."""
+
+    def __init__(self, times):
+        self.times = times
+
+    def __call__(self, grad):
+        if self.times > 0:
+            self.times -= 1
+            return grad * float("nan")
+        return grad
+
+
+def _first_hooked(trainer):
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if "layers.0.mlp" in n)
+    return name, param
+
+
+def test_a_nonfinite_gradient_skips_the_step_and_training_goes_on(model_dir, tmp_path, monkeypatch):
+    import torch
+    from dgpo_ops.trainer import trainer as trainer_module
+
+    warnings = []
+    monkeypatch.setattr(trainer_module.logger, "warning", lambda msg, *a, **k: warnings.append(msg))
+    original_train = trainer_module.DGPOTrainer.train
+    state = {}
+
+    def train_with_hook(self, *args, **kwargs):
+        name, param = _first_hooked(self)
+        state["name"], state["before"] = name, {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        param.register_hook(NaNGradientOnce(times=1))  # the first backward: optimizer step 1
+        return original_train(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.DGPOTrainer, "train", train_with_hook)
+    trainer = train(model_dir, tmp_path, max_steps=3)
+    assert trainer.skipped_steps == [1]
+    # The NaN spreads backward from the hooked layer: the warning names the first parameter it reached.
+    names = [n for n, _ in trainer.model.named_parameters()]
+    assert len(warnings) == 1 and "step 1 skipped: non-finite gradient, first in " in warnings[0], warnings
+    assert warnings[0].split("first in ")[1].split(" ")[0] in names[:names.index(state["name"]) + 1]
+    for name, param in trainer.model.named_parameters():
+        assert torch.isfinite(param).all(), name
+    assert any(not torch.equal(p.detach(), state["before"][n]) for n, p in trainer.model.named_parameters())
+
+
+def test_consecutive_nonfinite_steps_stop_the_run(model_dir, tmp_path, monkeypatch):
+    from dgpo_ops.trainer import trainer as trainer_module
+
+    original_train = trainer_module.DGPOTrainer.train
+
+    def train_with_hook(self, *args, **kwargs):
+        _first_hooked(self)[1].register_hook(NaNGradientOnce(times=10**6))
+        return original_train(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.DGPOTrainer, "train", train_with_hook)
+    with pytest.raises(RuntimeError, match="2 consecutive optimizer steps had non-finite gradients"):
+        train(model_dir, tmp_path, max_steps=4, max_nonfinite_steps=2)

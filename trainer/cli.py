@@ -32,13 +32,14 @@ import platform
 import sys
 import time
 
+from .config import DAPO_EPSILON_HIGH
 from .tiny_model import TOKENIZERS, MissingPackage
 
 METHODS = ("dgpo", "grpo", "dapo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dcpo", "sapo")
 
 # Method presets, applied unless the option is given explicitly.
 METHOD_PRESETS = {
-    "dapo": {"epsilon_high": 0.28},  # DAPO's clip-higher
+    "dapo": {"epsilon_high": DAPO_EPSILON_HIGH},  # DAPO's clip-higher (DGPOConfig's own default for dapo)
     "cispo": {"epsilon_high": 5.0},  # TRL semantics: the weight cap itself (dgpo-ops' 1 + eps_high, eps_high=4)
     "dcpo": {"advantage_estimator": "dcpo"},  # DCPO's smooth advantage standardisation
 }
@@ -254,7 +255,8 @@ def check_environment(args) -> dict:
                              f"choose from {', '.join(METHODS)}")
     if args.seeds < 1:
         raise UsageError("--seeds must be >= 1")
-    for option, value, low in (("--train-size", args.train_size, 1), ("--eval-size", args.eval_size, 0),
+    for option, value, low in (("--max-steps", args.max_steps, 1), ("--train-size", args.train_size, 1),
+                               ("--eval-size", args.eval_size, 0),
                                ("--eval-every", args.eval_every, 0), ("--sft-steps", args.sft_steps, 0),
                                ("--max-digits", args.max_digits, 1)):
         if value is not None and value < low:
@@ -607,12 +609,26 @@ def _process_state(device: dict):
     return PartialState(cpu=not device["cuda"])  # as TrainingArguments will create it (use_cpu without CUDA)
 
 
+def avoid_cudnn_attention_backward() -> None:
+    """Route SDPA away from cuDNN. Its bf16 backward with a mask returns NaN in grad_q when the
+    sequence length is 64 mod 128 and a row's log-sum-exp is below -88.7 (pytorch/pytorch#196678,
+    since torch 2.11; huggingface/trl#7181). Left-padded prompts give fully masked rows (log-sum-exp
+    -inf) in every RL batch, so a step whose longest prompt + completion is 64 tokens gets
+    non-finite gradients: the H100 failures of the main job in bf16 (H100.md section 4). SDPA then
+    uses the memory-efficient kernel."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def train_command(args, overrides: dict) -> dict:
     import torch
 
     from . import tiny_model
 
     device = check_environment(args)
+    if device["cuda"]:
+        avoid_cudnn_attention_backward()
     processes = _process_state(device)
     methods = [m.strip() for m in args.compare.split(",") if m.strip()] if args.compare else [args.method]
     seeds = list(range(args.seed, args.seed + args.seeds))

@@ -11,6 +11,7 @@ from dgpo_ops.methods import MethodConfig, method_config
 from dgpo_ops.options import LossOptions
 
 POLICY_LOSSES = ("dgpo", "grpo", "dapo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dcpo", "sapo")
+DAPO_EPSILON_HIGH = 0.28  # DAPO's clip-higher: policy_loss="dapo" is grpo with this epsilon_high unless one is set
 FUSED_MODES = ("linear", "logits")
 ADVANTAGE_ESTIMATORS = ("grpo", "dcpo")
 
@@ -33,8 +34,9 @@ class DGPOConfig(GRPOConfig):
     `loss_type` keeps choosing the aggregation (and its normaliser) unless `loss_aggregation` is set.
 
     Parameters:
-        policy_loss (`str`, defaults to `"dgpo"`): one of dgpo, grpo, dapo (grpo with TRL's epsilon_high), cispo,
-            dispo, gppo, ce_gppo, aspo, dcpo, sapo.
+        policy_loss (`str`, defaults to `"dgpo"`): one of dgpo, grpo, dapo, cispo, dispo, gppo, ce_gppo, aspo,
+            dcpo, sapo. `dapo` is grpo with DAPO's clip-higher: `epsilon_high=0.28` unless `epsilon_high` is set
+            (its token-level aggregation is TRL's `loss_type="dapo"`, the default).
         dgpo_n, dgpo_m: DGPO's left-boundary polynomial order and right-boundary radical order.
         dual_clip: dual clip `c > 1` for grpo (off when None), gppo/ce_gppo/aspo (3 when None).
         gppo_beta1, gppo_beta2: CE-GPPO's boundary scales.
@@ -45,7 +47,9 @@ class DGPOConfig(GRPOConfig):
             follows `loss_type` (dcpo: seq_sum_token_mean).
         advantage_estimator: `"grpo"` (TRL's group advantages) or `"dcpo"` (smooth advantage standardisation).
         fused: `"linear"` (hidden states + lm_head, logits never whole) or `"logits"` (the model's logits).
-        fused_memory_budget: bytes of fp32 logits tiles for `fused="linear"`.
+        fused_memory_budget: bytes of logits and gradient tiles for `fused="linear"` (a positive integer).
+        max_nonfinite_steps: an optimizer step whose gradients are not finite is skipped with a warning naming the
+            step and the first such parameter; this many consecutive skips stop the run with an error.
 
     For `cispo`, `epsilon_high` is TRL's weight cap itself (dgpo-ops' `1 + eps_high`), and there is no lower clip.
     """
@@ -66,6 +70,8 @@ class DGPOConfig(GRPOConfig):
     advantage_estimator: str = field(default="grpo", metadata={"help": "Advantages: grpo or dcpo."})
     fused: str = field(default="linear", metadata={"help": "linear (hidden states + lm_head) or logits."})
     fused_memory_budget: int = field(default=512 * 2**20, metadata={"help": "Bytes of fp32 logits tiles."})
+    max_nonfinite_steps: int = field(default=3, metadata={
+        "help": "Optimizer steps with non-finite gradients are skipped; this many in a row stop the run."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -91,7 +97,37 @@ class DGPOConfig(GRPOConfig):
         for name, used in unsupported.items():
             if used:
                 raise ValueError(f"DGPOConfig does not support {name} (the fused loss replaces that code path)")
-        self.loss_options()  # validates every method parameter now, not at the first step
+        if (isinstance(self.fused_memory_budget, bool) or not isinstance(self.fused_memory_budget, int)
+                or self.fused_memory_budget < 1):
+            raise ValueError(f"fused_memory_budget must be a positive integer number of bytes, got "
+                             f"{self.fused_memory_budget!r}")
+        if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) or \
+                self.max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {self.max_nonfinite_steps!r}")
+        # Every method's own fields, whichever method is chosen: a bad value fails here, not when a
+        # later run switches policy_loss.
+        for fields, build in self._method_field_checks():
+            try:
+                build()
+            except ValueError as error:
+                raise ValueError(f"DGPOConfig({', '.join(fields)}): {error}") from None
+        self.loss_options()  # the chosen method with the shared fields (epsilon, ...), now, not at the first step
+
+    def _method_field_checks(self):
+        dual_clip = 3.0 if self.dual_clip is None else self.dual_clip
+        return [
+            (("dgpo_n", "dgpo_m"), lambda: method_config("dgpo", n=self.dgpo_n, m=self.dgpo_m)),
+            (("dual_clip",), lambda: method_config("grpo", dual_clip=self.dual_clip)),
+            (("gppo_beta1", "gppo_beta2", "dual_clip"),
+             lambda: method_config("ce_gppo", beta1=self.gppo_beta1, beta2=self.gppo_beta2, dual_clip=dual_clip)),
+            (("dcpo_r_max",), lambda: method_config("dcpo", r_max=self.dcpo_r_max)),
+            (("dispo_eps_low_pos", "dispo_eps_high_pos", "dispo_eps_low_neg", "dispo_eps_high_neg"),
+             lambda: method_config("dispo", eps_low_pos=self.dispo_eps_low_pos, eps_high_pos=self.dispo_eps_high_pos,
+                                   eps_low_neg=self.dispo_eps_low_neg, eps_high_neg=self.dispo_eps_high_neg)),
+            (("sapo_gate", "sapo_temperature_pos", "sapo_temperature_neg"),
+             lambda: method_config("sapo", gate=self.sapo_gate, tau_pos=self.sapo_temperature_pos,
+                                   tau_neg=self.sapo_temperature_neg)),
+        ]
 
     @property
     def aggregation(self) -> str:
@@ -105,6 +141,8 @@ class DGPOConfig(GRPOConfig):
         eps_low = self.epsilon
         eps_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
         name = self.policy_loss
+        if name == "dapo" and self.epsilon_high is None:
+            eps_high = DAPO_EPSILON_HIGH
         if name in ("grpo", "dapo"):
             return method_config("grpo", eps_low=eps_low, eps_high=eps_high, dual_clip=self.dual_clip)
         if name == "cispo":

@@ -16,6 +16,7 @@ import types
 import torch
 from accelerate.utils import gather_object, is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl import GRPOTrainer
 
 from dgpo_ops.fused import fused_loss_from_options
@@ -27,6 +28,7 @@ from .advantages import SmoothAdvantageStandardizer, prompt_key
 from .config import DGPOConfig
 
 DCPO_STATE_FILE = "dcpo_advantage_state.json"
+logger = logging.get_logger(__name__)
 
 # dgpo-ops metric -> the name logged (TRL's where the meaning is the same)
 LOGGED_METRICS = {
@@ -88,6 +90,38 @@ class DGPOTrainer(GRPOTrainer):
         self.projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap,
                                                     memory_budget=self.args.fused_memory_budget)
         self.smooth_advantages = SmoothAdvantageStandardizer() if self.args.advantage_estimator == "dcpo" else None
+        self.nonfinite_skips = 0  # consecutive optimizer steps skipped for non-finite gradients
+        self.skipped_steps: list[int] = []
+
+    # ------------------------------------------------------------------ non-finite gradients
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Every optimizer step: the pre-clip gradient norm (the value TRL logs as grad_norm) is read
+        once; if it is not finite the gradients are dropped, so the optimizer leaves parameters and
+        moments as they were (a skipped step) and the next generation never samples from NaN."""
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(float(grad_norm))
+        if bool(torch.isfinite(norm)):
+            self.nonfinite_skips = 0
+            return grad_norm
+        self._skip_nonfinite_step(model)
+        return grad_norm
+
+    def _skip_nonfinite_step(self, model) -> None:
+        step = self.state.global_step + 1
+        first = next((name for name, p in model.named_parameters()
+                      if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "(the clipped norm)")
+        model.zero_grad(set_to_none=True)  # optimizers skip parameters without a gradient
+        self.nonfinite_skips += 1
+        self.skipped_steps.append(step)
+        limit = self.args.max_nonfinite_steps
+        logger.warning(f"DGPOTrainer: step {step} skipped: non-finite gradient, first in {first} "
+                       f"({self.nonfinite_skips} in a row; the run stops after {limit})")
+        if self.nonfinite_skips >= limit:
+            raise RuntimeError(
+                f"DGPOTrainer: {self.nonfinite_skips} consecutive optimizer steps had non-finite gradients "
+                f"(last at step {step}, first in {first}); stopping. Lower the learning rate, train in fp32 "
+                "(bf16=False), or raise DGPOConfig.max_nonfinite_steps")
 
     # ------------------------------------------------------------------ per-token log-probs
 

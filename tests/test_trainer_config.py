@@ -1,0 +1,45 @@
+"""DGPOConfig checks every field when it is made, not at the first training step (issue 13, item 5)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+from dgpo_ops.trainer import DGPOConfig  # noqa: E402
+
+
+def make(tmp_path, **fields):
+    return DGPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **fields)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("fused_memory_budget", 0, "fused_memory_budget must be a positive integer"),
+    ("fused_memory_budget", -5, "fused_memory_budget must be a positive integer"),
+    ("fused_memory_budget", 1.5e6, "fused_memory_budget must be a positive integer"),
+    ("fused_memory_budget", True, "fused_memory_budget must be a positive integer"),
+    # A method's own fields are checked whichever policy_loss is chosen (the default is dgpo).
+    ("dcpo_r_max", 0.5, "DGPOConfig(dcpo_r_max): dcpo: r_max must be in (1.0, inf)"),
+    ("gppo_beta1", float("nan"), "DGPOConfig(gppo_beta1, gppo_beta2, dual_clip): ce_gppo: beta1"),
+    ("dispo_eps_low_neg", -1.0, "DGPOConfig(dispo_eps_low_pos, dispo_eps_high_pos, dispo_eps_low_neg"),
+    ("sapo_gate", "tanh", "sapo: gate must be one of"),
+    ("dual_clip", 1.0, "DGPOConfig(dual_clip): grpo: dual_clip must be in (1.0, inf)"),
+    ("dgpo_m", 0.5, "DGPOConfig(dgpo_n, dgpo_m): dgpo: m must be in [1.0, inf)"),
+])
+def test_a_bad_field_fails_when_the_config_is_made(tmp_path, field, value, message):
+    with pytest.raises(ValueError) as error:
+        make(tmp_path, **{field: value})
+    assert message in str(error.value)
+
+
+def test_dapo_carries_dapos_clip_higher_unless_epsilon_high_is_set(tmp_path):
+    dapo = make(tmp_path, policy_loss="dapo").method()
+    assert (dapo.name, dapo.eps_low, dapo.eps_high) == ("grpo", 0.2, 0.28)
+    explicit = make(tmp_path, policy_loss="dapo", epsilon_high=0.3).method()
+    assert explicit.eps_high == 0.3
+    assert make(tmp_path, policy_loss="grpo").method().eps_high == 0.2
+
+
+def test_valid_configs_pass(tmp_path):
+    for loss in ("dgpo", "grpo", "dapo", "dcpo", "sapo", "gppo", "aspo", "dispo"):
+        assert make(tmp_path, policy_loss=loss, fused_memory_budget=2**20).loss_options().method is not None
