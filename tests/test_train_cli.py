@@ -82,6 +82,40 @@ def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
     assert set(summary) == {"dgpo", "grpo"} and all(len(s["seeds"]) == 1 for s in summary.values())
 
 
+def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_path):
+    """The off-policy regime for a few steps with two methods: its settings reach the config, every
+    region's fraction is logged, and the report command redraws the figure from the JSON alone."""
+    from dgpo_ops.trainer.cli import REGIME_PRESETS
+    from dgpo_ops.trainer.report import REGION_KEYS, final_table
+
+    out = tmp_path / "run"
+    args = ["--preset", "off-policy", "--compare", "grpo,sapo", "--output-dir", str(out), "--no-progress",
+            "--sft-steps", "8", "--sft-batch-size", "16", "--max-steps", "4", "--eval-every", "0",
+            "--eval-size", "8", "--train-size", "32", "--hidden-size", "64", "--layers", "1", "--heads", "2",
+            "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "10",
+            "--per_device_train_batch_size", "8", "--steps_per_generation", "1",
+            "--tokenizer", "qwen-task" if HAVE_QWEN else "chars",
+            "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
+    result = _run(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((out / "run.json").read_text())
+    preset = REGIME_PRESETS["off-policy"]
+    for run in record["runs"]:
+        assert run["config"]["num_iterations"] == preset["num_iterations"]
+        assert run["config"]["learning_rate"] == preset["learning_rate"]
+        assert run["steps"] == 4  # the explicit --max-steps wins over the preset's
+        for entry in run["log_history"]:
+            for key in REGION_KEYS.values():
+                assert key in entry and 0.0 <= entry[key] <= 1.0, (key, entry)
+    table = final_table(record)
+    assert table.count("\n") == 3 and "| grpo |" in table and "| sapo |" in table
+    redrawn = tmp_path / "again.png"
+    report = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.report", str(out / "run.json"), "--out",
+                             str(redrawn)], capture_output=True, text=True, check=False)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "| grpo |" in report.stdout
+
+
 # ----------------------------------------------------------------------------- clear errors, no tracebacks
 
 
@@ -105,10 +139,11 @@ def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
         (["--sft-fraction", "0"], "--sft-fraction must be in (0, 1], got 0.0"),
         (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
         (["--max-steps", "-5"], "--max-steps must be >= 1, got -5"),
+        (["--model", "some/model", "--preset", "off-policy"], "--preset off-policy is a regime of the tiny"),
     ],
     ids=["vllm", "bf16", "compare", "hub-model", "local-model", "dataset", "unknown", "invalid", "trl-vllm",
          "reward-weights", "too-many", "no-train", "negative-eval", "worked-fraction", "sft-fraction",
-         "zero-steps", "negative-steps"],
+         "zero-steps", "negative-steps", "preset-with-model"],
 )
 def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
     import torch

@@ -133,7 +133,8 @@ def _first_hooked(trainer):
     return name, param
 
 
-def test_a_nonfinite_gradient_skips_the_step_and_training_goes_on(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"], ids=["on-device", "host-read"])
+def test_a_nonfinite_gradient_skips_the_step_and_training_goes_on(model_dir, tmp_path, monkeypatch, optim):
     import torch
     from dgpo_ops.trainer import trainer as trainer_module
 
@@ -149,7 +150,8 @@ def test_a_nonfinite_gradient_skips_the_step_and_training_goes_on(model_dir, tmp
         return original_train(self, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module.DGPOTrainer, "train", train_with_hook)
-    trainer = train(model_dir, tmp_path, max_steps=3)
+    trainer = train(model_dir, tmp_path, max_steps=3, optim=optim)
+    assert (trainer_module._fused_adam(trainer.optimizer) is not None) == (optim == "adamw_torch_fused")
     assert trainer.skipped_steps == [1]
     # The NaN spreads backward from the hooked layer: the warning names the first parameter it reached.
     names = [n for n, _ in trainer.model.named_parameters()]
@@ -172,3 +174,29 @@ def test_consecutive_nonfinite_steps_stop_the_run(model_dir, tmp_path, monkeypat
     monkeypatch.setattr(trainer_module.DGPOTrainer, "train", train_with_hook)
     with pytest.raises(RuntimeError, match="2 consecutive optimizer steps had non-finite gradients"):
         train(model_dir, tmp_path, max_steps=4, max_nonfinite_steps=2)
+
+
+def test_skipped_step_leaves_parameters_and_moments_unchanged(model_dir, tmp_path, monkeypatch):
+    import torch
+    from dgpo_ops.trainer import trainer as trainer_module
+
+    original_step = trainer_module.DGPOTrainer._get_grad_norm
+    seen = {}
+
+    def get_grad_norm(self, model, grad_norm=None):
+        if self.state.global_step == 1:  # optimizer step 2: poison it, and remember the state before it
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            seen["params"] = [p.detach().clone() for p in model.parameters()]
+            seen["moments"] = [s["exp_avg"].clone() for s in self.optimizer.optimizer.state.values()]
+        elif self.state.global_step == 2:
+            seen["params_after"] = [p.detach().clone() for p in model.parameters()]
+            seen["moments_after"] = [s["exp_avg"].clone() for s in self.optimizer.optimizer.state.values()]
+        return original_step(self, model, grad_norm)
+
+    monkeypatch.setattr(trainer_module.DGPOTrainer, "_get_grad_norm", get_grad_norm)
+    trainer = train(model_dir, tmp_path, max_steps=3)
+    assert trainer.skipped_steps == [2]
+    for before, after in zip(seen["params"] + seen["moments"], seen["params_after"] + seen["moments_after"]):
+        assert torch.equal(before, after)

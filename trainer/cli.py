@@ -64,6 +64,15 @@ TINY_RL_DEFAULTS = {
     "weight_decay": 0.0,
     "max_grad_norm": 1.0,
 }
+# Regimes of the tiny default run (--preset), applied over its defaults and under every explicit
+# option and method preset. "off-policy": several optimizer steps per generation with a larger
+# learning rate, so that the ratios leave the trust region and the methods' clipping matters
+# (docs/train/README.md, "Where the method matters").
+REGIME_PRESETS = {
+    "default": {},
+    "off-policy": {"num_iterations": 6, "learning_rate": 1e-3, "max_steps": 18},
+}
+
 GPU_RL_DEFAULTS = {
     "max_steps": 500,
     "learning_rate": 1e-6,
@@ -99,6 +108,10 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--compare", default=None, metavar="M1,M2,...",
                      help="train each listed method (e.g. dgpo,grpo) on every seed and overlay them in one figure")
     run.add_argument("--seeds", type=int, default=1, metavar="K", help="run seeds seed..seed+K-1 (default: 1)")
+    run.add_argument("--preset", default="default", choices=tuple(REGIME_PRESETS),
+                     help="regime of the tiny default run: off-policy = "
+                          + ", ".join(f"{k} {v}" for k, v in REGIME_PRESETS["off-policy"].items())
+                          + " (explicit options win; default: %(default)s)")
     run.add_argument("--seed", type=int, default=0, help="first training seed (default: 0)")
     run.add_argument("--output-dir", default=None,
                      help="where run.json, curves.png and the checkpoints go (default: ./dgpo-train-<time>)")
@@ -244,6 +257,9 @@ def check_environment(args) -> dict:
                              "generate with transformers")
     if args.bf16 and not bf16_ok:
         raise UsageError("--bf16 needs a CUDA GPU with bf16 support and none is visible; drop --bf16 to train in fp32")
+    if args.model is not None and args.preset != "default":
+        raise UsageError(f"--preset {args.preset} is a regime of the tiny default run; with --model set the options "
+                         "themselves")
     if args.model is None and args.dataset is not None:
         raise UsageError("--dataset needs --model: the tiny default model is warm-started on the built-in "
                          "arithmetic task only")
@@ -390,6 +406,7 @@ def _resolve_config(args, method: str, seed: int, output_dir: pathlib.Path, over
     from .config import DGPOConfig
 
     values = dict(TINY_RL_DEFAULTS if tiny else GPU_RL_DEFAULTS)
+    values.update(REGIME_PRESETS[args.preset])
     for name in ("max_steps", "learning_rate", "num_generations", "max_completion_length"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)

@@ -5,15 +5,29 @@ from __future__ import annotations
 import math
 import pathlib
 
+from dgpo_ops.styles import style
+
+REGION_KEYS = {"ln": "clip_ratio/low_mean", "hp": "clip_ratio/high_mean", "lp": "clip_ratio/lp_mean",
+               "hn": "clip_ratio/hn_mean"}
+OUTSIDE = "outside_trust_region"  # ln + hp + lp + hn: every token whose ratio left [1 - eps_low, 1 + eps_high]
+
 # (log key, panel title); the training curves are smoothed over SMOOTH logged steps.
 TRAIN_PANELS = (
     ("rewards/accuracy_reward/mean", "train accuracy reward (sampled)"),
     ("entropy", "entropy (nats/token)"),
-    ("clip_ratio/region_mean", "clipped-region fraction (ln + hp)"),
     ("eur", "EUR (effective update ratio)"),
+    ("grad_norm", "gradient norm (before clipping)"),
+    ("ratio_mean", "mean importance ratio"),
+    (OUTSIDE, "tokens outside the trust region (ln+hp+lp+hn)"),
+    (REGION_KEYS["ln"], "region ln (A<0, r below: clipped by grpo)"),
+    (REGION_KEYS["hp"], "region hp (A>0, r above: clipped by grpo)"),
+    (REGION_KEYS["lp"], "region lp (A>0, r below)"),
+    (REGION_KEYS["hn"], "region hn (A<0, r above)"),
     ("completions/mean_length", "completion length (tokens, sampled)"),
 )
 SMOOTH = 5
+# Final numbers: the mean of the last FINAL_WINDOW logged steps of each run.
+FINAL_WINDOW = 5
 
 
 def _mean(values):
@@ -40,9 +54,62 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
+def _value(entry: dict, key: str):
+    if key == OUTSIDE:
+        parts = [entry.get(k) for k in REGION_KEYS.values()]
+        return None if any(p is None for p in parts) else sum(float(p) for p in parts)
+    return entry.get(key)
+
+
 def _series(run: dict, key: str) -> dict[int, float]:
-    return {int(e["step"]): float(e[key]) for e in run.get("log_history", [])
-            if e.get(key) is not None and math.isfinite(float(e[key]))}
+    out = {}
+    for e in run.get("log_history", []):
+        value = _value(e, key)
+        if value is not None and math.isfinite(float(value)):
+            out[int(e["step"])] = float(value)
+    return out
+
+
+def final_numbers(result: dict) -> list[dict]:
+    """Per method: held-out accuracy after RL and the training metrics over the last steps, as
+    mean, min and max over seeds."""
+    rows = []
+    keys = {"entropy": "entropy", "outside": OUTSIDE, "ln": REGION_KEYS["ln"], "hp": REGION_KEYS["hp"],
+            "eur": "eur", "grad_norm": "grad_norm"}
+    for method, summary in result["summary"].items():
+        runs = [r for r in result["runs"] if r["method"] == method]
+        row = {"method": method, "seeds": len(runs)}
+        accuracies = [s["after"] for s in summary["seeds"] if s["after"] is not None]
+        row["after"] = (_mean(accuracies), min(accuracies, default=None), max(accuracies, default=None))
+        row["before"] = summary["before_mean"]
+        for name, key in keys.items():
+            finals = []
+            for r in runs:
+                series = _series(r, key)
+                last = [series[s] for s in sorted(series)[-FINAL_WINDOW:]]
+                if last:
+                    finals.append(sum(last) / len(last))
+            row[name] = (_mean(finals), min(finals, default=None), max(finals, default=None))
+        rows.append(row)
+    return rows
+
+
+def final_table(result: dict) -> str:
+    """The final numbers as a markdown table (mean over seeds, min-max in brackets)."""
+    def cell(triple, digits=3):
+        mean, low, high = triple
+        if mean is None:
+            return "-"
+        return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]" if high != low else f"{mean:.{digits}f}"
+
+    lines = [f"| method | held-out before -> after | entropy | outside trust region | ln | hp | EUR | grad norm |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in final_numbers(result):
+        before = "-" if row["before"] is None else f"{row['before']:.3f}"
+        lines.append(f"| {row['method']} | {before} -> {cell(row['after'])} | {cell(row['entropy'])} | "
+                     f"{cell(row['outside'])} | {cell(row['ln'])} | {cell(row['hp'])} | {cell(row['eur'])} | "
+                     f"{cell(row['grad_norm'], 2)} |")
+    return "\n".join(lines)
 
 
 def _smooth(points: dict[int, float], window: int) -> dict[int, float]:
@@ -60,7 +127,8 @@ def _band(per_seed: list[dict[int, float]]):
 
 
 def plot_runs(result: dict, path) -> pathlib.Path:
-    """Held-out accuracy, training curves (mean over seeds, min-max band) and per-seed before -> after."""
+    """Held-out accuracy, the training curves (mean over seeds, min-max band), per-seed before ->
+    after, and the final numbers; one colour and dash per method (``dgpo_ops.styles``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,64 +136,80 @@ def plot_runs(result: dict, path) -> pathlib.Path:
 
     runs = result["runs"]
     methods = list(dict.fromkeys(r["method"] for r in runs))
-    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
     n_seeds = len({r["seed"] for r in runs})
-    fig, axes = plt.subplots(2, 4, figsize=(19, 8.5))
+    fig, axes = plt.subplots(4, 4, figsize=(22, 19))
     spread = "min-max over seeds" if n_seeds > 1 else "one seed"
+    panels = iter(axes.flat)
 
-    for ax, key, title in ((axes[0, 0], "accuracy", f"held-out accuracy (greedy, n={_eval_n(runs)})"),
-                           (axes[1, 2], "length", "held-out completion length (tokens, greedy)")):
+    def draw(ax, per_seed, method, marker=None):
+        per_seed = [p for p in per_seed if p]
+        if not per_seed:
+            return
+        steps, mean, low, high = _band(per_seed)
+        ax.plot(steps, mean, marker=marker, ms=3, lw=1.6, label=method, **style(method))
+        if n_seeds > 1:
+            ax.fill_between(steps, low, high, color=style(method)["color"], alpha=0.12)
+
+    for key, title in (("accuracy", f"held-out accuracy (greedy, n={_eval_n(runs)})"),
+                       ("length", "held-out completion length (tokens, greedy)")):
+        ax = next(panels)
         for method in methods:
-            curves = [{e["step"]: e[key] for e in r["eval_curve"] if key in e} for r in runs if r["method"] == method]
-            steps, mean, low, high = _band([c for c in curves if c])
-            if steps:
-                ax.plot(steps, mean, marker="o", ms=3, color=colors[method], label=method)
-                if n_seeds > 1:
-                    ax.fill_between(steps, low, high, color=colors[method], alpha=0.2)
+            draw(ax, [{e["step"]: e[key] for e in r["eval_curve"] if key in e} for r in runs if r["method"] == method],
+                 method, marker="o")
         ax.set_title(title)
         ax.set_xlabel("RL step")
-        ax.legend()
-    axes[0, 0].set_ylim(-0.02, 1.02)
+    axes.flat[0].set_ylim(-0.02, 1.02)
 
-    for ax, (key, title) in zip([axes[0, 1], axes[0, 2], axes[0, 3], axes[1, 0], axes[1, 1]], TRAIN_PANELS):
+    for key, title in TRAIN_PANELS:
+        ax = next(panels)
         for method in methods:
-            per_seed = [_smooth(_series(r, key), SMOOTH) for r in runs if r["method"] == method]
-            per_seed = [p for p in per_seed if p]
-            if not per_seed:
-                continue
-            steps, mean, low, high = _band(per_seed)
-            ax.plot(steps, mean, color=colors[method], label=method)
-            if n_seeds > 1:
-                ax.fill_between(steps, low, high, color=colors[method], alpha=0.2)
-        ax.set_title(f"{title}, {SMOOTH}-step mean")
+            draw(ax, [_smooth(_series(r, key), SMOOTH) for r in runs if r["method"] == method], method)
+        ax.set_title(f"{title}, {SMOOTH}-step mean", fontsize=10)
         ax.set_xlabel("RL step")
 
-    ax = axes[1, 3]
+    ax = next(panels)
     summary = result["summary"]
     for i, method in enumerate(methods):
         for s in summary[method]["seeds"]:
             if s["before"] is None or s["after"] is None:
                 continue
-            x = [i - 0.15, i + 0.15]
-            ax.plot(x, [s["before"], s["after"]], color=colors[method], marker="o", alpha=0.8)
-            ax.annotate(f"s{s['seed']}", (x[1], s["after"]), textcoords="offset points", xytext=(4, -3), fontsize=7)
+            ax.plot([i - 0.15, i + 0.15], [s["before"], s["after"]], marker="o", alpha=0.8, **style(method))
         if summary[method]["before_mean"] is not None:
             ax.plot([i - 0.15, i + 0.15], [summary[method]["before_mean"], summary[method]["after_mean"]],
                     color="black", lw=2.5, marker="s", label="mean" if i == 0 else None)
-    ax.set_xticks(range(len(methods)), [f"{m}\nbefore -> after" for m in methods])
+    ax.set_xticks(range(len(methods)), methods, rotation=30)
     ax.set_xlim(-0.6, len(methods) - 0.4)
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("held-out accuracy per seed: before -> after RL")
-    if methods:
-        ax.legend(loc="lower right")
 
-    fig.suptitle(f"dgpo-ops train: {result['model']} | {result['task']} | {', '.join(methods)} | "
-                 f"{n_seeds} seed(s), {spread}", fontsize=10)
-    fig.tight_layout()
+    ax = next(panels)
+    ax.axis("off")
+    rows = final_numbers(result)
+    cells = [[r["method"], _fmt3(r["after"][0]), _fmt3(r["entropy"][0]), _fmt3(r["outside"][0]), _fmt3(r["eur"][0]),
+              "-" if r["grad_norm"][0] is None else f"{r['grad_norm'][0]:.2f}"] for r in rows]
+    if cells:
+        table = ax.table(cellText=cells, colLabels=["method", "after", "entropy", "outside", "EUR", "|g|"],
+                         loc="center", cellLoc="center")
+        table.scale(1, 1.4)
+        for i, r in enumerate(rows):
+            table[i + 1, 0].get_text().set_color(style(r["method"])["color"])
+    ax.set_title(f"final numbers (mean over seeds; training metrics: last {FINAL_WINDOW} steps)", fontsize=10)
+    for ax in panels:
+        ax.axis("off")
+
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(methods), fontsize=12, frameon=False,
+               bbox_to_anchor=(0.5, 0.975))
+    fig.suptitle(f"dgpo-ops train: {result['model']} | {result['task']} | {n_seeds} seed(s), {spread}", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.955))
     path = pathlib.Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _fmt3(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _eval_n(runs) -> str:
@@ -133,3 +217,24 @@ def _eval_n(runs) -> str:
         if r.get("before"):
             return str(r["before"]["n"])
     return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dgpo_ops.trainer.report run.json [--out curves.png]``: the figure and the final
+    numbers of a committed run, from its JSON alone."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m dgpo_ops.trainer.report", description=main.__doc__)
+    parser.add_argument("run_json")
+    parser.add_argument("--out", default=None, help="figure path (default: next to the JSON, .png)")
+    args = parser.parse_args(argv)
+    result = json.loads(pathlib.Path(args.run_json).read_text())
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(args.run_json).with_suffix(".png")
+    print(final_table(result))
+    print(f"figure: {plot_runs(result, out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

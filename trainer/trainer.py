@@ -67,6 +67,15 @@ def add_hidden_state_output(model) -> None:
     model.forward = types.MethodType(forward, model)
 
 
+def _fused_adam(optimizer):
+    """The torch Adam/AdamW behind accelerate's wrapper when every group is fused (it honours
+    ``found_inf`` on the device), else None."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in inner.param_groups):
+        return inner
+    return None
+
+
 class DGPOTrainer(GRPOTrainer):
     """Drop-in for ``GRPOTrainer``: ``DGPOTrainer(model, reward_funcs, args=DGPOConfig(policy_loss="dgpo"), ...)``."""
 
@@ -92,36 +101,73 @@ class DGPOTrainer(GRPOTrainer):
         self.smooth_advantages = SmoothAdvantageStandardizer() if self.args.advantage_estimator == "dcpo" else None
         self.nonfinite_skips = 0  # consecutive optimizer steps skipped for non-finite gradients
         self.skipped_steps: list[int] = []
+        self.pending_step_checks: list = []  # (step, device index of the first bad gradient or -1, names)
 
     # ------------------------------------------------------------------ non-finite gradients
 
     def _get_grad_norm(self, model, grad_norm=None):
-        """Every optimizer step: the pre-clip gradient norm (the value TRL logs as grad_norm) is read
-        once; if it is not finite the gradients are dropped, so the optimizer leaves parameters and
-        moments as they were (a skipped step) and the next generation never samples from NaN."""
+        """Every optimizer step: a step whose gradients are not finite is skipped, so parameters and
+        optimizer moments stay as they were and the next generation never samples from NaN.
+
+        With a fused torch Adam/AdamW (``optim="adamw_torch_fused"``, the default with torch >= 2.8)
+        the skip happens on the device, through the optimizer's ``found_inf`` flag (as GradScaler
+        does), and the index of the first parameter with a non-finite gradient is kept on the
+        device: both are read at the next step's metrics read, which TRL's logging does anyway, so
+        the guard adds no host synchronisation. Other optimizers get a host read of the pre-clip
+        norm (the value TRL logs as grad_norm) per optimizer step, and the gradients are dropped.
+        Under a GradScaler (fp16) the scaler skips such steps itself."""
         grad_norm = super()._get_grad_norm(model, grad_norm)
-        norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(float(grad_norm))
-        if bool(torch.isfinite(norm)):
-            self.nonfinite_skips = 0
+        if self.accelerator.scaler is not None:
             return grad_norm
-        self._skip_nonfinite_step(model)
+        step = self.state.global_step + 1
+        named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+        optimizer = _fused_adam(self.optimizer)
+        devices = {grad.device for _, grad in named}
+        if optimizer is not None and len(devices) == 1:
+            per_tensor = torch.stack(torch._foreach_norm([grad for _, grad in named]))
+            bad = ~torch.isfinite(per_tensor)
+            optimizer.found_inf = bad.any().float()
+            first = torch.where(bad.any(), bad.int().argmax(), -1)
+            self.pending_step_checks.append((step, first, [name for name, _ in named]))
+            return grad_norm
+        norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(float(grad_norm))
+        if bool(torch.isfinite(norm)):  # a host read per step: optimizers that cannot skip on the device
+            self._count_step(step, None)
+            return grad_norm
+        first = next((name for name, grad in named if not bool(torch.isfinite(grad).all())), "(the clipped norm)")
+        model.zero_grad(set_to_none=True)  # optimizers skip parameters without a gradient
+        self._count_step(step, first)
         return grad_norm
 
-    def _skip_nonfinite_step(self, model) -> None:
-        step = self.state.global_step + 1
-        first = next((name for name, p in model.named_parameters()
-                      if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "(the clipped norm)")
-        model.zero_grad(set_to_none=True)  # optimizers skip parameters without a gradient
+    def report_skipped_steps(self) -> None:
+        """Warn about the steps skipped on the device since the last call (a host read of values the
+        device has computed by now) and stop the run after too many in a row."""
+        if not self.pending_step_checks:
+            return
+        firsts = torch.stack([first for _, first, _ in self.pending_step_checks]).tolist()
+        checks, self.pending_step_checks = self.pending_step_checks, []
+        for (step, _, names), first in zip(checks, firsts):
+            self._count_step(step, None if first < 0 else names[first])
+
+    def _count_step(self, step: int, first_nonfinite: str | None) -> None:
+        if first_nonfinite is None:
+            self.nonfinite_skips = 0
+            return
         self.nonfinite_skips += 1
         self.skipped_steps.append(step)
         limit = self.args.max_nonfinite_steps
-        logger.warning(f"DGPOTrainer: step {step} skipped: non-finite gradient, first in {first} "
+        logger.warning(f"DGPOTrainer: step {step} skipped: non-finite gradient, first in {first_nonfinite} "
                        f"({self.nonfinite_skips} in a row; the run stops after {limit})")
         if self.nonfinite_skips >= limit:
             raise RuntimeError(
                 f"DGPOTrainer: {self.nonfinite_skips} consecutive optimizer steps had non-finite gradients "
-                f"(last at step {step}, first in {first}); stopping. Lower the learning rate, train in fp32 "
-                "(bf16=False), or raise DGPOConfig.max_nonfinite_steps")
+                f"(last at step {step}, first in {first_nonfinite}); stopping. Lower the learning rate, train in "
+                "fp32 (bf16=False), or raise DGPOConfig.max_nonfinite_steps")
+
+    def train(self, *args, **kwargs):
+        result = super().train(*args, **kwargs)
+        self.report_skipped_steps()  # the last steps' checks
+        return result
 
     # ------------------------------------------------------------------ per-token log-probs
 
@@ -229,8 +275,11 @@ class DGPOTrainer(GRPOTrainer):
         every_mean = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
         means = [every_mean[METRIC_NAMES.index(name)] for name in names]
         # The read above waited for this step's kernels: input errors they found on the device
-        # (deferred validation) are raised now, at no extra synchronisation.
+        # (deferred validation) are raised now, and earlier optimizer steps skipped on the device are
+        # reported, at no extra synchronisation.
         raise_deferred_errors()
+        if mode == "train":
+            self.report_skipped_steps()
         for name, value in zip(names, means):
             self._metrics[mode][LOGGED_METRICS.get(name, "kl")].append(value)
         low, high = means[names.index("ln_fraction")], means[names.index("hp_fraction")]
