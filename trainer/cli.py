@@ -27,6 +27,7 @@ import importlib.util
 import json
 import math
 import os
+import functools
 import pathlib
 import platform
 import sys
@@ -392,7 +393,10 @@ def make_callback(console: Console, eval_fn, eval_every: int, total_steps: int, 
 # ----------------------------------------------------------------------------- one run
 
 
+@functools.lru_cache(maxsize=1)
 def _git_commit() -> str | None:
+    """The checkout's commit, read once (train_command reads it first: a commit made while a long
+    run goes on must not be recorded as the one it ran)."""
     import subprocess
 
     try:
@@ -646,6 +650,7 @@ def train_command(args, overrides: dict) -> dict:
 
     from . import tiny_model
 
+    _git_commit()  # the commit this run starts from
     device = check_environment(args)
     if device["cuda"]:
         avoid_cudnn_attention_backward()

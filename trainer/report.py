@@ -26,6 +26,7 @@ TRAIN_PANELS = (
     ("completions/mean_length", "completion length (tokens, sampled)"),
 )
 SMOOTH = 5
+LOG_SCALE = {"eur", "grad_norm"}  # a diverging method (EUR in the thousands) must not flatten the others
 # Final numbers: the mean of the last FINAL_WINDOW logged steps of each run.
 FINAL_WINDOW = 5
 
@@ -164,8 +165,10 @@ def plot_runs(result: dict, path) -> pathlib.Path:
         ax = next(panels)
         for method in methods:
             draw(ax, [_smooth(_series(r, key), SMOOTH) for r in runs if r["method"] == method], method)
-        ax.set_title(f"{title}, {SMOOTH}-step mean", fontsize=10)
+        ax.set_title(f"{title}, {SMOOTH}-step mean" + (" (log scale)" if key in LOG_SCALE else ""), fontsize=10)
         ax.set_xlabel("RL step")
+        if key in LOG_SCALE and ax.lines:
+            ax.set_yscale("log")
 
     ax = next(panels)
     summary = result["summary"]
