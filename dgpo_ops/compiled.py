@@ -29,8 +29,8 @@ from .backends import select_kernels
 from .inputs import check_values, per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
-from .metrics import LossMetrics
 from .methods import method_config
+from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
 

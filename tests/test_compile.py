@@ -8,7 +8,12 @@ import torch
 from helpers import METHOD_VARIANTS, logits_batch, variant_id
 
 import dgpo_ops
-from dgpo_ops.compiled import checked_inputs_op, fused_linear_policy_loss_op, fused_policy_loss_op, options_spec
+from dgpo_ops.compiled import (
+    checked_inputs_op,
+    fused_linear_policy_loss_op,
+    fused_policy_loss_op,
+    options_spec,
+)
 from dgpo_ops.fused_linear import ProjectionOptions
 from dgpo_ops.options import LossOptions
 

@@ -14,11 +14,11 @@ import math
 
 import pytest
 import torch
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP
 from helpers import METHOD_VARIANTS, config, variant_id
 from test_method_mirror import mirror
 
 import dgpo_ops
-from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP
 
 B, T, V = 2, 3, 16
 BACKENDS = ["torch", "triton"]
@@ -79,7 +79,7 @@ def run(fn, logits, target_ids, advantages, mask, extra, variant, **kwargs):
 @pytest.mark.parametrize("case", CASE_NAMES)
 @pytest.mark.parametrize("variant", ONE_PER_METHOD, ids=variant_id)
 def test_extreme_log_ratios_are_finite_and_agree(variant, case, dtype):
-    name, logits, target_ids, advantages, mask, extra = next(c for c in cases(dtype) if c[0] == case)
+    _, logits, target_ids, advantages, mask, extra = next(c for c in cases(dtype) if c[0] == case)
     ref, ref_grad = run(dgpo_ops.reference_loss, logits.double(), target_ids, advantages, mask, extra, variant)
     assert torch.isfinite(ref.loss), f"reference loss {ref.loss}"
     assert torch.isfinite(ref_grad).all(), "reference gradient is not finite"
@@ -108,7 +108,7 @@ def test_a_target_of_probability_zero_reports_minus_inf_and_floors_only_in_the_o
 
 
 def test_k3_kl_far_from_the_reference_is_the_clamped_value():
-    logits, target_ids, advantages, mask = base_inputs(torch.float64)
+    logits, target_ids, _, mask = base_inputs(torch.float64)
     logp = true_logps(logits, target_ids)
     zero = torch.zeros(B)
     out = dgpo_ops.reference_loss(logits, target_ids, zero, mask, old_logps=logp, ref_logps=logp + 100.0, beta=1.0,

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from dgpo_ops.trainer import DGPOConfig  # noqa: E402
+from dgpo_ops.trainer import DGPOConfig
 
 
 def make(tmp_path, **fields):
