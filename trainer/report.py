@@ -103,7 +103,7 @@ def final_table(result: dict) -> str:
             return "-"
         return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]" if high != low else f"{mean:.{digits}f}"
 
-    lines = [f"| method | held-out before -> after | entropy | outside trust region | ln | hp | EUR | grad norm |",
+    lines = ["| method | held-out before -> after | entropy | outside trust region | ln | hp | EUR | grad norm |",
              "|---|---|---|---|---|---|---|---|"]
     for row in final_numbers(result):
         before = "-" if row["before"] is None else f"{row['before']:.3f}"
