@@ -18,7 +18,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
 from dgpo_ops.trainer.tiny_model import build_char_tokenizer, build_tiny_model
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "real"
