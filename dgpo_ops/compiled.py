@@ -78,14 +78,11 @@ def split_normalizer(loss_normalizer) -> tuple[OptionalTensor, float | None]:
 
 def _logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
                  normalizer_value, spec, needs_grad, checked: bool):
-    from .token_pipeline import plan_call, prepare_call
+    from .fused import logits_plan
 
     options, _ = options_from_spec(spec)
-    inputs = token_inputs(logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps,
-                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
-    make = prepare_call if checked else plan_call
-    return make(inputs, options, logits, logits.shape[-1], _normalizer(normalizer, normalizer_value), logits.device,
-                needs_grad)
+    return logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, options,
+                       _normalizer(normalizer, normalizer_value), needs_grad, checked)
 
 
 @torch.library.custom_op("dgpo_ops::fused_policy_loss", mutates_args=())
@@ -177,20 +174,12 @@ def compiled_fused_loss(logits, target_ids, advantages, mask, old_logps, ref_log
 
 def _linear_plan(hidden, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
                  normalizer_value, spec, needs_grad, checked: bool):
-    from .fused_linear import LinearPlan
-    from .token_pipeline import plan_call, prepare_call
+    from .fused_linear import linear_plan
 
     options, projection = options_from_spec(spec)
-    logits_shape = torch.Size((hidden.shape[0], weight.shape[0])) if target_ids.dim() == 1 else torch.Size(
-        (*target_ids.shape, weight.shape[0]))
-    inputs = token_inputs(logits_shape, weight.dtype, hidden.device, target_ids, advantages, mask, old_logps,
-                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
-    probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
-                        device=hidden.device)
-    make = prepare_call if checked else plan_call
-    call = make(inputs, options, probe, weight.shape[0], _normalizer(normalizer, normalizer_value), hidden.device,
-                needs_grad)
-    return LinearPlan(call, projection)
+    logits_shape = torch.Size((*target_ids.shape, weight.shape[0]))  # the token grid of the call, then V
+    return linear_plan(logits_shape, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
+                       options, projection, _normalizer(normalizer, normalizer_value), needs_grad, checked)
 
 
 def _dtype(name: str) -> torch.dtype | None:
@@ -252,10 +241,11 @@ fused_linear_policy_loss_op.register_autograd(_linear_backward, setup_context=_l
 def compiled_fused_linear_loss(flat_hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps,
                                options: LossOptions, projection, loss_normalizer, rollout_weights) -> PolicyLossOutput:
     normalizer, normalizer_value = split_normalizer(loss_normalizer)
+    from .fused_linear import autocast_dtype
+
     grad_on = torch.is_grad_enabled()
     wants = [grad_on and t is not None and t.requires_grad for t in (flat_hidden, weight, bias)]
-    cast = torch.get_autocast_dtype(flat_hidden.device.type) if torch.is_autocast_enabled(
-        flat_hidden.device.type) else None
+    cast = autocast_dtype(flat_hidden.device)
     loss, per_token, stats, *_ = fused_linear_policy_loss_op(
         flat_hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
         normalizer_value, options_spec(options, projection), wants, "" if cast is None else str(cast).split(".")[-1])

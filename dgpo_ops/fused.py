@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from .backends import RowKernels
 from .inputs import token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
-from .backends import RowKernels
-from .token_pipeline import CallPlan, epilogue_inputs, objective_route, prepare_call, run_prologue
+from .token_pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, prepare_call, run_prologue
 from .validation import defer, refuse_double_backward
 
 
@@ -121,6 +121,16 @@ def check_inplace_target(logits: torch.Tensor) -> None:
             "inplace=False, or .contiguous() logits")
 
 
+def logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, options: LossOptions,
+                loss_normalizer, needs_grad: bool, checked: bool = True) -> CallPlan:
+    """The call's plan from metadata; ``checked`` also checks the values (False: the fake
+    implementation of the compiled op, which has no values)."""
+    inputs = token_inputs(logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps,
+                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
+    make = prepare_call if checked else plan_call
+    return make(inputs, options, logits, logits.shape[-1], loss_normalizer, logits.device, needs_grad)
+
+
 def fused_loss_from_options(
     logits, target_ids, advantages, mask, old_logps, ref_logps, options: LossOptions, loss_normalizer=None,
     rollout_weights=None,
@@ -132,12 +142,11 @@ def fused_loss_from_options(
 
         return compiled_fused_loss(logits, target_ids, advantages, mask, old_logps, ref_logps, options,
                                    loss_normalizer, rollout_weights)
-    inputs = token_inputs(logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps,
-                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
     if options.inplace:
         check_inplace_target(logits)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    plan = prepare_call(inputs, options, logits, logits.shape[-1], loss_normalizer, logits.device, needs_grad)
+    plan = logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, options,
+                       loss_normalizer, needs_grad)
     loss, per_token, stats = FusedPolicyLossFunction.apply(logits, plan)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 

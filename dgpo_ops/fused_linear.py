@@ -38,7 +38,7 @@ from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
 from .options import LossOptions
 from .output import PolicyLossOutput
-from .token_pipeline import CallPlan, epilogue_inputs, objective_route, prepare_call, run_prologue
+from .token_pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, prepare_call, run_prologue
 from .validation import defer, refuse_double_backward
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
@@ -305,28 +305,36 @@ def _gathered(tensor):
     return tensor
 
 
+def linear_plan(logits_shape, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
+                options: LossOptions, projection_options: ProjectionOptions, loss_normalizer, needs_grad: bool,
+                checked: bool = True) -> LinearPlan:
+    """The call's plan from metadata; ``checked`` also checks the values (False: the fake
+    implementation of the compiled op, which has no values)."""
+    inputs = token_inputs(logits_shape, weight.dtype, weight.device, target_ids, advantages, mask, old_logps,
+                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
+    tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
+                             device=weight.device)
+    make = prepare_call if checked else plan_call
+    call = make(inputs, options, tile_probe, weight.shape[0], loss_normalizer, weight.device, needs_grad)
+    return LinearPlan(call, projection_options)
+
+
 def fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps,
                                    options: LossOptions, projection_options: ProjectionOptions,
                                    loss_normalizer=None, rollout_weights=None) -> PolicyLossOutput:
     weight, bias = _gathered(weight), _gathered(bias)
     flat_hidden, logits_shape = _flatten_tokens(hidden, weight, bias)
+    if options.inplace:
+        raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
     if torch.compiler.is_compiling():  # one custom op in the graph (dgpo_ops.compiled)
         from .compiled import compiled_fused_linear_loss
 
-        if options.inplace:
-            raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
         return compiled_fused_linear_loss(flat_hidden, weight, bias, target_ids, advantages, mask, old_logps,
                                           ref_logps, options, projection_options, loss_normalizer, rollout_weights)
-    inputs = token_inputs(logits_shape, weight.dtype, hidden.device, target_ids, advantages, mask, old_logps,
-                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
-    if options.inplace:
-        raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
-    tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
-                             device=hidden.device)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    call = prepare_call(inputs, options, tile_probe, weight.shape[0], loss_normalizer, hidden.device, needs_grad)
-    loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias,
-                                                                 LinearPlan(call, projection_options))
+    plan = linear_plan(logits_shape, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
+                       options, projection_options, loss_normalizer, needs_grad)
+    loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias, plan)
     loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 

@@ -180,10 +180,10 @@ def test_skipped_step_leaves_parameters_and_moments_unchanged(model_dir, tmp_pat
     import torch
     from dgpo_ops.trainer import trainer as trainer_module
 
-    original_step = trainer_module.DGPOTrainer._get_grad_norm
+    original_clip = trainer_module.DGPOTrainer._clip_grad_norm
     seen = {}
 
-    def get_grad_norm(self, model, grad_norm=None):
+    def clip_grad_norm(self, model):  # runs first in each optimizer step, before the guard's check
         if self.state.global_step == 1:  # optimizer step 2: poison it, and remember the state before it
             for p in model.parameters():
                 if p.grad is not None:
@@ -193,9 +193,9 @@ def test_skipped_step_leaves_parameters_and_moments_unchanged(model_dir, tmp_pat
         elif self.state.global_step == 2:
             seen["params_after"] = [p.detach().clone() for p in model.parameters()]
             seen["moments_after"] = [s["exp_avg"].clone() for s in self.optimizer.optimizer.state.values()]
-        return original_step(self, model, grad_norm)
+        return original_clip(self, model)
 
-    monkeypatch.setattr(trainer_module.DGPOTrainer, "_get_grad_norm", get_grad_norm)
+    monkeypatch.setattr(trainer_module.DGPOTrainer, "_clip_grad_norm", clip_grad_norm)
     trainer = train(model_dir, tmp_path, max_steps=3)
     assert trainer.skipped_steps == [2]
     for before, after in zip(seen["params"] + seen["moments"], seen["params_after"] + seen["moments_after"]):

@@ -105,6 +105,21 @@ class DGPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ non-finite gradients
 
+    def _nonfinite_gradients(self, model):
+        """(names, device bool per gradient: not finite), taken before clipping: clipping by a NaN
+        norm turns every gradient NaN and would hide which parameter it came from. One
+        ``_foreach_norm`` pass over the gradients per optimizer step."""
+        named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+        if not named or len({grad.device for _, grad in named}) != 1:
+            return None
+        per_tensor = torch.stack(torch._foreach_norm([grad for _, grad in named]))
+        return [name for name, _ in named], ~torch.isfinite(per_tensor)
+
+    def _clip_grad_norm(self, model):
+        if self.accelerator.scaler is None:
+            self._gradient_check = self._nonfinite_gradients(model)
+        return super()._clip_grad_norm(model)
+
     def _get_grad_norm(self, model, grad_norm=None):
         """Every optimizer step: a step whose gradients are not finite is skipped, so parameters and
         optimizer moments stay as they were and the next generation never samples from NaN.
@@ -117,24 +132,26 @@ class DGPOTrainer(GRPOTrainer):
         norm (the value TRL logs as grad_norm) per optimizer step, and the gradients are dropped.
         Under a GradScaler (fp16) the scaler skips such steps itself."""
         grad_norm = super()._get_grad_norm(model, grad_norm)
+        check, self._gradient_check = getattr(self, "_gradient_check", None), None
         if self.accelerator.scaler is not None:
             return grad_norm
+        if check is None:  # max_grad_norm = 0: nothing was clipped, the gradients are as they came
+            check = self._nonfinite_gradients(model)
         step = self.state.global_step + 1
-        named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
         optimizer = _fused_adam(self.optimizer)
-        devices = {grad.device for _, grad in named}
-        if optimizer is not None and len(devices) == 1:
-            per_tensor = torch.stack(torch._foreach_norm([grad for _, grad in named]))
-            bad = ~torch.isfinite(per_tensor)
+        if optimizer is not None and check is not None:
+            names, bad = check
             optimizer.found_inf = bad.any().float()
-            first = torch.where(bad.any(), bad.int().argmax(), -1)
-            self.pending_step_checks.append((step, first, [name for name, _ in named]))
+            self.pending_step_checks.append((step, torch.where(bad.any(), bad.int().argmax(), -1), names))
             return grad_norm
         norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(float(grad_norm))
         if bool(torch.isfinite(norm)):  # a host read per step: optimizers that cannot skip on the device
             self._count_step(step, None)
             return grad_norm
-        first = next((name for name, grad in named if not bool(torch.isfinite(grad).all())), "(the clipped norm)")
+        first = "(unknown: gradients on several devices)"
+        if check is not None:
+            names, bad = check
+            first = names[int(bad.int().argmax())] if bool(bad.any()) else "(none: the total norm overflowed)"
         model.zero_grad(set_to_none=True)  # optimizers skip parameters without a gradient
         self._count_step(step, first)
         return grad_norm
