@@ -60,14 +60,20 @@ def main():
     results["fwd_us"] = submit_us(fwd)
     results["fwd_no_grad_us"] = submit_us(fwd_no_grad)
     results["empty_alloc_us"] = submit_us(lambda: torch.empty(B * T, device=DEV), 1000)
-    from dgpo_ops.kernels.finalize import finalize_kernel
+    # The same submit time for the peers' forward + backward (grpo, token mean) at the same size.
+    from bench import common
 
-    scratch = torch.zeros(16, device=DEV)
-    ints = torch.zeros(16, dtype=torch.int64, device=DEV)
-    targets = torch.zeros(16, dtype=torch.int64, device=DEV)
-    results["triton_launch_finalize_us"] = submit_us(
-        lambda: finalize_kernel[(1,)](scratch, targets, scratch, ints, scratch, scratch, 0, 1, HAS_KL=False, BLOCK=16),
-        1000)
+    inputs = common.make_inputs(B * T, V, torch.device(DEV))
+    for competitor in ("ours", "liger", "trl"):
+        if common.unavailable(competitor, "grpo", torch.device(DEV)):
+            continue
+        prepared = common.prepare(competitor, "grpo", inputs)
+
+        def peer_step(prepared=prepared):
+            prepared.leaf.grad = None
+            prepared.forward().backward()
+
+        results[f"{competitor}_grpo_fwd_bwd_us"] = submit_us(peer_step)
     print(json.dumps(results), flush=True)
     profile = cProfile.Profile()
     profile.enable()
