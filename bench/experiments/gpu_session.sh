@@ -21,7 +21,9 @@ for stage in "$@"; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . \
       || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    # The tree itself imports as the installed package (pytest and `python -c` put it first on sys.path).
+    ln -sfn ../kernels dgpo_ops/kernels && ln -sfn ../trainer dgpo_ops/trainer
+    export PYTHONPATH=$PWD:/tmp/site
     export PATH=/tmp/site/bin:$PATH
     python3 -c "import torch, triton, trl, liger_kernel, dgpo_ops; print(torch.__version__, triton.__version__, trl.__version__, dgpo_ops.__file__)"
     ;;
