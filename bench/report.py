@@ -43,6 +43,10 @@ def load_runs(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict]]:
             continue
         if isinstance(doc, dict) and "records" in doc and doc.get("run", {}).get("complete"):
             runs.append((path, doc))
+    # One block per machine, the newest run of each machine first (older runs stay as the record of
+    # where the code started).
+    runs.sort(key=lambda run: run[1]["run"].get("started_utc", ""), reverse=True)
+    runs.sort(key=lambda run: run[1]["machine"].get("device_name") or run[1]["machine"].get("device", ""))
     return runs
 
 

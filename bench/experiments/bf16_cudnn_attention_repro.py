@@ -11,8 +11,9 @@ completion lengths -> random failures. fp32 never uses cuDNN attention; CPU uses
   python bench/experiments/bf16_cudnn_attention_repro.py emulate  # CPU: the cuDNN bug's effect injected: 16/27 non-finite
   python bench/experiments/bf16_cudnn_attention_repro.py fix      # CPU: emulated bug, eager attention: finite
 On a CUDA H100 with torch >= 2.11, run it without arguments: expected 16/27 non-finite with the default backends,
-finite with cuDNN attention disabled (printed second; what `dgpo-ops train` now does on CUDA). Not yet run on a GPU:
-found by a helper session on the CPU (2026-11-23) from H100.md section 4's symptoms.
+finite with cuDNN attention disabled (printed second; what `dgpo-ops train` now does on CUDA). Found by a helper
+session on the CPU from H100.md section 4's symptoms; confirmed on an H100 (2026-11-23, de21c71): 16/27 non-finite,
+then 0/27 (results/bf16_cudnn_repro-h100-11.log).
 """
 import sys
 
