@@ -6,12 +6,12 @@ import math
 
 import torch
 
-from .methods import METHODS, MethodConfig, method_config, token_terms
+from .methods import GATES, METHODS, MethodConfig, method_config, token_terms
 from .styles import style
 
 # One curve per row; sapo appears once per gate.
 ATLAS_METHODS: list[tuple[str, dict]] = [(name, {}) for name in METHODS if name != "sapo"] + [
-    ("sapo", {"gate": gate}) for gate in ("sigmoid", "erf", "arctan", "softsign")
+    ("sapo", {"gate": gate}) for gate in GATES
 ]
 OLD_PROB = 0.5
 

@@ -32,53 +32,95 @@ from .kernels.interface import (  # noqa: F401
 )
 
 
-def _check_range(method: str, name: str, value, low=None, high=None, low_open=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{method}: {name} must be a finite number, got {value!r}")
-    too_low = low is not None and (value <= low if low_open else value < low)
-    too_high = high is not None and value > high
-    if too_low or too_high:
-        lo = "-inf" if low is None else f"{low}"
-        hi = "inf" if high is None else f"{high}"
-        bracket = "(" if low_open or low is None else "["
-        closing = ")" if high is None else "]"
-        raise ValueError(f"{method}: {name} must be in {bracket}{lo}, {hi}{closing}, got {value!r}")
+@dataclass(frozen=True)
+class ParamSpec:
+    """What a method parameter accepts and where the trainer reads it from.
+
+    ``low``/``high`` bound the value (``low_open``: strictly above ``low``); ``optional``: None is allowed
+    (it turns the feature off); ``choices``: the allowed strings. ``config_field`` names the
+    ``DGPOConfig`` (or TRL ``GRPOConfig``) field the trainer reads the parameter from: a field TRL
+    already has keeps TRL's meaning, any other is added to ``DGPOConfig`` from this table; None in that
+    field means the method's default, except ``config_fallback``, the field whose value stands in (TRL's
+    ``epsilon_high=None`` means ``epsilon``). ``config_offset`` is added on the way to the config (CISPO's
+    cap ``1 + eps_high`` is TRL's ``epsilon_high``). Parameters with no ``config_field`` keep their
+    default under the trainer.
+    """
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    optional: bool = False
+    choices: tuple[str, ...] | None = None
+    config_field: str | None = None
+    config_fallback: str | None = None
+    config_offset: float = 0.0
+
+    def check(self, method: str, name: str, value) -> None:
+        if value is None:
+            if self.optional:
+                return
+            raise ValueError(f"{method}: {name} must be in {self.describe()}, got None")
+        if self.choices is not None:
+            if value not in self.choices:
+                raise ValueError(f"{method}: {name} must be one of {sorted(self.choices)}, got {value!r}")
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{method}: {name} must be a finite number, got {value!r}")
+        low, high = self.low, self.high
+        too_low = low is not None and (value <= low if self.low_open else value < low)
+        if too_low or (high is not None and value > high):
+            bracket = "(" if self.low_open or low is None else "["
+            closing = ")" if high is None else "]"
+            raise ValueError(f"{method}: {name} must be in {bracket}{'-inf' if low is None else low}, "
+                             f"{'inf' if high is None else high}{closing}, got {value!r}")
+
+    def describe(self) -> str:
+        """The accepted values in words, for the README table and ``--help``."""
+        if self.choices is not None:
+            return "one of " + ", ".join(self.choices)
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        text = f"{'(' if self.low_open or self.low is None else '['}{low}, {high}{')' if self.high is None else ']'}"
+        return text + (" or None (off)" if self.optional else "")
+
+
+def param(default, help: str, **spec):
+    """A method parameter: a dataclass field whose metadata is its ``ParamSpec``."""
+    return dataclasses.field(default=default, metadata={"param": ParamSpec(help=help, **spec)})
+
+
+def param_spec(config_cls: type, name: str) -> ParamSpec:
+    return next(f.metadata["param"] for f in dataclasses.fields(config_cls) if f.name == name)
+
+
+# The parameters several methods share: one definition each.
+def _eps_low(default=0.2, **spec):
+    return param(default, "lower clip: the trust region starts at 1 - eps_low", low=0.0, high=1.0,
+                 config_field="epsilon", **spec)
+
+
+def _eps_high(default=0.2, **spec):
+    return param(default, "upper clip: the trust region ends at 1 + eps_high", low=0.0, config_field="epsilon_high",
+                 config_fallback="epsilon", **spec)
+
+
+def _dual_clip(default, optional=True):
+    return param(default, "dual clip c > 1 for A < 0", low=1.0, low_open=True, optional=optional,
+                 config_field="dual_clip")
 
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Base of the per-method configs. Field names are the public keyword names."""
+    """Base of the per-method configs. Field names are the public keyword names; each field's
+    ``ParamSpec`` (its metadata) says what it accepts."""
 
     name: ClassVar[str]
     method_id: ClassVar[MethodId]
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            self._validate_field(field.name, getattr(self, field.name))
-
-    def _validate_field(self, name: str, value) -> None:
-        if name in ("eps_low", "eps_low_pos", "eps_low_neg"):
-            _check_range(self.name, name, value, 0.0, 1.0)
-        elif name in ("eps_high", "eps_high_pos", "eps_high_neg"):
-            _check_range(self.name, name, value, 0.0)
-        elif name == "dual_clip":
-            if value is not None:
-                _check_range(self.name, name, value, 1.0, low_open=True)
-        elif name in ("beta1", "beta2"):
-            _check_range(self.name, name, value, 0.0)
-        elif name == "n":
-            _check_range(self.name, name, value, 0.0)
-        elif name == "m":
-            _check_range(self.name, name, value, 1.0)
-        elif name == "r_max":
-            _check_range(self.name, name, value, 1.0, low_open=True)
-        elif name in ("tau_pos", "tau_neg"):
-            _check_range(self.name, name, value, 0.0, low_open=True)
-        elif name == "gate":
-            if value not in GATES:
-                raise ValueError(f"{self.name}: gate must be one of {sorted(GATES)}, got {value!r}")
-        else:  # pragma: no cover - a new field without a rule is a bug in this file
-            raise AssertionError(f"no validation rule for {name}")
+            field.metadata["param"].check(self.name, field.name, getattr(self, field.name))
 
     def kernel_params(self) -> list[float]:
         """The fp32 parameter vector of ``KernelParam`` slots; slots a method does not read stay 0."""
@@ -109,9 +151,9 @@ def _symmetric_bounds(cfg) -> dict[KernelParam, float]:
 class GrpoConfig(MethodConfig):
     name: ClassVar[str] = "grpo"
     method_id: ClassVar[MethodId] = MethodId.GRPO
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
+    eps_low: float = _eps_low()
+    eps_high: float = _eps_high()
+    dual_clip: float | None = _dual_clip(None)
 
     def _kernel_slots(self):
         return {**_symmetric_bounds(self), KernelParam.DUAL_CLIP: self.dual_clip}
@@ -121,21 +163,30 @@ class GrpoConfig(MethodConfig):
 class CispoConfig(MethodConfig):
     name: ClassVar[str] = "cispo"
     method_id: ClassVar[MethodId] = MethodId.CAPPED_IS
-    eps_low: float = 1.0
-    eps_high: float = 4.0
+    # TRL's CISPO has no lower bound on the weight (eps_low = 1) and calls the cap itself epsilon_high.
+    eps_low: float = param(1.0, "the weight is floored at 1 - eps_low (1: no floor)", low=0.0, high=1.0)
+    eps_high: float = param(4.0, "the weight is capped at 1 + eps_high", low=0.0, config_field="epsilon_high",
+                            config_fallback="epsilon", config_offset=1.0)
 
     def _kernel_slots(self):
         return _symmetric_bounds(self)
+
+
+def _dispo_bound(default, sign: str, side: str):
+    low, high = (0.0, 1.0) if side == "low" else (0.0, None)
+    what = "floored at 1 - " if side == "low" else "capped at 1 + "
+    return param(default, f"for A {sign} 0 the weight is {what}eps_{side}_{'pos' if sign == '>' else 'neg'}",
+                 low=low, high=high, config_field=f"dispo_eps_{side}_{'pos' if sign == '>' else 'neg'}")
 
 
 @dataclass(frozen=True)
 class DispoConfig(MethodConfig):
     name: ClassVar[str] = "dispo"
     method_id: ClassVar[MethodId] = MethodId.CAPPED_IS
-    eps_low_pos: float = 0.2
-    eps_high_pos: float = 10.0
-    eps_low_neg: float = 1.0
-    eps_high_neg: float = 100.0
+    eps_low_pos: float = _dispo_bound(0.2, ">", "low")
+    eps_high_pos: float = _dispo_bound(10.0, ">", "high")
+    eps_low_neg: float = _dispo_bound(1.0, "<", "low")
+    eps_high_neg: float = _dispo_bound(100.0, "<", "high")
 
     def _kernel_slots(self):
         return {
@@ -150,9 +201,9 @@ class DispoConfig(MethodConfig):
 class GppoConfig(MethodConfig):
     name: ClassVar[str] = "gppo"
     method_id: ClassVar[MethodId] = MethodId.GRADIENT_PRESERVING
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = 3.0
+    eps_low: float = _eps_low()
+    eps_high: float = _eps_high()
+    dual_clip: float | None = _dual_clip(3.0)
 
     beta1: ClassVar[float] = 1.0
     beta2: ClassVar[float] = 1.0
@@ -170,11 +221,11 @@ class GppoConfig(MethodConfig):
 class CeGppoConfig(MethodConfig):
     name: ClassVar[str] = "ce_gppo"
     method_id: ClassVar[MethodId] = MethodId.GRADIENT_PRESERVING
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = 3.0
-    beta1: float = 0.75
-    beta2: float = 1.0
+    eps_low: float = _eps_low()
+    eps_high: float = _eps_high()
+    dual_clip: float | None = _dual_clip(3.0)
+    beta1: float = param(0.75, "scale of the left-boundary gradient", low=0.0, config_field="gppo_beta1")
+    beta2: float = param(1.0, "scale of the right-boundary gradient", low=0.0, config_field="gppo_beta2")
 
     _kernel_slots = GppoConfig._kernel_slots
 
@@ -183,14 +234,9 @@ class CeGppoConfig(MethodConfig):
 class AspoConfig(MethodConfig):
     name: ClassVar[str] = "aspo"
     method_id: ClassVar[MethodId] = MethodId.ASPO
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float = 3.0
-
-    def _validate_field(self, name, value):
-        if name == "dual_clip" and value is None:
-            raise ValueError("aspo: dual_clip must be in (1.0, inf); aspo's soft dual clip cannot be turned off")
-        super()._validate_field(name, value)
+    eps_low: float = _eps_low()
+    eps_high: float = _eps_high()
+    dual_clip: float = _dual_clip(3.0, optional=False)  # aspo's soft dual clip cannot be turned off
 
     def _kernel_slots(self):
         return {**_symmetric_bounds(self), KernelParam.DUAL_CLIP: self.dual_clip}
@@ -200,10 +246,11 @@ class AspoConfig(MethodConfig):
 class DgpoConfig(MethodConfig):
     name: ClassVar[str] = "dgpo"
     method_id: ClassVar[MethodId] = MethodId.DGPO
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    n: float = 1.0
-    m: float = 2.0
+    eps_low: float = _eps_low()
+    eps_high: float = _eps_high()
+    n: float = param(1.0, "polynomial decay order of the probability gradient on the left boundary", low=0.0,
+                     config_field="dgpo_n")
+    m: float = param(2.0, "radical decay order on the right boundary", low=1.0, config_field="dgpo_m")
 
     def _kernel_slots(self):
         return {**_symmetric_bounds(self), KernelParam.N: self.n, KernelParam.M: self.m}
@@ -213,9 +260,9 @@ class DgpoConfig(MethodConfig):
 class DcpoConfig(MethodConfig):
     name: ClassVar[str] = "dcpo"
     method_id: ClassVar[MethodId] = MethodId.DCPO
-    eps_low: float = 0.16
-    eps_high: float = 0.2
-    r_max: float = 10.0
+    eps_low: float = _eps_low(0.16)
+    eps_high: float = _eps_high(0.2)
+    r_max: float = param(10.0, "ratio cap (and dual clip)", low=1.0, low_open=True, config_field="dcpo_r_max")
 
     def _kernel_slots(self):
         return {KernelParam.EPS_LOW: self.eps_low, KernelParam.EPS_HIGH: self.eps_high, KernelParam.R_MAX: self.r_max}
@@ -228,9 +275,11 @@ GATES = {"sigmoid": Gate.SIGMOID, "erf": Gate.ERF, "arctan": Gate.ARCTAN, "softs
 class SapoConfig(MethodConfig):
     name: ClassVar[str] = "sapo"
     method_id: ClassVar[MethodId] = MethodId.SAPO
-    gate: str = "sigmoid"
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
+    gate: str = param("sigmoid", "soft gate of the ratio", choices=tuple(GATES), config_field="sapo_gate")
+    tau_pos: float = param(1.0, "gate temperature for A >= 0", low=0.0, low_open=True,
+                           config_field="sapo_temperature_pos")
+    tau_neg: float = param(1.05, "gate temperature for A < 0", low=0.0, low_open=True,
+                           config_field="sapo_temperature_neg")
 
     def _kernel_slots(self):
         return {KernelParam.TAU_POS: self.tau_pos, KernelParam.TAU_NEG: self.tau_neg}
@@ -407,21 +456,51 @@ def _sapo(cfg: SapoConfig, x: TokenInputs) -> TokenTerms:
 
 @dataclass(frozen=True)
 class MethodSpec:
+    """One row of the table: everything about a method that is not its Triton function.
+
+    ``variants``: the parameter sets the tests run for it (the defaults first; every value of a
+    ``choices`` parameter somewhere). ``presets``: ``DGPOConfig`` values that ``dgpo-ops train``
+    applies for this method unless given (where TRL's default of a shared field is not the method's).
+    """
+
     config: type[MethodConfig]
     token_fn: Callable[..., TokenTerms]
+    summary: str
+    variants: tuple[dict, ...] = ({},)
+    presets: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MethodAlias:
+    """Another name for a method with some parameters preset (``dapo`` is grpo with clip-higher). The
+    preset parameters apply where the caller leaves them unset."""
+
+    method: str
+    params: dict
     summary: str
 
 
 METHODS: dict[str, MethodSpec] = {
-    "grpo": MethodSpec(GrpoConfig, _grpo, "PPO clip; DAPO is eps_high=0.28; optional dual clip"),
-    "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob"),
+    "grpo": MethodSpec(GrpoConfig, _grpo, "PPO clip; optional dual clip",
+                       variants=({}, {"eps_high": 0.28, "dual_clip": 3.0})),
+    "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob",
+                        variants=({}, {"eps_low": 0.2, "eps_high": 0.28}),
+                        presets={"epsilon_high": 5.0}),  # TRL's cap 1 + eps_high at cispo's default eps_high = 4
     "dispo": MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A"),
     "gppo": MethodSpec(GppoConfig, _gppo, "gradient-preserving clip, constant boundary weight"),
     "ce_gppo": MethodSpec(CeGppoConfig, _gppo, "GPPO with boundary scales beta1, beta2"),
     "aspo": MethodSpec(AspoConfig, _aspo, "flipped ratio for A>0, soft dual clip"),
-    "dgpo": MethodSpec(DgpoConfig, _dgpo, "decoupled polynomial / radical decay of the probability gradient"),
-    "dcpo": MethodSpec(DcpoConfig, _dcpo, "PPO clip with bounds from the old probability"),
-    "sapo": MethodSpec(SapoConfig, _sapo, "soft gates instead of clipping"),
+    "dgpo": MethodSpec(DgpoConfig, _dgpo, "decoupled polynomial / radical decay of the probability gradient",
+                       variants=({}, {"n": 2.0, "m": 3.0}, {"n": 0.0, "m": 1.0})),
+    "dcpo": MethodSpec(DcpoConfig, _dcpo, "PPO clip with bounds from the old probability",
+                       presets={"advantage_estimator": "dcpo"}),  # DCPO's smooth advantage standardisation
+    "sapo": MethodSpec(SapoConfig, _sapo, "soft gates instead of clipping",
+                       variants=({"gate": "sigmoid"}, {"gate": "erf", "tau_pos": 10.0, "tau_neg": 12.0},
+                                 {"gate": "arctan"}, {"gate": "softsign", "tau_pos": 2.0, "tau_neg": 3.0})),
+}
+
+ALIASES: dict[str, MethodAlias] = {
+    "dapo": MethodAlias("grpo", {"eps_high": 0.28}, "DAPO's clip-higher"),
 }
 
 
@@ -447,7 +526,8 @@ def straight_through_clamp(x: torch.Tensor, low: float | None, high: float | Non
 
 
 def method_config(method: str | MethodConfig, **params) -> MethodConfig:
-    """Build (and validate) the config of a method by name; unknown names and parameters raise ValueError."""
+    """Build (and validate) the config of a method by name; unknown names and parameters raise ValueError.
+    Aliases (``ALIASES``: dapo) are the trainer's names; here DAPO is ``method_config("grpo", eps_high=0.28)``."""
     if isinstance(method, MethodConfig):
         config_cls, base = type(method), dataclasses.asdict(method)
     elif method in METHODS:

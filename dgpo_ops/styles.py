@@ -21,9 +21,21 @@ STYLES: dict[str, tuple[str, object]] = {
 }
 
 
+# Colours for a method the table gains without an entry above (adding a method needs no figure code):
+# the light half of matplotlib's tab20, none of them used above.
+SPARE_COLOURS = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
+                 "#dbdb8d", "#9edae5")
+
+
 def style(key: str) -> dict:
     """Matplotlib keyword arguments for a method (``"dgpo"``) or a SAPO gate (``"sapo erf"``)."""
-    if key not in STYLES:
-        raise KeyError(f"no style for {key!r}; add it to dgpo_ops.styles.STYLES")
-    color, linestyle = STYLES[key]
-    return dict(color=color, linestyle=linestyle)
+    if key in STYLES:
+        color, linestyle = STYLES[key]
+        return dict(color=color, linestyle=linestyle)
+    from .catalog import POLICY_LOSSES
+
+    unstyled = [name for name in POLICY_LOSSES if name not in STYLES]
+    if key in unstyled:
+        return dict(color=SPARE_COLOURS[unstyled.index(key) % len(SPARE_COLOURS)], linestyle="-")
+    raise KeyError(f"no style for {key!r}: neither a policy loss of the method table nor an entry of "
+                   f"dgpo_ops.styles.STYLES")

@@ -77,76 +77,119 @@ def _sapo_gate(r, tau, GATE: tl.constexpr):
     return value, slope
 
 
+# One function per method id, each (L, psi, region) of one token from the clamped log ratio, the ratio
+# r = exp(log ratio), A, the old and current log-probs and the parameter vector. min/max/clamp here
+# propagate NaN (plain tl.minimum returns the other operand): a NaN ratio must give a NaN loss, as torch
+# does. Divisions and square roots that decide a region are IEEE-rounded (div_rn, sqrt_rn) so ties
+# resolve as in torch on a GPU too.
+
+
+@triton.jit
+def _grpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    low = tl.load(params_ptr + codes.PARAM_LOW_POS)
+    high = tl.load(params_ptr + codes.PARAM_HIGH_POS)
+    return _ppo_clip(r, adv, low, high, tl.load(params_ptr + codes.PARAM_DUAL_CLIP))
+
+
+@triton.jit
+def _dcpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    q = tl.exp(old_logp)
+    eps_low = tl.load(params_ptr + codes.PARAM_EPS_LOW)
+    eps_high = tl.load(params_ptr + codes.PARAM_EPS_HIGH)
+    r_max = tl.load(params_ptr + codes.PARAM_R_MAX)
+    low = 0.5 + 0.5 * tl.sqrt_rn(tl.maximum(1.0 - tl.div_rn(4.0 * eps_low, q), 0.0))
+    high = tl.minimum(0.5 + 0.5 * tl.sqrt_rn(1.0 + tl.div_rn(4.0 * eps_high, q)), r_max)
+    return _ppo_clip(r, adv, low, high, r_max)
+
+
+@triton.jit
+def _capped_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    neg = adv < 0
+    low = tl.where(neg, tl.load(params_ptr + codes.PARAM_LOW_NEG), tl.load(params_ptr + codes.PARAM_LOW_POS))
+    high = tl.where(neg, tl.load(params_ptr + codes.PARAM_HIGH_NEG), tl.load(params_ptr + codes.PARAM_HIGH_POS))
+    psi = tl.minimum(tl.maximum(r, low, propagate_nan=codes.NAN_PROPAGATING), high,
+                     propagate_nan=codes.NAN_PROPAGATING)
+    return -adv * psi * logp, psi, _regions(r, adv, low, high)
+
+
+@triton.jit
+def _gradient_preserving_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    low = tl.load(params_ptr + codes.PARAM_LOW_POS)
+    high = tl.load(params_ptr + codes.PARAM_HIGH_POS)
+    dual_clip = tl.load(params_ptr + codes.PARAM_DUAL_CLIP)
+    region = _regions(r, adv, low, high)
+    ln_weight = tl.load(params_ptr + codes.PARAM_LN_WEIGHT)
+    hp_weight = tl.load(params_ptr + codes.PARAM_HP_WEIGHT)
+    psi = tl.where(region == codes.REGION_LN, ln_weight, tl.where(region == codes.REGION_HP, hp_weight, r))
+    loss = -adv * psi
+    dual = (adv < 0) & (-adv * dual_clip < loss)
+    loss = tl.where(dual, -adv * dual_clip, loss)
+    psi = tl.where(dual, 0.0, psi)
+    return loss, psi, tl.where(dual, codes.REGION_DUAL, region)
+
+
+@triton.jit
+def _aspo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    low = tl.load(params_ptr + codes.PARAM_LOW_POS)
+    high = tl.load(params_ptr + codes.PARAM_HIGH_POS)
+    c = tl.load(params_ptr + codes.PARAM_DUAL_CLIP)
+    pos = adv >= 0
+    p = tl.where(r > high, high, r)
+    pos_dual = tl.div_rn(1.0, p) > c
+    pos_loss = tl.where(pos_dual, -adv * c * logp, -adv / p)
+    pos_psi = tl.where(pos_dual, c, tl.where(r > high, 0.0, tl.div_rn(1.0, r)))
+    u = tl.where(r < low, low, r)
+    neg_dual = u > c
+    neg_loss = tl.where(neg_dual, -adv * c * logp, -adv * u)
+    neg_psi = tl.where(neg_dual, c, tl.where(r < low, 0.0, r))
+    dual = tl.where(pos, pos_dual, neg_dual) & (adv != 0)
+    region = tl.where(dual, codes.REGION_DUAL, _regions(r, adv, low, high))
+    return tl.where(pos, pos_loss, neg_loss), tl.where(pos, pos_psi, neg_psi), region
+
+
+@triton.jit
+def _dgpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    low = tl.load(params_ptr + codes.PARAM_LOW_POS)
+    high = tl.load(params_ptr + codes.PARAM_HIGH_POS)
+    n = tl.load(params_ptr + codes.PARAM_N)
+    m = tl.load(params_ptr + codes.PARAM_M)
+    region = _regions(r, adv, low, high)
+    log_low = tl.log(tl.maximum(low, 1e-30))  # low = 0 leaves LN empty
+    ln_weight = tl.exp(log_ratio + n * (log_ratio - log_low))
+    hp_weight = tl.exp(log_ratio + (tl.log(high) - log_ratio) / m)
+    psi = tl.where(region == codes.REGION_LN, ln_weight, tl.where(region == codes.REGION_HP, hp_weight, r))
+    return -adv * psi, psi, region
+
+
+@triton.jit
+def _sapo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, GATE: tl.constexpr):
+    tau = tl.where(adv >= 0, tl.load(params_ptr + codes.PARAM_TAU_POS), tl.load(params_ptr + codes.PARAM_TAU_NEG))
+    value, slope = _sapo_gate(r, tau, GATE)
+    # SAPO has no trust region: every token is in M.
+    return -adv * value, slope * r, tl.zeros_like(log_ratio).to(tl.int32) + codes.REGION_M
+
+
 @triton.jit
 def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
     """(L, psi, region, r) of one token: ``r`` is the ratio psi was evaluated at (exp of the clamped
-    log ratio). ``logp`` is the token's own log-prob (cispo's value uses it)."""
+    log ratio). ``logp`` is the token's own log-prob (cispo's value uses it). A switch over the method
+    ids that fails to compile on any other."""
     log_ratio = tl.clamp(log_ratio, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP, propagate_nan=codes.NAN_PROPAGATING)
     r = tl.exp(log_ratio)
-    # min/max/clamp here propagate NaN (plain tl.minimum returns the other operand): a NaN ratio
-    # must give a NaN loss, as torch does. Divisions and square roots that decide a region are
-    # IEEE-rounded (div_rn, sqrt_rn) so ties resolve as in torch on a GPU too.
-    low_pos = tl.load(params_ptr + codes.PARAM_LOW_POS)
-    high_pos = tl.load(params_ptr + codes.PARAM_HIGH_POS)
     if METHOD == codes.METHOD_GRPO:
-        loss, psi, region = _ppo_clip(r, adv, low_pos, high_pos, tl.load(params_ptr + codes.PARAM_DUAL_CLIP))
+        loss, psi, region = _grpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_DCPO:
-        q = tl.exp(old_logp)
-        eps_low = tl.load(params_ptr + codes.PARAM_EPS_LOW)
-        eps_high = tl.load(params_ptr + codes.PARAM_EPS_HIGH)
-        r_max = tl.load(params_ptr + codes.PARAM_R_MAX)
-        low = 0.5 + 0.5 * tl.sqrt_rn(tl.maximum(1.0 - tl.div_rn(4.0 * eps_low, q), 0.0))
-        high = tl.minimum(0.5 + 0.5 * tl.sqrt_rn(1.0 + tl.div_rn(4.0 * eps_high, q)), r_max)
-        loss, psi, region = _ppo_clip(r, adv, low, high, r_max)
+        loss, psi, region = _dcpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_CAPPED_IS:
-        neg = adv < 0
-        low = tl.where(neg, tl.load(params_ptr + codes.PARAM_LOW_NEG), low_pos)
-        high = tl.where(neg, tl.load(params_ptr + codes.PARAM_HIGH_NEG), high_pos)
-        psi = tl.minimum(tl.maximum(r, low, propagate_nan=codes.NAN_PROPAGATING), high,
-                         propagate_nan=codes.NAN_PROPAGATING)
-        loss = -adv * psi * logp
-        region = _regions(r, adv, low, high)
+        loss, psi, region = _capped_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_GRADIENT_PRESERVING:
-        dual_clip = tl.load(params_ptr + codes.PARAM_DUAL_CLIP)
-        region = _regions(r, adv, low_pos, high_pos)
-        ln_weight = tl.load(params_ptr + codes.PARAM_LN_WEIGHT)
-        hp_weight = tl.load(params_ptr + codes.PARAM_HP_WEIGHT)
-        psi = tl.where(region == codes.REGION_LN, ln_weight, tl.where(region == codes.REGION_HP, hp_weight, r))
-        loss = -adv * psi
-        dual = (adv < 0) & (-adv * dual_clip < loss)
-        loss = tl.where(dual, -adv * dual_clip, loss)
-        psi = tl.where(dual, 0.0, psi)
-        region = tl.where(dual, codes.REGION_DUAL, region)
+        loss, psi, region = _gradient_preserving_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_ASPO:
-        c = tl.load(params_ptr + codes.PARAM_DUAL_CLIP)
-        pos = adv >= 0
-        p = tl.where(r > high_pos, high_pos, r)
-        pos_dual = tl.div_rn(1.0, p) > c
-        pos_loss = tl.where(pos_dual, -adv * c * logp, -adv / p)
-        pos_psi = tl.where(pos_dual, c, tl.where(r > high_pos, 0.0, tl.div_rn(1.0, r)))
-        u = tl.where(r < low_pos, low_pos, r)
-        neg_dual = u > c
-        neg_loss = tl.where(neg_dual, -adv * c * logp, -adv * u)
-        neg_psi = tl.where(neg_dual, c, tl.where(r < low_pos, 0.0, r))
-        loss = tl.where(pos, pos_loss, neg_loss)
-        psi = tl.where(pos, pos_psi, neg_psi)
-        dual = tl.where(pos, pos_dual, neg_dual) & (adv != 0)
-        region = tl.where(dual, codes.REGION_DUAL, _regions(r, adv, low_pos, high_pos))
+        loss, psi, region = _aspo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_DGPO:
-        n = tl.load(params_ptr + codes.PARAM_N)
-        m = tl.load(params_ptr + codes.PARAM_M)
-        region = _regions(r, adv, low_pos, high_pos)
-        log_low = tl.log(tl.maximum(low_pos, 1e-30))  # low = 0 leaves LN empty
-        ln_weight = tl.exp(log_ratio + n * (log_ratio - log_low))
-        hp_weight = tl.exp(log_ratio + (tl.log(high_pos) - log_ratio) / m)
-        psi = tl.where(region == codes.REGION_LN, ln_weight, tl.where(region == codes.REGION_HP, hp_weight, r))
-        loss = -adv * psi
+        loss, psi, region = _dgpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_SAPO:
-        tau = tl.where(adv >= 0, tl.load(params_ptr + codes.PARAM_TAU_POS), tl.load(params_ptr + codes.PARAM_TAU_NEG))
-        value, slope = _sapo_gate(r, tau, GATE)
-        loss = -adv * value
-        psi = slope * r
-        region = tl.zeros_like(log_ratio).to(tl.int32) + codes.REGION_M
+        loss, psi, region = _sapo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, GATE)
     else:
-        tl.static_assert(False, "token_terms: unknown METHOD id (add the method's branch here)")
+        tl.static_assert(False, "token_terms: unknown METHOD id (add the method's function and branch here)")
     return loss, psi, region, r

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dgpo_ops
+from dgpo_ops import catalog
 
 
 def cuda_ready() -> bool:
@@ -27,24 +28,8 @@ def requires_cuda(test):
         test = mark(test)
     return test
 
-METHOD_VARIANTS = [
-    ("grpo", {}),
-    ("grpo", {"eps_high": 0.28, "dual_clip": 3.0}),
-    ("cispo", {}),
-    ("cispo", {"eps_low": 0.2, "eps_high": 0.28}),
-    ("dispo", {}),
-    ("gppo", {}),
-    ("ce_gppo", {}),
-    ("aspo", {}),
-    ("dgpo", {}),
-    ("dgpo", {"n": 2.0, "m": 3.0}),
-    ("dgpo", {"n": 0.0, "m": 1.0}),
-    ("dcpo", {}),
-    ("sapo", {"gate": "sigmoid"}),
-    ("sapo", {"gate": "erf", "tau_pos": 10.0, "tau_neg": 12.0}),
-    ("sapo", {"gate": "arctan"}),
-    ("sapo", {"gate": "softsign", "tau_pos": 2.0, "tau_neg": 3.0}),
-]
+# Every method's test variants, from its row of the method table (dgpo_ops.methods.METHODS).
+METHOD_VARIANTS = catalog.variants()
 
 
 def variant_id(variant) -> str:

@@ -1,12 +1,13 @@
 import pytest
 
 from dgpo_ops import cli
+from dgpo_ops.methods import GATES, METHODS
 
 
 def test_table_lists_every_method_for_both_signs(capsys):
     assert cli.main(["table"]) == 0
     out = capsys.readouterr().out
-    for name in ("grpo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dgpo", "dcpo", "sapo softsign"):
+    for name in [m for m in METHODS if m != "sapo"] + [f"sapo {gate}" for gate in GATES]:
         assert f"\n{name} " in out
     assert out.count("\ndgpo ") == 2
 

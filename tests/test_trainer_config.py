@@ -19,12 +19,12 @@ def make(tmp_path, **fields):
     ("fused_memory_budget", 1.5e6, "fused_memory_budget must be a positive integer"),
     ("fused_memory_budget", True, "fused_memory_budget must be a positive integer"),
     # A method's own fields are checked whichever policy_loss is chosen (the default is dgpo).
-    ("dcpo_r_max", 0.5, "DGPOConfig(dcpo_r_max): dcpo: r_max must be in (1.0, inf)"),
-    ("gppo_beta1", float("nan"), "DGPOConfig(gppo_beta1, gppo_beta2, dual_clip): ce_gppo: beta1"),
-    ("dispo_eps_low_neg", -1.0, "DGPOConfig(dispo_eps_low_pos, dispo_eps_high_pos, dispo_eps_low_neg"),
+    ("dcpo_r_max", 0.5, "dcpo_r_max=0.5): dcpo: r_max must be in (1.0, inf)"),
+    ("gppo_beta1", float("nan"), "gppo_beta1=nan, gppo_beta2=1.0): ce_gppo: beta1 must be a finite number"),
+    ("dispo_eps_low_neg", -1.0, "dispo_eps_low_neg=-1.0, dispo_eps_high_neg=100.0): dispo: eps_low_neg"),
     ("sapo_gate", "tanh", "sapo: gate must be one of"),
-    ("dual_clip", 1.0, "DGPOConfig(dual_clip): grpo: dual_clip must be in (1.0, inf)"),
-    ("dgpo_m", 0.5, "DGPOConfig(dgpo_n, dgpo_m): dgpo: m must be in [1.0, inf)"),
+    ("dual_clip", 1.0, "dual_clip=1.0): grpo: dual_clip must be in (1.0, inf)"),
+    ("dgpo_m", 0.5, "dgpo_m=0.5): dgpo: m must be in [1.0, inf)"),
 ])
 def test_a_bad_field_fails_when_the_config_is_made(tmp_path, field, value, message):
     with pytest.raises(ValueError) as error:
@@ -38,6 +38,13 @@ def test_dapo_carries_dapos_clip_higher_unless_epsilon_high_is_set(tmp_path):
     explicit = make(tmp_path, policy_loss="dapo", epsilon_high=0.3).method()
     assert explicit.eps_high == 0.3
     assert make(tmp_path, policy_loss="grpo").method().eps_high == 0.2
+
+
+def test_the_chosen_method_names_policy_loss_and_trl_fields(tmp_path):
+    # cispo reads TRL's epsilon_high as its cap 1 + eps_high; left None it means epsilon (TRL), far below 1.
+    with pytest.raises(ValueError, match=r"DGPOConfig\(policy_loss='cispo', epsilon=0.2 \(-> eps_high=-0.8\)\)"):
+        make(tmp_path, policy_loss="cispo")
+    assert make(tmp_path, policy_loss="cispo", epsilon_high=5.0).method().eps_high == 4.0
 
 
 def test_valid_configs_pass(tmp_path):

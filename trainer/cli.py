@@ -23,33 +23,31 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import functools
 import importlib.util
 import json
 import math
 import os
-import functools
 import pathlib
 import platform
 import sys
 import time
 
-from .config import DAPO_EPSILON_HIGH
+from dgpo_ops.catalog import POLICY_LOSSES, trainer_presets
+
+from .config import method_field_names
 from .tiny_model import TOKENIZERS, MissingPackage
 
-METHODS = ("dgpo", "grpo", "dapo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dcpo", "sapo")
+METHODS = POLICY_LOSSES
 
-# Method presets, applied unless the option is given explicitly.
-METHOD_PRESETS = {
-    "dapo": {"epsilon_high": DAPO_EPSILON_HIGH},  # DAPO's clip-higher (DGPOConfig's own default for dapo)
-    "cispo": {"epsilon_high": 5.0},  # TRL semantics: the weight cap itself (dgpo-ops' 1 + eps_high, eps_high=4)
-    "dcpo": {"advantage_estimator": "dcpo"},  # DCPO's smooth advantage standardisation
-}
+# Method presets, applied unless the option is given explicitly (from the method table: dapo's clip-higher,
+# cispo's cap in TRL's terms, dcpo's advantages).
+METHOD_PRESETS = {name: presets for name in POLICY_LOSSES if (presets := trainer_presets(name))}
 
-# DGPOConfig fields shown in --help as the method's parameters (all other fields pass through too).
-METHOD_FIELDS = ("epsilon", "epsilon_high", "dgpo_n", "dgpo_m", "dual_clip", "gppo_beta1", "gppo_beta2",
-                 "dcpo_r_max", "dispo_eps_low_pos", "dispo_eps_high_pos", "dispo_eps_low_neg", "dispo_eps_high_neg",
-                 "sapo_gate", "sapo_temperature_pos", "sapo_temperature_neg", "loss_type", "loss_aggregation",
-                 "advantage_estimator", "fused", "beta", "importance_sampling_level")
+# DGPOConfig fields shown in --help as the method's parameters (all other fields pass through too): every
+# field the method table reads, then the loss options.
+METHOD_FIELDS = (*method_field_names(), "loss_type", "loss_aggregation", "advantage_estimator", "fused", "beta",
+                 "importance_sampling_level")
 
 # The default CPU run (tiny model, 1-2 digit addition). Also the values `--model` runs start from.
 TINY_RL_DEFAULTS = {
@@ -191,10 +189,10 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
 
 
 def _field_type(name: str):
-    if name in ("sapo_gate", "loss_type", "loss_aggregation", "advantage_estimator", "fused",
-                "importance_sampling_level"):
-        return str
-    return _optional_float
+    from .config import DGPOConfig
+
+    annotation = next(f.type for f in dataclasses.fields(DGPOConfig) if f.name == name)
+    return str if "str" in str(annotation) else _optional_float
 
 
 def _optional_float(text: str):

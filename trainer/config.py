@@ -1,17 +1,22 @@
-"""``DGPOConfig``: TRL's ``GRPOConfig`` plus the policy loss of any method of the family."""
+"""``DGPOConfig``: TRL's ``GRPOConfig`` plus the policy loss of any method of the family.
+
+The method fields are not written here: each method parameter's ``ParamSpec`` (``dgpo_ops/methods.py``)
+names the config field it is read from, and every such field TRL's ``GRPOConfig`` lacks is added to
+``DGPOConfig`` with its default and help from the table (``_add_method_fields``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 from dgpo_ops.aggregation import AGGREGATIONS
-from dgpo_ops.methods import MethodConfig, method_config
+from dgpo_ops.catalog import POLICY_LOSSES, config_default, config_help, config_params, method_params, resolve
+from dgpo_ops.methods import METHODS, MethodConfig, method_config
 from dgpo_ops.options import LossOptions
 
-POLICY_LOSSES = ("dgpo", "grpo", "dapo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dcpo", "sapo")
-DAPO_EPSILON_HIGH = 0.28  # DAPO's clip-higher: policy_loss="dapo" is grpo with this epsilon_high unless one is set
 FUSED_MODES = ("linear", "logits")
 ADVANTAGE_ESTIMATORS = ("grpo", "dcpo")
 
@@ -25,8 +30,31 @@ TRL_LOSS_TYPE_AGGREGATION = {
     "cispo": "token_mean",
 }
 
+TRL_FIELDS = frozenset(f.name for f in dataclasses.fields(GRPOConfig))
+
+
+def method_field_names() -> tuple[str, ...]:
+    """The config fields method parameters are read from (TRL's and the added ones), in table order."""
+    return tuple(config_params())
+
+
+def _add_method_fields(cls):
+    """Add to ``cls`` (before ``@dataclass``) a field for every method config field TRL lacks."""
+    for name, params in config_params().items():
+        if name in TRL_FIELDS:
+            continue
+        default = config_default(params)
+        if params[0].spec.choices is not None:
+            annotation = str
+        else:
+            annotation = float | None if default is None or any(p.spec.optional for p in params) else float
+        cls.__annotations__[name] = annotation
+        setattr(cls, name, field(default=default, metadata={"help": config_help(params)}))
+    return cls
+
 
 @dataclass
+@_add_method_fields
 class DGPOConfig(GRPOConfig):
     r"""
     [`~trl.GRPOConfig`] with the policy loss chosen among dgpo-ops' methods. `epsilon`, `epsilon_high`, `beta`,
@@ -34,15 +62,12 @@ class DGPOConfig(GRPOConfig):
     `loss_type` keeps choosing the aggregation (and its normaliser) unless `loss_aggregation` is set.
 
     Parameters:
-        policy_loss (`str`, defaults to `"dgpo"`): one of dgpo, grpo, dapo, cispo, dispo, gppo, ce_gppo, aspo,
-            dcpo, sapo. `dapo` is grpo with DAPO's clip-higher: `epsilon_high=0.28` unless `epsilon_high` is set
+        policy_loss (`str`, defaults to `"dgpo"`): a method or alias of `dgpo_ops.catalog.POLICY_LOSSES`.
+            `dapo` is grpo with DAPO's clip-higher: `epsilon_high=0.28` unless `epsilon_high` is set
             (its token-level aggregation is TRL's `loss_type="dapo"`, the default).
-        dgpo_n, dgpo_m: DGPO's left-boundary polynomial order and right-boundary radical order.
-        dual_clip: dual clip `c > 1` for grpo (off when None), gppo/ce_gppo/aspo (3 when None).
-        gppo_beta1, gppo_beta2: CE-GPPO's boundary scales.
-        dcpo_r_max: DCPO's ratio cap (and dual clip).
-        dispo_eps_low_pos, dispo_eps_high_pos, dispo_eps_low_neg, dispo_eps_high_neg: DISPO's sign-dependent bounds.
-        sapo_gate: sapo's gate, one of sigmoid, erf, arctan, softsign (taus from `sapo_temperature_pos/neg`).
+        dgpo_n, dgpo_m, dual_clip, gppo_beta1, gppo_beta2, dcpo_r_max, dispo_eps_*, sapo_gate: the methods' own
+            parameters, added from the method table (each field's help names the methods that read it, its
+            range, and what None means); README.md's method table shows which field feeds which parameter.
         loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm or seq_sum_token_mean; None
             follows `loss_type` (dcpo: seq_sum_token_mean).
         advantage_estimator: `"grpo"` (TRL's group advantages) or `"dcpo"` (smooth advantage standardisation).
@@ -55,17 +80,6 @@ class DGPOConfig(GRPOConfig):
     """
 
     policy_loss: str = field(default="dgpo", metadata={"help": f"Policy loss: one of {', '.join(POLICY_LOSSES)}."})
-    dgpo_n: float = field(default=1.0, metadata={"help": "DGPO: polynomial decay order on the left boundary."})
-    dgpo_m: float = field(default=2.0, metadata={"help": "DGPO: radical decay order on the right boundary."})
-    dual_clip: float | None = field(default=None, metadata={"help": "Dual clip c > 1 (grpo/gppo/ce_gppo/aspo)."})
-    gppo_beta1: float = field(default=0.75, metadata={"help": "CE-GPPO: left-boundary scale."})
-    gppo_beta2: float = field(default=1.0, metadata={"help": "CE-GPPO: right-boundary scale."})
-    dcpo_r_max: float = field(default=10.0, metadata={"help": "DCPO: ratio cap."})
-    dispo_eps_low_pos: float = field(default=0.2, metadata={"help": "DISPO: eps_low for A > 0."})
-    dispo_eps_high_pos: float = field(default=10.0, metadata={"help": "DISPO: eps_high for A > 0."})
-    dispo_eps_low_neg: float = field(default=1.0, metadata={"help": "DISPO: eps_low for A < 0."})
-    dispo_eps_high_neg: float = field(default=100.0, metadata={"help": "DISPO: eps_high for A < 0."})
-    sapo_gate: str = field(default="sigmoid", metadata={"help": "SAPO gate: sigmoid, erf, arctan or softsign."})
     loss_aggregation: str | None = field(default=None, metadata={"help": "Aggregation; None follows loss_type."})
     advantage_estimator: str = field(default="grpo", metadata={"help": "Advantages: grpo or dcpo."})
     fused: str = field(default="linear", metadata={"help": "linear (hidden states + lm_head) or logits."})
@@ -104,30 +118,35 @@ class DGPOConfig(GRPOConfig):
         if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) or \
                 self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {self.max_nonfinite_steps!r}")
-        # Every method's own fields, whichever method is chosen: a bad value fails here, not when a
-        # later run switches policy_loss.
-        for fields, build in self._method_field_checks():
-            try:
-                build()
-            except ValueError as error:
-                raise ValueError(f"DGPOConfig({', '.join(fields)}): {error}") from None
+        # Every method's fields, whichever method is chosen: a bad value fails here, not when a later run
+        # switches policy_loss. Fields read with an offset (cispo's cap) only mean something to their method.
+        for method in METHODS:
+            self._build_method(method, skip_offset_fields=True)
         self.loss_options()  # the chosen method with the shared fields (epsilon, ...), now, not at the first step
 
-    def _method_field_checks(self):
-        dual_clip = 3.0 if self.dual_clip is None else self.dual_clip
-        return [
-            (("dgpo_n", "dgpo_m"), lambda: method_config("dgpo", n=self.dgpo_n, m=self.dgpo_m)),
-            (("dual_clip",), lambda: method_config("grpo", dual_clip=self.dual_clip)),
-            (("gppo_beta1", "gppo_beta2", "dual_clip"),
-             lambda: method_config("ce_gppo", beta1=self.gppo_beta1, beta2=self.gppo_beta2, dual_clip=dual_clip)),
-            (("dcpo_r_max",), lambda: method_config("dcpo", r_max=self.dcpo_r_max)),
-            (("dispo_eps_low_pos", "dispo_eps_high_pos", "dispo_eps_low_neg", "dispo_eps_high_neg"),
-             lambda: method_config("dispo", eps_low_pos=self.dispo_eps_low_pos, eps_high_pos=self.dispo_eps_high_pos,
-                                   eps_low_neg=self.dispo_eps_low_neg, eps_high_neg=self.dispo_eps_high_neg)),
-            (("sapo_gate", "sapo_temperature_pos", "sapo_temperature_neg"),
-             lambda: method_config("sapo", gate=self.sapo_gate, tau_pos=self.sapo_temperature_pos,
-                                   tau_neg=self.sapo_temperature_neg)),
-        ]
+    def _build_method(self, name: str, skip_offset_fields: bool = False) -> MethodConfig:
+        """The method config of a method or alias from this config's fields (``ParamSpec.config_field``)."""
+        method, alias_params = resolve(name)
+        values, sources = {}, {}
+        for p in method_params(method):
+            spec = p.spec
+            if spec.config_field is None or (skip_offset_fields and spec.config_offset):
+                continue
+            field_name, value = spec.config_field, getattr(self, spec.config_field)
+            if value is None and p.name in alias_params:
+                continue  # the alias's preset
+            if value is None and spec.config_fallback is not None:
+                field_name, value = spec.config_fallback, getattr(self, spec.config_fallback)
+            if value is None:
+                continue  # the method's own default
+            values[p.name] = value - spec.config_offset if spec.config_offset else value
+            sources[field_name] = f"{field_name}={value!r}" + (
+                f" (-> {p.name}={values[p.name]!r})" if spec.config_offset else "")
+        try:
+            return method_config(method, **{**alias_params, **values})
+        except ValueError as error:
+            chosen = [] if skip_offset_fields else [f"policy_loss={name!r}"]
+            raise ValueError(f"DGPOConfig({', '.join([*chosen, *sources.values()])}): {error}") from None
 
     @property
     def aggregation(self) -> str:
@@ -138,34 +157,7 @@ class DGPOConfig(GRPOConfig):
         return TRL_LOSS_TYPE_AGGREGATION[self.loss_type]
 
     def method(self) -> MethodConfig:
-        eps_low = self.epsilon
-        eps_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
-        name = self.policy_loss
-        if name == "dapo" and self.epsilon_high is None:
-            eps_high = DAPO_EPSILON_HIGH
-        if name in ("grpo", "dapo"):
-            return method_config("grpo", eps_low=eps_low, eps_high=eps_high, dual_clip=self.dual_clip)
-        if name == "cispo":
-            if eps_high < 1.0:
-                raise ValueError(f"cispo: epsilon_high is the weight cap (TRL semantics) and must be >= 1, got {eps_high}")
-            return method_config("cispo", eps_low=1.0, eps_high=eps_high - 1.0)
-        if name == "dispo":
-            return method_config("dispo", eps_low_pos=self.dispo_eps_low_pos, eps_high_pos=self.dispo_eps_high_pos,
-                                 eps_low_neg=self.dispo_eps_low_neg, eps_high_neg=self.dispo_eps_high_neg)
-        dual_clip = 3.0 if self.dual_clip is None else self.dual_clip
-        if name == "gppo":
-            return method_config("gppo", eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
-        if name == "ce_gppo":
-            return method_config("ce_gppo", eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
-                                 beta1=self.gppo_beta1, beta2=self.gppo_beta2)
-        if name == "aspo":
-            return method_config("aspo", eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
-        if name == "dgpo":
-            return method_config("dgpo", eps_low=eps_low, eps_high=eps_high, n=self.dgpo_n, m=self.dgpo_m)
-        if name == "dcpo":
-            return method_config("dcpo", eps_low=eps_low, eps_high=eps_high, r_max=self.dcpo_r_max)
-        return method_config("sapo", gate=self.sapo_gate, tau_pos=self.sapo_temperature_pos,
-                             tau_neg=self.sapo_temperature_neg)
+        return self._build_method(self.policy_loss)
 
     def loss_options(self) -> LossOptions:
         return LossOptions(
