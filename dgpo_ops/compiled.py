@@ -26,7 +26,7 @@ import json
 import torch
 
 from .backends import select_kernels
-from .inputs import check_values, per_token_dtype, token_inputs
+from .inputs import LossBatch, check_values, per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .methods import method_config
@@ -76,13 +76,18 @@ def split_normalizer(loss_normalizer) -> tuple[OptionalTensor, float | None]:
 # ----------------------------------------------------------------------------- the logits op
 
 
-def _logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
-                 normalizer_value, spec, needs_grad, checked: bool):
+def _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
+           normalizer_value) -> LossBatch:
+    """The op's flat arguments as the eager path's one object."""
+    return LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
+                     _normalizer(normalizer, normalizer_value))
+
+
+def _logits_plan(logits, batch: LossBatch, spec, needs_grad, checked: bool):
     from .fused import logits_plan
 
     options, _ = options_from_spec(spec)
-    return logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, options,
-                       _normalizer(normalizer, normalizer_value), needs_grad, checked)
+    return logits_plan(logits, batch, options, needs_grad, checked)
 
 
 @torch.library.custom_op("dgpo_ops::fused_policy_loss", mutates_args=())
@@ -95,8 +100,8 @@ def fused_policy_loss_op(
     """(loss, per_token, stats, target_index, sequence_stats, seq_scale, status, dloss_dlogp)."""
     from .fused import forward_pass
 
-    plan = _logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
-                        normalizer_value, spec, needs_grad, checked=True)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    plan = _logits_plan(logits, batch, spec, needs_grad, checked=True)
     workspace, loss, stats, coefficient = forward_pass(logits, plan, zero_planes=True)
     if coefficient is None:
         coefficient = logits.new_empty((0,), dtype=workspace.per_token.dtype)
@@ -109,8 +114,8 @@ def fused_policy_loss_op(
 def _(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value,
       spec, needs_grad):
     # The structure checks (shapes, dtypes, devices) run here, at trace time, with the eager messages.
-    plan = _logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
-                        normalizer_value, spec, needs_grad, checked=False)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    plan = _logits_plan(logits, batch, spec, needs_grad, checked=False)
     dtype = per_token_dtype(logits.dtype)
     workspace = RowWorkspace.allocate(logits.shape[:-1], plan.inputs.grid[0], logits.device, dtype)
     n_coefficients = workspace.n_tokens if needs_grad and not plan.uses_epilogue else 0
@@ -155,16 +160,13 @@ def _logits_backward(ctx, grad_loss, *_grads_of_non_differentiable_outputs):
 fused_policy_loss_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
 
 
-def compiled_fused_loss(logits, target_ids, advantages, mask, old_logps, ref_logps, options: LossOptions,
-                        loss_normalizer, rollout_weights) -> PolicyLossOutput:
+def compiled_fused_loss(logits, batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
     if options.inplace:
         raise ValueError("inplace=True is not supported under torch.compile (a compiled graph owns its buffers): "
                          "pass inplace=False")
-    normalizer, normalizer_value = split_normalizer(loss_normalizer)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     loss, per_token, stats, *_ = fused_policy_loss_op(
-        logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value,
-        options_spec(options), needs_grad)
+        logits, *batch.tensors(), *split_normalizer(batch.loss_normalizer), options_spec(options), needs_grad)
     per_token, stats = per_token.detach(), stats.detach()
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 
@@ -172,14 +174,12 @@ def compiled_fused_loss(logits, target_ids, advantages, mask, old_logps, ref_log
 # ----------------------------------------------------------------------------- the linear op
 
 
-def _linear_plan(hidden, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
-                 normalizer_value, spec, needs_grad, checked: bool):
+def _linear_plan(weight, batch: LossBatch, spec, needs_grad, checked: bool):
     from .fused_linear import linear_plan
 
     options, projection = options_from_spec(spec)
-    logits_shape = torch.Size((*target_ids.shape, weight.shape[0]))  # the token grid of the call, then V
-    return linear_plan(logits_shape, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
-                       options, projection, _normalizer(normalizer, normalizer_value), needs_grad, checked)
+    logits_shape = torch.Size((*batch.target_ids.shape, weight.shape[0]))  # the token grid of the call, then V
+    return linear_plan(logits_shape, weight, batch, options, projection, needs_grad, checked)
 
 
 def _dtype(name: str) -> torch.dtype | None:
@@ -196,8 +196,8 @@ def fused_linear_policy_loss_op(
     """(loss, per_token, stats, grad_hidden, grad_weight, grad_bias); a gradient not wanted is empty."""
     from .fused_linear import linear_forward_pass
 
-    plan = _linear_plan(hidden, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
-                        normalizer, normalizer_value, spec, any(wants), checked=True)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    plan = _linear_plan(weight, batch, spec, any(wants), checked=True)
     loss, per_token, stats, *grads = linear_forward_pass(hidden, weight, bias, plan, wants, _dtype(autocast),
                                                          zero_planes=True)
     empty = per_token.new_empty(0)
@@ -210,8 +210,8 @@ def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, 
       normalizer_value, spec, wants, autocast):
     from .fused_linear import Precision
 
-    plan = _linear_plan(hidden, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
-                        normalizer, normalizer_value, spec, any(wants), checked=False)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    plan = _linear_plan(weight, batch, spec, any(wants), checked=False)
     precision = Precision.resolve(weight, plan.projection.softcap, _dtype(autocast))
     call = plan.call
     token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
@@ -238,17 +238,16 @@ def _linear_backward(ctx, grad_loss, *_grads_of_other_outputs):
 fused_linear_policy_loss_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
 
-def compiled_fused_linear_loss(flat_hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps,
-                               options: LossOptions, projection, loss_normalizer, rollout_weights) -> PolicyLossOutput:
-    normalizer, normalizer_value = split_normalizer(loss_normalizer)
+def compiled_fused_linear_loss(flat_hidden, weight, bias, batch: LossBatch, options: LossOptions,
+                               projection) -> PolicyLossOutput:
     from .fused_linear import autocast_dtype
 
     grad_on = torch.is_grad_enabled()
     wants = [grad_on and t is not None and t.requires_grad for t in (flat_hidden, weight, bias)]
     cast = autocast_dtype(flat_hidden.device)
     loss, per_token, stats, *_ = fused_linear_policy_loss_op(
-        flat_hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
-        normalizer_value, options_spec(options, projection), wants, "" if cast is None else str(cast).split(".")[-1])
+        flat_hidden, weight, bias, *batch.tensors(), *split_normalizer(batch.loss_normalizer),
+        options_spec(options, projection), wants, "" if cast is None else str(cast).split(".")[-1])
     loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
     per_token, stats = per_token.detach(), stats.detach()
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
@@ -265,9 +264,10 @@ def checked_inputs_op(
 ) -> torch.Tensor:
     options, _ = options_from_spec(spec)
     device = target_ids.device
-    inputs = token_inputs(torch.Size(logits_shape), logits_dtype, device, target_ids, advantages, mask, old_logps,
-                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
-    check_values(inputs, logits_shape[-1], _normalizer(normalizer, normalizer_value), per_token_dtype(logits_dtype))
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    inputs = token_inputs(torch.Size(logits_shape), logits_dtype, device, batch, options.aggregation,
+                          options.sequence_level)
+    check_values(inputs, logits_shape[-1], batch.loss_normalizer, per_token_dtype(logits_dtype))
     return torch.ones((), device=device, dtype=per_token_dtype(logits_dtype))
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from .backends import RowKernels
-from .inputs import token_inputs
+from .docstrings import documented
+from .inputs import LossBatch, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
@@ -121,36 +122,32 @@ def check_inplace_target(logits: torch.Tensor) -> None:
             "inplace=False, or .contiguous() logits")
 
 
-def logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, options: LossOptions,
-                loss_normalizer, needs_grad: bool, checked: bool = True) -> CallPlan:
+def logits_plan(logits, batch: LossBatch, options: LossOptions, needs_grad: bool, checked: bool = True) -> CallPlan:
     """The call's plan from metadata; ``checked`` also checks the values (False: the fake
     implementation of the compiled op, which has no values)."""
-    inputs = token_inputs(logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps,
-                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
+    inputs = token_inputs(logits.shape, logits.dtype, logits.device, batch, options.aggregation, options.sequence_level)
     make = prepare_call if checked else plan_call
-    return make(inputs, options, logits, logits.shape[-1], loss_normalizer, logits.device, needs_grad)
+    return make(inputs, options, logits, logits.shape[-1], batch.loss_normalizer, logits.device, needs_grad)
 
 
-def fused_loss_from_options(
-    logits, target_ids, advantages, mask, old_logps, ref_logps, options: LossOptions, loss_normalizer=None,
-    rollout_weights=None,
-) -> PolicyLossOutput:
+def fused_loss_from_options(logits, batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
     if torch.compiler.is_compiling():  # one custom op in the graph (dgpo_ops.compiled)
         from .compiled import compiled_fused_loss
 
-        return compiled_fused_loss(logits, target_ids, advantages, mask, old_logps, ref_logps, options,
-                                   loss_normalizer, rollout_weights)
+        return compiled_fused_loss(logits, batch, options)
     if options.inplace:
         check_inplace_target(logits)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    plan = logits_plan(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, options,
-                       loss_normalizer, needs_grad)
+    plan = logits_plan(logits, batch, options, needs_grad)
     loss, per_token, stats = FusedPolicyLossFunction.apply(logits, plan)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 
 
+@documented("""Fused policy loss of ``method`` from logits: the sampled token's log-prob by an online
+log-sum-exp, the entropy in the same pass and d(loss)/d(logits) in one more, never a vocabulary-sized
+softmax. Same numbers as ``reference_loss``.""")
 def fused_dgpo_loss(
     logits: torch.Tensor,
     target_ids: torch.Tensor,
@@ -172,27 +169,13 @@ def fused_dgpo_loss(
     validation: str = "auto",
     **method_params,
 ) -> PolicyLossOutput:
-    """Fused policy loss of ``method`` from ``(B, T, V)`` or ``(N, V)`` logits.
-
-    Same arguments and output as ``reference_loss``, plus:
-
-    * ``inplace``: write d(loss)/d(logits) into the logits' storage during backward (no extra
-      logits-sized buffer). The caller promises not to read the logits after backward.
-    * ``backend``: ``"auto"`` (Triton on CUDA, the chunked torch path on CPU), ``"triton"``
-      (on CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
-    * ``validation``: ``"auto"`` (immediate on CPU, deferred on CUDA), ``"immediate"`` or
-      ``"deferred"``: see ``dgpo_ops.validation``. Deferred checks never synchronise; a bad value
-      makes the loss NaN and raises at a later call or at ``dgpo_ops.raise_deferred_errors()``.
-
-    Per-token outputs are fp32 and 0 on masked tokens; the gradient has the logits' dtype.
-    """
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
         importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
         validation=validation, **method_params,
     )
-    return fused_loss_from_options(logits, target_ids, advantages, mask, old_logps, ref_logps, options,
-                                   loss_normalizer, rollout_weights)
+    return fused_loss_from_options(logits, LossBatch(target_ids, advantages, mask, old_logps, ref_logps,
+                                                     rollout_weights, loss_normalizer), options)
 
 
 class DGPOLoss(torch.nn.Module):
@@ -204,8 +187,8 @@ class DGPOLoss(torch.nn.Module):
 
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
                 loss_normalizer=None, rollout_weights=None) -> PolicyLossOutput:
-        return fused_loss_from_options(logits, target_ids, advantages, mask, old_logps, ref_logps, self.options,
-                                       loss_normalizer, rollout_weights)
+        return fused_loss_from_options(logits, LossBatch(target_ids, advantages, mask, old_logps, ref_logps,
+                                                         rollout_weights, loss_normalizer), self.options)
 
     def extra_repr(self) -> str:
         return repr(self.options)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .inputs import per_token_dtype, token_inputs
+from .docstrings import documented
+from .inputs import LossBatch, per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
@@ -305,23 +306,20 @@ def _gathered(tensor):
     return tensor
 
 
-def linear_plan(logits_shape, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
-                options: LossOptions, projection_options: ProjectionOptions, loss_normalizer, needs_grad: bool,
-                checked: bool = True) -> LinearPlan:
+def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,
+                needs_grad: bool, checked: bool = True) -> LinearPlan:
     """The call's plan from metadata; ``checked`` also checks the values (False: the fake
     implementation of the compiled op, which has no values)."""
-    inputs = token_inputs(logits_shape, weight.dtype, weight.device, target_ids, advantages, mask, old_logps,
-                          ref_logps, rollout_weights, options.aggregation, options.sequence_level)
+    inputs = token_inputs(logits_shape, weight.dtype, weight.device, batch, options.aggregation, options.sequence_level)
     tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
                              device=weight.device)
     make = prepare_call if checked else plan_call
-    call = make(inputs, options, tile_probe, weight.shape[0], loss_normalizer, weight.device, needs_grad)
+    call = make(inputs, options, tile_probe, weight.shape[0], batch.loss_normalizer, weight.device, needs_grad)
     return LinearPlan(call, projection_options)
 
 
-def fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps,
-                                   options: LossOptions, projection_options: ProjectionOptions,
-                                   loss_normalizer=None, rollout_weights=None) -> PolicyLossOutput:
+def fused_linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: LossOptions,
+                                   projection_options: ProjectionOptions) -> PolicyLossOutput:
     weight, bias = _gathered(weight), _gathered(bias)
     flat_hidden, logits_shape = _flatten_tokens(hidden, weight, bias)
     if options.inplace:
@@ -329,16 +327,18 @@ def fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages,
     if torch.compiler.is_compiling():  # one custom op in the graph (dgpo_ops.compiled)
         from .compiled import compiled_fused_linear_loss
 
-        return compiled_fused_linear_loss(flat_hidden, weight, bias, target_ids, advantages, mask, old_logps,
-                                          ref_logps, options, projection_options, loss_normalizer, rollout_weights)
+        return compiled_fused_linear_loss(flat_hidden, weight, bias, batch, options, projection_options)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    plan = linear_plan(logits_shape, weight, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
-                       options, projection_options, loss_normalizer, needs_grad)
+    plan = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad)
     loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias, plan)
     loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 
 
+@documented("""Policy loss of ``method`` from hidden states and the lm_head, as
+``fused_dgpo_loss(softcap(logit_scale (hidden @ weight.T + bias)))`` without materialising the logits: token
+chunks of logits tiles within ``memory_budget``. Under ``torch.autocast`` the products run in the autocast dtype,
+as the model's own lm_head would. Tied embeddings need nothing special.""")
 def fused_linear_dgpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -364,19 +364,13 @@ def fused_linear_dgpo_loss(
     validation: str = "auto",
     **method_params,
 ) -> PolicyLossOutput:
-    """Policy loss of ``method`` from hidden states ``(B, T, H)`` or ``(N, H)`` and the lm_head
-    ``weight`` ``(V, H)`` (and ``bias``), as ``fused_dgpo_loss(softcap(logit_scale (hidden @ weight.T + bias)))``
-    without materialising the logits. ``memory_budget`` bounds the logits and gradient tiles (bytes).
-    Under ``torch.autocast`` the products run in the autocast dtype, as the model's own lm_head would.
-    Gradients flow to ``hidden``, ``weight`` and ``bias`` in their own dtypes; tied embeddings need
-    nothing special."""
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
         importance_sampling_level=importance_sampling_level, backend=backend, validation=validation, **method_params,
     )
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget)
-    return fused_linear_loss_from_options(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps,
-                                          options, projection_options, loss_normalizer, rollout_weights)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+    return fused_linear_loss_from_options(hidden, weight, bias, batch, options, projection_options)
 
 
 @torch.no_grad()

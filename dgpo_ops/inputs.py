@@ -26,6 +26,25 @@ LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
 
 
+@dataclass(frozen=True)
+class LossBatch:
+    """One call's loss inputs as the caller passed them: the public functions take them as keywords,
+    everything below them takes this one object. ``token_inputs`` checks their structure,
+    ``check_values`` (or the prologue kernel) their values."""
+
+    target_ids: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    rollout_weights: torch.Tensor | None = None
+    loss_normalizer: float | torch.Tensor | None = None
+
+    def tensors(self) -> tuple:
+        """The tensors in the order the custom ops of ``dgpo_ops.compiled`` take them (the normaliser apart)."""
+        return self.target_ids, self.advantages, self.mask, self.old_logps, self.ref_logps, self.rollout_weights
+
+
 @dataclass
 class TokenBatch:
     """Per-token inputs on a ``(B, T)`` grid (``(1, N)`` for flat ``(N, V)`` logits), contiguous, in
@@ -62,9 +81,10 @@ def _check_float_input(name, value, grid_shape, device, allow_per_response):
     return value.detach()
 
 
-def token_inputs(logits_shape, logits_dtype, device, target_ids, advantages, mask=None, old_logps=None,
-                 ref_logps=None, rollout_weights=None, aggregation="token_mean", needs_sequences=False) -> TokenInputs:
+def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregation="token_mean",
+                 needs_sequences=False) -> TokenInputs:
     """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``."""
+    target_ids, advantages, mask = batch.target_ids, batch.advantages, batch.mask
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits_shape)}")
     if logits_dtype not in LOGITS_DTYPES:
@@ -99,7 +119,8 @@ def token_inputs(logits_shape, logits_dtype, device, target_ids, advantages, mas
     floats = {
         name: _check_float_input(name, value, token_shape, device,
                                  allow_per_response=(name == "advantages" and not flat))
-        for name, value in zip(PER_TOKEN_FLOATS, (advantages, old_logps, ref_logps, rollout_weights))
+        for name, value in zip(PER_TOKEN_FLOATS, (advantages, batch.old_logps, batch.ref_logps,
+                                                   batch.rollout_weights))
     }
     return TokenInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
                        mask=None if mask is None else mask.detach(), **floats)
@@ -179,14 +200,14 @@ def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tens
     )
 
 
-def prepare_batch(logits_shape, logits_dtype, device, target_ids, advantages, mask, old_logps, ref_logps,
-                  rollout_weights, aggregation, loss_normalizer, needs_sequences, check: bool = True) -> TokenBatch:
+def prepare_batch(logits_shape, logits_dtype, device, batch: LossBatch, aggregation, needs_sequences,
+                  check: bool = True) -> TokenBatch:
     """Structure, values (checked now unless ``check`` is False: the compiled reference checks them
     in a custom op) and the canonical layout, with torch's aggregation scales: the reference's path,
     and the ground truth for the prologue kernel."""
-    inputs = token_inputs(logits_shape, logits_dtype, device, target_ids, advantages, mask, old_logps, ref_logps,
-                          rollout_weights, aggregation, needs_sequences)
+    inputs = token_inputs(logits_shape, logits_dtype, device, batch, aggregation, needs_sequences)
     dtype = per_token_dtype(logits_dtype)
+    loss_normalizer = batch.loss_normalizer
     if check:
         check_values(inputs, logits_shape[-1], loss_normalizer, dtype)
     B, T = inputs.grid

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from .inputs import prepare_batch
+from .docstrings import documented
+from .inputs import LossBatch, prepare_batch
 from .metrics import policy_metrics
 from .objective import policy_objective
 from .options import LossOptions
 from .output import PolicyLossOutput
 
 
+@documented("""Policy loss of ``method`` from logits by ``log_softmax``, gather, the method table and autograd:
+the ground truth of the fused ops. It materialises ``(N, V)`` fp32 log-probs; not a path to train with.""")
 def reference_loss(
     logits: torch.Tensor,
     target_ids: torch.Tensor,
@@ -33,7 +36,6 @@ def reference_loss(
     rollout_weights: torch.Tensor | None = None,
     **method_params,
 ) -> PolicyLossOutput:
-    """Policy loss of ``method`` from ``(B, T, V)`` or ``(N, V)`` logits; see ``fused_dgpo_loss``."""
     options = LossOptions.build(
         method,
         temperature=temperature,
@@ -43,28 +45,21 @@ def reference_loss(
         importance_sampling_level=importance_sampling_level,
         **method_params,
     )
-    return reference_loss_from_options(
-        logits, target_ids, advantages, mask, old_logps, ref_logps, options, loss_normalizer, rollout_weights
-    )
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+    return reference_loss_from_options(logits, batch, options)
 
 
-def reference_loss_from_options(
-    logits, target_ids, advantages, mask, old_logps, ref_logps, options: LossOptions, loss_normalizer=None,
-    rollout_weights=None,
-) -> PolicyLossOutput:
+def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
     compiling = torch.compiler.is_compiling()
-    batch = prepare_batch(
-        logits.shape, logits.dtype, logits.device, target_ids, advantages, mask, old_logps, ref_logps,
-        rollout_weights, options.aggregation, loss_normalizer, options.sequence_level, check=not compiling,
-    )
+    batch = prepare_batch(logits.shape, logits.dtype, logits.device, loss_batch, options.aggregation,
+                          options.sequence_level, check=not compiling)
     if compiling:
         # The value checks (host reads) as one op that returns 1.0 or raises; the logits are scaled
         # by it so that it runs before anything reads them (an out-of-range target, say).
         from .compiled import checked_inputs_op, options_spec, split_normalizer
 
-        logits = logits * checked_inputs_op(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
-                                            *split_normalizer(loss_normalizer), list(logits.shape), logits.dtype,
-                                            options_spec(options))
+        logits = logits * checked_inputs_op(*loss_batch.tensors(), *split_normalizer(loss_batch.loss_normalizer),
+                                            list(logits.shape), logits.dtype, options_spec(options))
     grid = batch.mask.shape
     x = logits.reshape(*grid, logits.shape[-1])
     x = x.to(torch.promote_types(x.dtype, torch.float32)) / options.temperature

@@ -12,7 +12,7 @@ import torch
 
 import dgpo_ops
 from dgpo_ops.aggregation import AGGREGATIONS
-from dgpo_ops.inputs import normalizer_spec, token_inputs
+from dgpo_ops.inputs import LossBatch, normalizer_spec, token_inputs
 from dgpo_ops.kernels import finalize as finalize_module
 from dgpo_ops.kernels import logits_grad as grad_module
 from dgpo_ops.kernels import logprob_entropy as forward_module
@@ -33,9 +33,8 @@ def row_inputs(B, T, V, seed=0, dtype=torch.float32):
 
 def workspace_after_prologue(logits, target, mask, prologue=token_prologue_torch, aggregation="token_mean",
                              loss_normalizer=None, **per_token):
-    batch = token_inputs(logits.shape, logits.dtype, logits.device, target,
-                         per_token.pop("advantages", torch.ones(logits.shape[0])), mask, aggregation=aggregation,
-                         **per_token)
+    loss_batch = LossBatch(target, per_token.pop("advantages", torch.ones(logits.shape[0])), mask, **per_token)
+    batch = token_inputs(logits.shape, logits.dtype, logits.device, loss_batch, aggregation=aggregation)
     workspace = RowWorkspace.allocate(logits.shape[:-1], batch.grid[0], logits.device)
     prologue(batch, workspace.sequence_stats, workspace.seq_scale, workspace.status, logits.shape[-1],
              AGGREGATIONS[aggregation], normalizer_spec(loss_normalizer, logits.device))

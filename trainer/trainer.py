@@ -21,6 +21,7 @@ from trl import GRPOTrainer
 
 from dgpo_ops.fused import fused_loss_from_options
 from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
+from dgpo_ops.inputs import LossBatch
 from dgpo_ops.metrics import METRIC_NAMES
 from dgpo_ops.validation import raise_deferred_errors
 
@@ -268,17 +269,17 @@ class DGPOTrainer(GRPOTrainer):
         if rollout_weights is not None and rollout_weights.shape != mask.shape:
             rollout_weights = rollout_weights.expand(mask.shape)
         normalizer = self._loss_normalizer(inputs, mask, mode)
-        loss_args = (targets, advantages, mask.bool(), old_logps, ref_logps)
+        batch = LossBatch(targets, advantages, mask.bool(), old_logps, ref_logps, rollout_weights, normalizer)
         with self.accelerator.autocast():
             if self.args.fused == "linear":
                 hidden = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep)
                 weight, bias = self._lm_head(model)
-                out = fused_linear_loss_from_options(hidden, weight, bias, *loss_args, self.loss_options,
-                                                     self.projection_options, normalizer, rollout_weights)
+                out = fused_linear_loss_from_options(hidden, weight, bias, batch, self.loss_options,
+                                                     self.projection_options)
             else:
                 logits = model(input_ids=input_ids, attention_mask=attention_mask,
                                logits_to_keep=logits_to_keep + 1).logits[:, :-1]
-                out = fused_loss_from_options(logits, *loss_args, self.loss_options, normalizer, rollout_weights)
+                out = fused_loss_from_options(logits, batch, self.loss_options)
         self._log_loss_metrics(out.metrics, mask, mode)
         return out.loss
 

@@ -1,0 +1,64 @@
+"""One source for the docstrings of the public loss functions: each argument is described once here,
+and ``documented`` composes a function's docstring from the arguments of its own signature."""
+
+from __future__ import annotations
+
+import inspect
+
+ARGUMENTS = {
+    "logits": "``(B, T, V)`` or ``(N, V)``, fp32, bf16 or fp16 (fp64 on the torch path); may be strided.",
+    "hidden": "hidden states ``(B, T, H)`` or ``(N, H)`` entering the lm_head.",
+    "weight": "the lm_head weight ``(V, H)`` (a DTensor from FSDP2 is gathered; its gradient keeps the "
+              "placement).",
+    "bias": "the lm_head bias ``(V,)``, or None.",
+    "target_ids": "sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not scored.",
+    "advantages": "per token ``(B, T)`` or per response ``(B,)``.",
+    "mask": "which tokens are scored (bool, 0/1 integers or floats); None: every token whose id is not -100.",
+    "old_logps": "log-probs of the sampling policy; None means on-policy (ratio exactly 1).",
+    "ref_logps": "log-probs of the reference model, for the k3 KL term (needed when ``beta != 0``).",
+    "method": "a method of ``dgpo_ops.METHODS`` (or a ``MethodConfig``); its parameters are keywords "
+              "(``method_params``).",
+    "method_params": "the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README: method "
+                     "table); unknown names raise ``ValueError``.",
+    "temperature": "the logits are divided by it before the log-softmax.",
+    "logit_scale": "the logits are ``logit_scale * (hidden @ weight.T + bias)``.",
+    "softcap": "``softcap * tanh(logits / softcap)`` after the scale, as Gemma's final softcap; None: off.",
+    "aggregation": "``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm`` or "
+                   "``seq_sum_token_mean`` (flat ``(N, V)`` logits: token level only).",
+    "loss_normalizer": "the token count ``token_mean`` divides by (a number or a one-element tensor, e.g. the "
+                       "tokens of every micro-batch of the step); None: this call's scored tokens.",
+    "beta": "weight of the k3 KL to ``ref_logps``.",
+    "entropy_coef": "weight of the entropy bonus (the loss subtracts ``entropy_coef * H``).",
+    "importance_sampling_level": "``token`` or ``sequence`` (GSPO: the ratio is the geometric mean over the "
+                                 "response).",
+    "rollout_weights": "per-token weights on the policy term (truncated importance sampling), or None.",
+    "inplace": "write d(loss)/d(logits) into the logits' storage during backward (no extra logits-sized "
+               "buffer); the logits must be a non-leaf you do not read again.",
+    "memory_budget": "bytes of logits and gradient tiles alive at once (the token chunk follows from it).",
+    "backend": "``auto`` (Triton on CUDA, the chunked torch path on CPU), ``triton`` (on CPU tensors only under "
+               "``TRITON_INTERPRET=1``) or ``torch``.",
+    "validation": "``auto`` (immediate on CPU, deferred on CUDA), ``immediate`` or ``deferred``: deferred checks "
+                  "never synchronise; a bad value makes the loss NaN and raises at a later call or at "
+                  "``dgpo_ops.raise_deferred_errors()``.",
+}
+
+RETURNS = ("``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token ``logps`` and ``entropy`` "
+           "(fp32, detached, 0 on tokens not scored) and ``metrics`` (region fractions, EUR, ratio, entropy, KL; "
+           "read lazily). Gradients come back in each input's dtype.")
+
+
+def documented(summary: str):
+    """Give a function the docstring ``summary`` + its arguments (from ``ARGUMENTS``, in signature order) +
+    ``RETURNS``. A parameter without an entry is an error at import."""
+
+    def decorate(fn):
+        lines = [summary.strip(), "", "Arguments:"]
+        for name in inspect.signature(fn).parameters:
+            if name not in ARGUMENTS:
+                raise AssertionError(f"{fn.__name__}: no description of {name!r} in dgpo_ops.docstrings.ARGUMENTS")
+            lines.append(f"* ``{name}``: {ARGUMENTS[name]}")
+        lines += ["", f"Returns {RETURNS}"]
+        fn.__doc__ = "\n".join(lines)
+        return fn
+
+    return decorate
