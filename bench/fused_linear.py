@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -180,33 +178,12 @@ def child(competitor, N, H, V, setting, repeats):
                       "weight_grad_norm": float(inputs[1].grad.float().norm())}))
 
 
-def machine(device) -> dict:
+def machine(device: str) -> dict:
     import torch
-    import triton
 
-    info = {"device": device, "python": platform.python_version(), "torch": torch.__version__,
-            "triton": triton.__version__, "cpu_count": os.cpu_count()}
-    from importlib import metadata
+    from dgpo_ops.environment import describe
 
-    for name, distribution in (("trl", "trl"), ("liger_kernel", "liger-kernel")):
-        try:
-            info[name] = metadata.version(distribution)
-        except metadata.PackageNotFoundError:  # a competitor's package may be missing
-            info[name] = None
-    if device == "cuda":
-        info["device_name"] = torch.cuda.get_device_name()
-    if os.environ.get("DGPO_OPS_COMMIT"):  # a tree copied without its history names its commit (bench/common.py)
-        info["dgpo_ops_commit"], info["dgpo_ops_worktree_dirty"] = os.environ["DGPO_OPS_COMMIT"], False
-        return info
-    try:
-        info["dgpo_ops_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                 text=True, cwd=RESULTS_DIR).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "dgpo_ops", "kernels"], capture_output=True,
-                               text=True, cwd=RESULTS_DIR.parent.parent).stdout.strip()  # the op's code, as bench/common
-        info["dgpo_ops_worktree_dirty"] = bool(dirty)
-    except OSError:
-        info["dgpo_ops_commit"] = None
-    return info
+    return describe(torch.device(device), packages=("trl", "liger-kernel"))
 
 
 def write_markdown(doc, path: Path):
