@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP
 
 from dgpo_ops import MethodConfig, method_config, token_terms
 
@@ -50,13 +51,13 @@ def method_params(method: str) -> MethodConfig:
 
 def trl_style_objective(logp, old_logp, advantages, mask, method: str, params: MethodConfig):
     """TRL's ``_compute_loss`` on per-token log-probs, token-mean aggregation (TRL's ``bnpo``): grpo exactly
-    as TRL writes it (the log ratio clamped to [-20, 20] straight-through, as dgpo_ops does); any other
+    as TRL writes it (the log ratio clamped to +-LOG_RATIO_CLAMP straight-through, as dgpo_ops does); any other
     method through the package's own per-token torch function (``dgpo_ops.token_terms``), as a user
     porting it into TRL's loss would."""
     adv = advantages.unsqueeze(1).expand_as(logp)
     if method == "grpo":
         log_ratio = logp - old_logp
-        log_ratio = log_ratio + (log_ratio.clamp(-20.0, 20.0) - log_ratio).detach()
+        log_ratio = log_ratio + (log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) - log_ratio).detach()
         coef_1 = torch.exp(log_ratio)
         coef_2 = torch.clamp(coef_1, 1.0 - params.eps_low, 1.0 + params.eps_high)
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)

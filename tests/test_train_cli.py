@@ -327,7 +327,7 @@ def test_conversational_prompt_column_keeps_its_messages(tmp_path):
 
 
 def test_shard_evaluations_merge_back_in_row_order():
-    from dgpo_ops.trainer.cli import merge_evaluations
+    from dgpo_ops.trainer.warm_start import merge_evaluations
 
     correct = [1, 0, 0, 1, 1, 0, 1]
     lengths = [5, 9, 7, 3, 4, 8, 6]
@@ -371,15 +371,15 @@ def test_a_cuda_run_routes_attention_away_from_cudnn(monkeypatch):
     # fully masked (left-pad) rows at lengths 64 mod 128 (pytorch/pytorch#196678); a CUDA run turns
     # that backend off before anything else. The setting is process-wide, so it is restored here.
     import torch
-    from dgpo_ops.trainer import cli
+    from dgpo_ops.trainer import cli, run
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
     try:
-        monkeypatch.setattr(cli, "check_environment", lambda args: {"cuda": True, "bf16": True})
-        monkeypatch.setattr(cli, "_process_state", lambda device: (_ for _ in ()).throw(RuntimeError("stop here")))
+        monkeypatch.setattr(run, "check_environment", lambda args: {"cuda": True, "bf16": True})
+        monkeypatch.setattr(run, "_process_state", lambda device: (_ for _ in ()).throw(RuntimeError("stop here")))
         with pytest.raises(RuntimeError, match="stop here"):
-            cli.train_command(cli.build_parser().parse_args([]), {})
+            run.train_command(cli.build_parser().parse_args([]), {})
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)

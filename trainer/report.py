@@ -1,10 +1,17 @@
-"""Summary table and figure of ``dgpo-ops train`` runs (one or several methods, one or several seeds)."""
+"""Outputs of ``dgpo-ops train`` runs (one or several methods, one or several seeds): ``run.json``, the
+summary table and the figure."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pathlib
+import platform
+import sys
+import time
 
+from dgpo_ops.environment import code_commit
 from dgpo_ops.styles import style
 
 REGION_KEYS = {"ln": "clip_ratio/low_mean", "hp": "clip_ratio/high_mean", "lp": "clip_ratio/lp_mean",
@@ -237,6 +244,48 @@ def main(argv: list[str] | None = None) -> int:
     print(final_table(result))
     print(f"figure: {plot_runs(result, out)}")
     return 0
+
+
+
+def write_outputs(ctx, runs: list[dict], sft_records: list[dict], final: bool) -> dict:
+    """``run.json`` (rewritten after every run, ``complete`` at the end) and, at the end, ``curves.png``;
+    ``ctx`` is the invocation's ``run.RunContext``."""
+    import torch
+    import transformers
+    import trl
+
+    args, output_dir, tokenizer = ctx.args, ctx.output_dir, ctx.tokenizer
+
+    result = {
+        "command": "dgpo-ops train " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train"] else sys.argv[1:]),
+        "arguments": vars(args),
+        "output_dir": str(output_dir.resolve()), "methods": ctx.methods, "seeds": ctx.seeds, "task": ctx.task,
+        "model": ctx.model_desc,
+        "tokenizer": {"kind": args.tokenizer if args.model is None else args.model, "size": len(tokenizer)},
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "transformers": transformers.__version__, "trl": trl.__version__,
+                        "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                        "git_commit": code_commit(short=False)[0]},
+        "setup_time_s": ctx.setup_s, "wall_time_s": time.perf_counter() - ctx.started, "complete": final,
+        "summary": summarize(runs), "warm_start": sft_records, "runs": runs,
+    }
+    if os.environ.get("RANK", "0") != "0":
+        return result
+    (output_dir / "run.json").write_text(json.dumps(result, indent=1, default=json_default, allow_nan=False))
+    if final:
+        try:
+            result["figure"] = str(plot_runs(result, output_dir / "curves.png"))
+        except ImportError:
+            result["figure"] = None
+    return result
+
+
+def json_default(value):
+    if isinstance(value, pathlib.Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,36 @@ def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size
             "length": sum(lengths) / len(rows), "n": len(rows),
             "correct": int(sum(correct)), "samples": samples,
             "correct_each": [int(c) for c in correct], "length_each": lengths}
+
+
+def evaluate_distributed(accelerator, model, tokenizer, rows, max_new_tokens) -> dict:
+    """Greedy held-out accuracy; with several processes each scores a shard and the counts are summed.
+
+    The policy is unwrapped the way TRL unwraps it for generation (DeepSpeed ZeRO-3 parameters gathered on every
+    process), so each process then generates on its own shard without collectives.
+    """
+    from accelerate.utils import gather_object
+    from trl.models.utils import unwrap_model_for_generation
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    with unwrap_model_for_generation(model, accelerator) as policy:
+        part = evaluate(policy, tokenizer, rows[rank::world], max_new_tokens)
+    if world == 1:
+        return part
+    parts = gather_object([part])
+    return merge_evaluations(parts)
+
+
+def merge_evaluations(parts: list[dict]) -> dict:
+    """One evaluation from the shards of several processes (shard ``r`` holds rows ``r::world``)."""
+    n = sum(p["n"] for p in parts)
+    correct = sum(p.get("correct", 0) for p in parts)
+    formatted = sum(p["format"] * p["n"] for p in parts if p["n"])
+    tokens = sum(p["length"] * p["n"] for p in parts if p["n"])
+    world = len(parts)
+    each = {key: [None] * n for key in ("correct_each", "length_each")}
+    for rank, part in enumerate(parts):
+        for key, values in each.items():
+            values[rank::world] = part[key]
+    return {"accuracy": correct / max(1, n), "format": formatted / max(1, n), "length": tokens / max(1, n), "n": n,
+            "correct": correct, "samples": parts[0]["samples"], **each}

@@ -1,0 +1,124 @@
+"""What ``dgpo-ops train`` prints: log lines (main process only), tqdm progress bars, one line per RL
+step with the held-out accuracy every ``--eval-every`` steps, and the closing summary."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+
+
+class Console:
+    """Prints on the main process only; progress bars via tqdm (on stderr) unless disabled."""
+
+    def __init__(self, enabled: bool, progress: bool):
+        self.enabled, self.progress_enabled = enabled, progress and enabled
+
+    def log(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.progress_enabled:
+            from tqdm.auto import tqdm
+
+            tqdm.write(message)
+        else:
+            print(message, flush=True)
+
+    def bar(self, total: int, desc: str):
+        if not self.progress_enabled:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def fmt(value, spec=".3f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def step_line(step: int, total: int, logs: dict, last_reward: dict) -> str:
+    acc = logs.get("rewards/accuracy_reward/mean", last_reward.get("acc"))
+    format_score = logs.get("rewards/format_reward/mean", last_reward.get("fmt"))
+    reward = logs.get("reward", last_reward.get("reward"))
+    regions = "/".join(fmt(logs.get(k), ".3f") for k in ("clip_ratio/low_mean", "clip_ratio/high_mean",
+                                                         "clip_ratio/lp_mean", "clip_ratio/hn_mean"))
+    return (f"step {step:>4}/{total} | reward {fmt(reward)} (acc {fmt(acc)}, fmt {fmt(format_score)}) | "
+            f"entropy {fmt(logs.get('entropy'))} | regions ln/hp/lp/hn {regions} | EUR {fmt(logs.get('eur'))} | "
+            f"ratio {fmt(logs.get('ratio_mean'))} | len {fmt(logs.get('completions/mean_length'), '.1f')} | "
+            f"loss {fmt(logs.get('loss'), '.4f')}")
+
+
+def curve_point(step: int, result: dict) -> dict:
+    return {"step": step, **{key: result[key] for key in ("accuracy", "format", "length")}}
+
+
+def make_callback(console: Console, eval_fn, eval_every: int, total_steps: int, record: dict):
+    from transformers import TrainerCallback
+
+    class TrainCallback(TrainerCallback):
+        """One compact line per logged step, a progress bar, and held-out accuracy every ``eval_every`` steps."""
+
+        def __init__(self):
+            self.bar, self.last, self.started, self.pending = None, {}, time.perf_counter(), None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.bar = console.bar(total_steps, "RL")
+            self.started = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = dict(logs or {})
+            if "loss" not in logs:
+                return
+            if "reward" in logs:
+                self.last = {"reward": logs.get("reward"), "acc": logs.get("rewards/accuracy_reward/mean"),
+                             "fmt": logs.get("rewards/format_reward/mean")}
+            logs["step"], logs["time"] = state.global_step, time.perf_counter() - self.started
+            record["log_history"].append(logs)
+            console.log(step_line(state.global_step, total_steps, logs, self.last))
+            if self.pending is not None:
+                self._evaluate(self.pending)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.update(1)
+            step = state.global_step
+            if eval_fn is not None and eval_every and step % eval_every == 0 and step < total_steps:
+                self.pending = step
+                if not (args.logging_steps and step % args.logging_steps == 0):
+                    self._evaluate(step)  # no log line this step: evaluate now
+
+        def _evaluate(self, step):
+            self.pending = None
+            result = eval_fn()
+            record["eval_curve"].append(curve_point(step, result))
+            console.log(f"step {step:>4}/{total_steps} | held-out accuracy {result['accuracy']:.3f} "
+                        f"(format {result['format']:.3f}, length {result['length']:.1f}, greedy, n={result['n']})")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+
+    return TrainCallback()
+
+
+def summary_text(result: dict) -> str:
+    n = (result["runs"][0]["before"] or {}).get("n", "?") if result["runs"] else "?"
+    lines = ["", f"held-out accuracy (greedy, n={n}), before -> after RL:"]
+    for method, summary in result["summary"].items():
+        per_seed = ", ".join(f"seed {s['seed']}: {fmt(s['before'])} -> {fmt(s['after'])}" for s in summary["seeds"])
+        lines.append(f"  {method:>8}: {fmt(summary['before_mean'])} -> {fmt(summary['after_mean'])} "
+                     f"(mean over {len(summary['seeds'])} seed(s); {per_seed})")
+    lines.append(f"wall time {result['wall_time_s']:.0f} s")
+    files = [result["output_dir"] + "/run.json"] + ([result["figure"]] if result.get("figure") else [])
+    lines.append(f"outputs written to {result['output_dir']}/ ({', '.join(pathlib.Path(f).name for f in files)})")
+    return "\n".join(lines)
+
+
+def quiet_libraries() -> None:
+    """No weight-loading progress bars or v6 deprecation notices between the log lines."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6.*", category=FutureWarning)
