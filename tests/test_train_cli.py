@@ -383,3 +383,12 @@ def test_a_cuda_run_routes_attention_away_from_cudnn(monkeypatch):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_step_line_shows_each_logged_value_and_a_dash_for_missing_ones():
+    from dgpo_ops.trainer.console import step_line
+
+    line = step_line(3, 10, {"loss": 0.125, "reward": 0.5, "rewards/format_reward/mean": 0.875,
+                             "clip_ratio/high_mean": 0.25, "eur": 1.5}, {"acc": 0.375})
+    assert line.startswith("step    3/10 | reward 0.500 (acc 0.375, fmt 0.875)")
+    assert "regions ln/hp/lp/hn -/0.250/-/-" in line and "EUR 1.500" in line and "loss 0.1250" in line
