@@ -90,10 +90,6 @@ def param(default, help: str, **spec):
     return dataclasses.field(default=default, metadata={"param": ParamSpec(help=help, **spec)})
 
 
-def param_spec(config_cls: type, name: str) -> ParamSpec:
-    return next(f.metadata["param"] for f in dataclasses.fields(config_cls) if f.name == name)
-
-
 # The parameters several methods share: one definition each.
 def _eps_low(default=0.2, **spec):
     return param(default, "lower clip: the trust region starts at 1 - eps_low", low=0.0, high=1.0,
