@@ -142,12 +142,13 @@ def resolve_config(ctx: RunContext, method: str, seed: int, output_dir: pathlib.
 def run_one(ctx: RunContext, method: str, seed: int, model, train_rows, eval_rows, output_dir: pathlib.Path,
             before: dict | None) -> dict:
     """RL-train one method on one seed; returns its record (before/after accuracy, logs, timings)."""
-    args, tokenizer, console = ctx.args, ctx.tokenizer, ctx.console
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from .rewards import accuracy_reward, format_reward
     from .trainer import DGPOTrainer
+
+    args, tokenizer, console = ctx.args, ctx.tokenizer, ctx.console
 
     config = resolve_config(ctx, method, seed, output_dir)
     record = {"method": method, "seed": seed, "log_history": [], "eval_curve": []}
@@ -259,13 +260,13 @@ def warm_start(ctx: RunContext, seed, sft_rows, eval_rows, sft_steps, max_new, b
 
     Saved so every method starts from the same weights, and TRL can load a reference model by path.
     """
-    args, tokenizer, console = ctx.args, ctx.tokenizer, ctx.console
     import torch
     from transformers import AutoModelForCausalLM
 
     from . import tiny_model
     from .warm_start import evaluate, sft_warm_start
 
+    args, tokenizer, console = ctx.args, ctx.tokenizer, ctx.console
     started = time.perf_counter()
     if args.model is None:
         model = tiny_model.build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.layers,
