@@ -39,7 +39,7 @@ def step(prepared: Prepared) -> torch.Tensor:
     return loss.detach()
 
 
-def method_params(method: str) -> MethodConfig:
+def default_config(method: str) -> MethodConfig:
     """The method with its default parameters (built outside any compiled function)."""
     return method_config(method)
 
@@ -49,7 +49,7 @@ def method_params(method: str) -> MethodConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def trl_style_objective(logp, old_logp, advantages, mask, method: str, params: MethodConfig):
+def trl_style_objective(logp, old_logp, advantages, mask, method: str, config: MethodConfig):
     """TRL's ``_compute_loss`` on per-token log-probs, token-mean aggregation (TRL's ``bnpo``): grpo exactly
     as TRL writes it (the log ratio clamped to +-LOG_RATIO_CLAMP straight-through, as dgpo_ops does); any other
     method through the package's own per-token torch function (``dgpo_ops.token_terms``), as a user
@@ -59,22 +59,22 @@ def trl_style_objective(logp, old_logp, advantages, mask, method: str, params: M
         log_ratio = logp - old_logp
         log_ratio = log_ratio + (log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) - log_ratio).detach()
         coef_1 = torch.exp(log_ratio)
-        coef_2 = torch.clamp(coef_1, 1.0 - params.eps_low, 1.0 + params.eps_high)
+        coef_2 = torch.clamp(coef_1, 1.0 - config.eps_low, 1.0 + config.eps_high)
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
     else:
-        per_token_loss = token_terms(params, logp - old_logp, adv, old_logp).loss
+        per_token_loss = token_terms(config, logp - old_logp, adv, old_logp).loss
     mask = mask.to(per_token_loss.dtype)
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def trl_style_loss(logits, target_ids, old_logps, advantages, mask, method: str, params: MethodConfig):
+def trl_style_loss(logits, target_ids, old_logps, advantages, mask, method: str, config: MethodConfig):
     """What most users run today: upcast, log_softmax, gather, entropy for logging (no gradient, as in
     TRL), the method in torch, autograd back through the fp32 (N, V) log-softmax."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     logp = log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return trl_style_objective(logp, old_logps, advantages, mask, method, params), entropy
+    return trl_style_objective(logp, old_logps, advantages, mask, method, config), entropy
 
 
 def check_trl_style_against_reference(method: str) -> float:
@@ -92,7 +92,7 @@ def check_trl_style_against_reference(method: str) -> float:
     mask = torch.arange(seq)[None] < torch.tensor([[seq], [seq - 7], [seq - 20]])
     ref = reference_loss(logits, targets, adv, mask, old, method=method, aggregation="token_mean")
     (ref_grad,) = torch.autograd.grad(ref.loss, logits)
-    ours, _ = trl_style_loss(logits, targets, old, adv, mask, method, method_params(method))
+    ours, _ = trl_style_loss(logits, targets, old, adv, mask, method, default_config(method))
     (grad,) = torch.autograd.grad(ours, logits)
     err = max(abs(float(ours.detach() - ref.loss.detach())), float((grad - ref_grad).abs().max()))
     if err > 1e-5:
@@ -133,9 +133,9 @@ class Eager(Competitor):
         if method not in self.checked:
             check_trl_style_against_reference(method)
             self.checked.add(method)
-        params = method_params(method)
+        config = default_config(method)
         return Prepared(x.logits, lambda: trl_style_loss(x.logits, x.target_ids, x.old_logps, x.advantages,
-                                                         x.mask, method, params)[0])
+                                                         x.mask, method, config)[0])
 
 
 class Compiled(Competitor):
@@ -153,10 +153,10 @@ class Compiled(Competitor):
             # silently falls back to eager.
             torch._dynamo.config.automatic_dynamic_shapes = False
             torch._dynamo.config.recompile_limit = 64
-            params = method_params(method)
+            config = default_config(method)
 
             def loss_fn(logits, target_ids, old_logps, advantages, mask):
-                return trl_style_loss(logits, target_ids, old_logps, advantages, mask, method, params)
+                return trl_style_loss(logits, target_ids, old_logps, advantages, mask, method, config)
 
             self.compiled[method] = torch.compile(loss_fn, fullgraph=True, dynamic=False)
         return self.compiled[method]
@@ -200,7 +200,7 @@ class Liger(Competitor):
     def prepare(self, method, x):
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
-        params = method_params(method)
+        config = default_config(method)
         # Liger takes (B, T+1, V) logits and drops the last position itself, as TRL's logits come.
         batch, seq, vocab = x.logits.shape
         with torch.no_grad():
@@ -212,7 +212,7 @@ class Liger(Competitor):
         def forward():
             loss, _metrics = triton_grpo_loss(padded, x.old_logps, None, x.target_ids, x.advantages,
                                               completion_mask=completion_mask, temperature=1.0, beta=0.0,
-                                              eps_low=params.eps_low, eps_high=params.eps_high,
+                                              eps_low=config.eps_low, eps_high=config.eps_high,
                                               inplace=False, loss_type="bnpo", reduce=True)
             return loss
 
@@ -238,11 +238,11 @@ class Trl(Competitor):
     def prepare(self, method, x):
         from trl.kernels import selective_log_softmax_and_entropy
 
-        params = method_params(method)
+        config = default_config(method)
 
         def forward():
             logp, _entropy = selective_log_softmax_and_entropy(x.logits, x.target_ids, 1.0, x.mask)
-            return trl_style_objective(logp, x.old_logps, x.advantages, x.mask, method, params)
+            return trl_style_objective(logp, x.old_logps, x.advantages, x.mask, method, config)
 
         return Prepared(x.logits, forward)
 

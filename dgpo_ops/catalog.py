@@ -57,9 +57,14 @@ def config_params() -> dict[str, list[ConfigParam]]:
 def config_default(params: list[ConfigParam]):
     """The config field's default: the methods' common default (offset applied), None where they differ
     (None then means each method's own default)."""
-    defaults = {p.default if p.default is None or isinstance(p.default, str) else p.default + p.spec.config_offset
-                for p in params}
+    defaults = {p.spec.to_config(p.default) for p in params}
     return defaults.pop() if len(defaults) == 1 else None
+
+
+def none_means_default(params: list[ConfigParam]) -> bool:
+    """Whether the field holds None by default, meaning each method's own default: the methods'
+    defaults differ and one of them lets None turn its feature off (``dual_clip``)."""
+    return config_default(params) is None and any(p.spec.optional for p in params)
 
 
 def config_help(params: list[ConfigParam]) -> str:
@@ -69,19 +74,24 @@ def config_help(params: list[ConfigParam]) -> str:
     text = f"{methods}: {first.spec.help}"
     if first.spec.config_offset:
         text += f" (this field is {first.name} + {first.spec.config_offset:g})"
-    if config_default(params) is None and any(p.default is not None for p in params):
+    if none_means_default(params):
         text += "; None: the method's default (" + ", ".join(f"{p.method} {p.default}" for p in params) + ")"
     return text + f"; {first.spec.describe()}"
 
 
 def trainer_presets(name: str) -> dict:
-    """``DGPOConfig`` values ``dgpo-ops train`` applies for a method or alias unless given: the alias's
-    parameters in config terms, then the method's own presets."""
+    """``DGPOConfig`` values ``dgpo-ops train`` applies for a method or alias unless given: the defaults of
+    parameters read with an offset (TRL's default of their field means something else), the alias's
+    parameters, in config terms, then the method's own presets."""
     method, alias_params = resolve(name)
     presets = {}
     for p in method_params(method):
-        if p.name in alias_params and p.spec.config_field is not None:
-            presets[p.spec.config_field] = alias_params[p.name] + p.spec.config_offset
+        if p.spec.config_field is None:
+            continue
+        if p.name in alias_params:
+            presets[p.spec.config_field] = p.spec.to_config(alias_params[p.name])
+        elif p.spec.config_offset:
+            presets[p.spec.config_field] = p.spec.to_config(p.default)
     return {**presets, **METHODS[method].presets}
 
 
@@ -98,10 +108,7 @@ def method_table_markdown() -> str:
     """The README's table of methods, parameters, accepted values and trainer fields."""
     lines = ["| method | what it does | parameters: default, accepted values | `DGPOConfig` / `dgpo-ops train` field |",
              "|---|---|---|---|"]
-    # A field that some method lets be None (turning its feature off) holds None by default, and None
-    # then means each method's own default.
-    none_means_default = {field for field, params in config_params().items()
-                          if config_default(params) is None and any(q.spec.optional for q in params)}
+    none_fields = {field for field, params in config_params().items() if none_means_default(params)}
 
     def source(p: ConfigParam) -> str:
         if p.spec.config_field is None:
@@ -111,7 +118,7 @@ def method_table_markdown() -> str:
             text += f" - {p.spec.config_offset:g}"
         if p.spec.config_fallback:
             text += f" (None: `{p.spec.config_fallback}`)"
-        elif p.spec.config_field in none_means_default and p.default is not None:
+        elif p.spec.config_field in none_fields and p.default is not None:
             text += " (None: the default)"
         return text
 
@@ -119,7 +126,7 @@ def method_table_markdown() -> str:
         params = method_params(name)
         described = "<br>".join(f"`{p.name}={_format(p.default)}`: {p.spec.describe()}" for p in params)
         fields = "<br>".join(source(p) for p in params)
-        presets = ", ".join(f"`{k}={_format(v)}`" for k, v in spec.presets.items())
+        presets = ", ".join(f"`{k}={_format(v)}`" for k, v in trainer_presets(name).items())
         lines.append(f"| `{name}` | {spec.summary}" + (f"; `dgpo-ops train` presets {presets}" if presets else "")
                      + f" | {described} | {fields} |")
     for name, alias in ALIASES.items():

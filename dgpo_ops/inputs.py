@@ -14,6 +14,7 @@ Three steps, each usable alone:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -26,11 +27,10 @@ LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
 
 
-@dataclass(frozen=True)
-class LossBatch:
+class LossBatch(NamedTuple):
     """One call's loss inputs as the caller passed them: the public functions take them as keywords,
-    everything below them takes this one object. ``token_inputs`` checks their structure,
-    ``check_values`` (or the prologue kernel) their values."""
+    everything below them takes this one object (a tuple: made on every call, it must cost nothing).
+    ``token_inputs`` checks their structure, ``check_values`` (or the prologue kernel) their values."""
 
     target_ids: torch.Tensor
     advantages: torch.Tensor
@@ -119,8 +119,7 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
     floats = {
         name: _check_float_input(name, value, token_shape, device,
                                  allow_per_response=(name == "advantages" and not flat))
-        for name, value in zip(PER_TOKEN_FLOATS, (advantages, batch.old_logps, batch.ref_logps,
-                                                   batch.rollout_weights))
+        for name, value in ((name, getattr(batch, name)) for name in PER_TOKEN_FLOATS)
     }
     return TokenInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
                        mask=None if mask is None else mask.detach(), **floats)

@@ -75,6 +75,14 @@ class ParamSpec:
             raise ValueError(f"{method}: {name} must be in {bracket}{'-inf' if low is None else low}, "
                              f"{'inf' if high is None else high}{closing}, got {value!r}")
 
+    def to_config(self, value):
+        """The parameter's value in its config field's terms (``config_offset`` added)."""
+        return value if value is None or isinstance(value, str) else value + self.config_offset
+
+    def from_config(self, value):
+        """The parameter's value from its config field's value."""
+        return value if value is None or isinstance(value, str) else value - self.config_offset
+
     def describe(self) -> str:
         """The accepted values in words, for the README table and ``--help``."""
         if self.choices is not None:
@@ -455,8 +463,9 @@ class MethodSpec:
     """One row of the table: everything about a method that is not its Triton function.
 
     ``variants``: the parameter sets the tests run for it (the defaults first; every value of a
-    ``choices`` parameter somewhere). ``presets``: ``DGPOConfig`` values that ``dgpo-ops train``
-    applies for this method unless given (where TRL's default of a shared field is not the method's).
+    ``choices`` parameter somewhere). ``presets``: other ``DGPOConfig`` values that ``dgpo-ops train``
+    applies for this method unless given (a parameter read with an offset gets its default there by
+    itself: TRL's default of that field means something else).
     """
 
     config: type[MethodConfig]
@@ -480,8 +489,7 @@ METHODS: dict[str, MethodSpec] = {
     "grpo": MethodSpec(GrpoConfig, _grpo, "PPO clip; optional dual clip",
                        variants=({}, {"eps_high": 0.28, "dual_clip": 3.0})),
     "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob",
-                        variants=({}, {"eps_low": 0.2, "eps_high": 0.28}),
-                        presets={"epsilon_high": 5.0}),  # TRL's cap 1 + eps_high at cispo's default eps_high = 4
+                        variants=({}, {"eps_low": 0.2, "eps_high": 0.28})),
     "dispo": MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A"),
     "gppo": MethodSpec(GppoConfig, _gppo, "gradient-preserving clip, constant boundary weight"),
     "ce_gppo": MethodSpec(CeGppoConfig, _gppo, "GPPO with boundary scales beta1, beta2"),

@@ -107,6 +107,10 @@ def test_each_config_field_reaches_its_parameter(trainer_modules, tmp_path, name
     assert base.name == method
     for param, value in alias_params.items():
         assert getattr(base, param) == value
+    for p in catalog.method_params(method):  # a field read with an offset is preset to the method's default
+        if p.spec.config_offset and p.name not in alias_params:
+            assert presets[p.spec.config_field] == p.spec.to_config(p.default)
+            assert getattr(base, p.name) == p.default
     for p in catalog.method_params(method):
         if p.spec.config_field is None:
             continue

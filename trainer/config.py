@@ -139,7 +139,7 @@ class DGPOConfig(GRPOConfig):
                 field_name, value = spec.config_fallback, getattr(self, spec.config_fallback)
             if value is None:
                 continue  # the method's own default
-            values[p.name] = value - spec.config_offset if spec.config_offset else value
+            values[p.name] = spec.from_config(value)
             sources[field_name] = f"{field_name}={value!r}" + (
                 f" (-> {p.name}={values[p.name]!r})" if spec.config_offset else "")
         try:
