@@ -170,7 +170,7 @@ def sass_traffic(sass: str, spec) -> dict:
     from dgpo_ops.kernels import aot
 
     loops = aot.sass_loops(sass)
-    threads = aot.LAUNCH[spec.kernel]["num_warps"] * 32
+    threads = spec.launch["num_warps"] * 32
     block_v = dict(spec.constexprs)["BLOCK_V"]
     inventory = {"loop": {}, "outside": {}}
     loop_bytes = {"LDG": 0, "STG": 0}
@@ -195,7 +195,7 @@ def _compile_sass(spec) -> str:
     from dgpo_ops.kernels import aot
     from triton.backends.compiler import GPUTarget
 
-    compiled = triton.compile(aot._source(spec), target=GPUTarget("cuda", ARCH, 32), options=aot.LAUNCH[spec.kernel])
+    compiled = triton.compile(aot._source(spec), target=GPUTarget("cuda", ARCH, 32), options=spec.launch)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:

@@ -2,9 +2,10 @@
 beyond the gradient itself (none with ``inplace=True``), and without a host-device
 synchronisation on CUDA.
 
-Forward, for a token-level method on Triton, is three launches: the row kernel (each logits row
-read once: log-sum-exp, the target's log-prob, the entropy and the method's per-token terms), the
-prologue (input checks, counts, aggregation scales) and the finalize kernel (loss and metrics).
+Forward, for a token-level method on Triton, is two launches: the row kernel (each logits row
+read once: log-sum-exp, the target's log-prob, the entropy and the method's per-token terms) and
+the prologue (input checks, counts, aggregation scales), whose last program reduces the loss and
+metrics.
 Sequence-level ratios (GSPO) and the torch backend evaluate the objective with torch on O(N)
 vectors instead. Backward is one launch: the gradient kernel expands two per-token coefficients
 over the vocabulary, reading the incoming gradient on the device.
@@ -34,11 +35,10 @@ def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False
     workspace = RowWorkspace.allocate(logits.shape[:-1], inputs.grid[0], logits.device, dtype, zero_planes)
     inv_temperature = 1.0 / options.temperature
     # The row forward first: it waits for no other kernel, so the long pass over the logits
-    # starts as early as the host can launch it; the small prologue and finalize queue behind it.
+    # starts as early as the host can launch it; the small prologue (which finalizes) queues behind it.
     if plan.uses_epilogue:
         kernels.forward(logits, inputs, workspace, inv_temperature, epilogue_inputs(options, logits.device))
-        run_prologue(plan, workspace)
-        kernels.finalize(workspace, plan.grid_seq_len, plan.has_kl)
+        run_prologue(plan, workspace, finalize=True)
         loss, stats, coefficient = workspace.loss, workspace.stats, None
     else:
         kernels.forward(logits, inputs, workspace, inv_temperature)

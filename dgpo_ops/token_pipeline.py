@@ -106,9 +106,12 @@ def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
     )
 
 
-def run_prologue(plan: CallPlan, workspace: RowWorkspace) -> None:
+def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False) -> None:
+    """The prologue; with ``finalize`` (after the row forward's epilogue) its last program also
+    reduces the loss and metrics into the workspace, in the same launch."""
+    extra = dict(finalize=(workspace, plan.has_kl)) if finalize else {}
     plan.kernels.prologue(plan.inputs, workspace.sequence_stats, workspace.seq_scale, workspace.status, plan.vocab,
-                          AGGREGATIONS[plan.options.aggregation], plan.normalizer)
+                          AGGREGATIONS[plan.options.aggregation], plan.normalizer, **extra)
 
 
 @dataclass

@@ -34,19 +34,19 @@ from dataclasses import dataclass
 import triton
 from triton.backends.compiler import GPUTarget
 
+from .finalize import FINALIZE_WARPS, finalize_kernel
 from .finalize import MAX_BLOCK as FINALIZE_BLOCK
-from .finalize import finalize_kernel
 from .interface import Denominator, Gate, MethodId, Normalizer
 from .logits_grad import logits_grad_kernel
 from .logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
-from .prologue import token_prologue_kernel
+from .prologue import prologue_warps, token_prologue_kernel
 
 KERNELS = {"forward": logprob_entropy_fwd_kernel, "backward": logits_grad_kernel, "prologue": token_prologue_kernel,
            "finalize": finalize_kernel}
 # The production tiles (vocabularies at least that wide) and the launchers' shapes.
 LAUNCH = {"forward": dict(num_warps=FORWARD_SHAPE.num_warps, num_stages=FORWARD_SHAPE.num_stages),
           "backward": dict(num_warps=BACKWARD_SHAPE.num_warps, num_stages=BACKWARD_SHAPE.num_stages),
-          "prologue": dict(num_warps=4), "finalize": dict(num_warps=8)}
+          "prologue": dict(num_warps=prologue_warps(False)), "finalize": dict(num_warps=FINALIZE_WARPS)}
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i64", "target_index_ptr": "*i64",
                  "sequence_stats_ptr": "*i64", "status_ptr": "*i64"}
@@ -67,14 +67,21 @@ class Specialisation:
     constexprs: tuple  # sorted (name, value) pairs
 
     @property
+    def launch(self) -> dict:
+        if self.kernel == "prologue":
+            return dict(num_warps=prologue_warps(dict(self.constexprs)["HAS_FINALIZE"]))
+        return LAUNCH[self.kernel]
+
+    @property
     def label(self) -> str:
         c = dict(self.constexprs)
         if self.kernel == "backward":
             return (f"backward {self.dtype} entropy={int(c['HAS_ENTROPY_GRAD'])} "
                     f"scaled={int(c['COEF_IS_SCALED'])}")
         if self.kernel == "prologue":
+            finalizes = f" +finalize kl={int(c['HAS_KL'])}" if c["HAS_FINALIZE"] else ""
             return f"prologue mask={int(c['HAS_MASK'])} old/ref/w={int(c['HAS_OLD_LOGPS'])}{int(c['HAS_REF_LOGPS'])}" \
-                   f"{int(c['HAS_ROLLOUT_WEIGHTS'])} normalizer={Normalizer(c['NORMALIZER']).name.lower()}"
+                   f"{int(c['HAS_ROLLOUT_WEIGHTS'])} norm={Normalizer(c['NORMALIZER']).name.lower()}{finalizes}"
         if self.kernel == "finalize":
             return f"finalize kl={int(c['HAS_KL'])}"
         if not c["HAS_EPILOGUE"]:
@@ -100,11 +107,15 @@ def _backward(dtype, entropy=False, scaled=False):
     return Specialisation("backward", dtype, tuple(sorted(constexprs.items())))
 
 
-def _prologue(everything: bool):
+def _prologue(everything: bool, finalize: bool = False):
+    # finalize: the logits op's prologue, which also reduces the loss and metrics (with the KL
+    # when everything is on); the fused-linear op launches the plain prologue and finalize_kernel.
     constexprs = dict(HAS_MASK=everything, CHECK_MASK_VALUES=everything, HAS_OLD_LOGPS=everything,
                       HAS_REF_LOGPS=everything, HAS_ROLLOUT_WEIGHTS=everything,
                       NORMALIZER=int(Normalizer.TENSOR if everything else Normalizer.ABSENT),
-                      PER_RESPONSE=everything, DENOMINATOR=int(Denominator.TOKENS), BLOCK_T=1024, BLOCK_B=1024)
+                      PER_RESPONSE=everything, DENOMINATOR=int(Denominator.TOKENS), BLOCK_T=1024, BLOCK_B=1024,
+                      HAS_FINALIZE=finalize, HAS_KL=finalize and everything,
+                      FINALIZE_BLOCK=FINALIZE_BLOCK if finalize else 16)
     return Specialisation("prologue", "-", tuple(sorted(constexprs.items())))
 
 
@@ -119,7 +130,8 @@ def _flag_sets():
 
 
 def specialisations(full: bool = False) -> list[Specialisation]:
-    specs = [_prologue(False), _prologue(True), _finalize(False), _finalize(True)]
+    specs = [_prologue(False), _prologue(True), _prologue(False, finalize=True), _prologue(True, finalize=True),
+             _finalize(False), _finalize(True)]
     for dtype in DTYPES:
         specs.append(_forward(dtype, epilogue=False))
         for _, method, gate in METHOD_VARIANTS:
@@ -191,7 +203,7 @@ def compile_one(job: tuple[Specialisation, int]) -> dict:
     spec, arch = job
     row = {"label": spec.label, "arch": f"sm_{arch}", "kernel": spec.kernel}
     try:
-        compiled = triton.compile(_source(spec), target=GPUTarget("cuda", arch, 32), options=LAUNCH[spec.kernel])
+        compiled = triton.compile(_source(spec), target=GPUTarget("cuda", arch, 32), options=spec.launch)
     except Exception as error:  # report every failure, not just the first
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         return row
@@ -212,7 +224,7 @@ def compile_one(job: tuple[Specialisation, int]) -> dict:
     row["stg128"] = len(re.findall(r"STG\.E\.128", sass))
     if spec.kernel in ("forward", "backward"):
         loop = hot_loop_mufu(sass)
-        elements_per_thread = dict(spec.constexprs)["BLOCK_V"] / (32 * LAUNCH[spec.kernel]["num_warps"])
+        elements_per_thread = dict(spec.constexprs)["BLOCK_V"] / (32 * spec.launch["num_warps"])
         row["mufu_per_element"] = loop["mufu"] / elements_per_thread
         row["mufu_ops"] = loop["mufu_ops"]
     ptx = compiled.asm["ptx"]

@@ -1,6 +1,8 @@
-"""Finalize kernel: the loss and the metrics of a call, as one deterministic reduction on the device.
+"""Finalize: the loss and the metrics of a call, as one deterministic reduction on the device.
 
-One program walks the per-token planes in ``BLOCK`` blocks and sums, over scored tokens,
+``reduce_loss_and_metrics`` is the reduction; the logits op runs it in the last program of the
+prologue (one launch fewer per call), the fused-linear op, whose prologue runs before any logits
+exist, in ``finalize_kernel`` after its last chunk. One program walks the per-token planes in ``BLOCK`` blocks and sums, over scored tokens,
 ``s_b TOKEN_LOSS`` (the loss) and the metric terms (region counts, ratio, psi / ratio, entropy,
 KL), then divides the metrics by the scored-token count the prologue found. A fixed order of
 summation gives the same bits on every run. Poisoned scales (input the prologue could not score)
@@ -13,21 +15,12 @@ import triton.language as tl
 from . import codes
 
 MAX_BLOCK = 2048  # tokens per step of the reduction loop
+FINALIZE_WARPS = 8
 
 
 @triton.jit
-def finalize_kernel(
-    per_token_ptr,
-    target_index_ptr,
-    seq_scale_ptr,
-    status_ptr,
-    loss_ptr,
-    stats_ptr,
-    n_tokens,
-    grid_seq_len,
-    HAS_KL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def reduce_loss_and_metrics(per_token_ptr, target_index_ptr, seq_scale_ptr, status_ptr, loss_ptr, stats_ptr, n_tokens,
+                            grid_seq_len, HAS_KL: tl.constexpr, BLOCK: tl.constexpr):
     loss = tl.zeros((BLOCK,), tl.float32)
     ln = tl.zeros((BLOCK,), tl.float32)
     hp = tl.zeros((BLOCK,), tl.float32)
@@ -71,11 +64,32 @@ def finalize_kernel(
     tl.store(stats_ptr + codes.STAT_KL_MEAN, tl.sum(kl_sum, axis=0) / count)
 
 
+def finalize_block(n_tokens: int) -> int:
+    return min(MAX_BLOCK, triton.next_power_of_2(max(n_tokens, 16)))
+
+
+@triton.jit
+def finalize_kernel(
+    per_token_ptr,
+    target_index_ptr,
+    seq_scale_ptr,
+    status_ptr,
+    loss_ptr,
+    stats_ptr,
+    n_tokens,
+    grid_seq_len,
+    HAS_KL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    reduce_loss_and_metrics(per_token_ptr, target_index_ptr, seq_scale_ptr, status_ptr, loss_ptr, stats_ptr, n_tokens,
+                            grid_seq_len, HAS_KL, BLOCK)
+
+
 def finalize(workspace, grid_seq_len: int, has_kl: bool) -> None:
     """Launch the finalize kernel: ``workspace.loss`` and ``workspace.stats`` from the forward's planes."""
     n_tokens = workspace.n_tokens
     finalize_kernel[(1,)](
         workspace.per_token, workspace.target_index, workspace.seq_scale, workspace.status, workspace.loss,
-        workspace.stats, n_tokens, grid_seq_len, HAS_KL=has_kl,
-        BLOCK=min(MAX_BLOCK, triton.next_power_of_2(max(n_tokens, 16))), num_warps=8,
+        workspace.stats, n_tokens, grid_seq_len, HAS_KL=has_kl, BLOCK=finalize_block(n_tokens),
+        num_warps=FINALIZE_WARPS,
     )

@@ -10,6 +10,10 @@ the per-response scale ``s_b`` (``loss = sum_t s_b(t) L_t``) to ``seq_scale``. I
 scored poisons every scale with NaN, so the loss and gradient downstream are NaN, never quietly
 wrong numbers; the host reads the bits later (``dgpo_ops.validation``) and raises the error.
 
+With ``HAS_FINALIZE`` (the logits op, whose row forward and epilogue ran before this launch) the
+same last program then reduces the loss and metrics (``finalize.reduce_loss_and_metrics``): one
+Triton launch fewer per call, which is host time where the call is host-bound (small vocabularies).
+
 Inputs keep their own dtypes and strides (int32/int64 targets, bool/int/float masks, per-response
 advantages as a zero time stride): nothing is converted or copied before the launch.
 """
@@ -19,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import codes
+from .finalize import FINALIZE_WARPS, finalize_block, reduce_loss_and_metrics
 from .tokens import read_targets
 
 
@@ -50,6 +55,10 @@ def token_prologue_kernel(
     sequence_stats_ptr,
     seq_scale_ptr,
     status_ptr,
+    per_token_ptr,
+    target_index_ptr,
+    loss_ptr,
+    stats_ptr,
     normalizer,
     n_seqs,
     seq_len,
@@ -76,6 +85,9 @@ def token_prologue_kernel(
     DENOMINATOR: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    HAS_FINALIZE: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    FINALIZE_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     count = tl.zeros((), tl.int64)
@@ -167,13 +179,27 @@ def token_prologue_kernel(
         tl.store(status_ptr + codes.STATUS_ERRORS, all_errors)
         tl.store(status_ptr + codes.STATUS_BAD_TARGET, bad_target_value)
         tl.store(status_ptr + codes.STATUS_TOKENS, total)
+        if HAS_FINALIZE:
+            # The reduction reads back the scales and status this program's threads just stored:
+            # the barrier makes them visible to every thread of the block.
+            tl.debug_barrier()
+            reduce_loss_and_metrics(per_token_ptr, target_index_ptr, seq_scale_ptr, status_ptr, loss_ptr, stats_ptr,
+                                    n_seqs * seq_len, seq_len, HAS_KL, FINALIZE_BLOCK)
 
 
-def token_prologue(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes, normalizer) -> None:
+def prologue_warps(finalizes: bool) -> int:
+    """4 warps for the checks; the finalize kernel's warps when the last program also reduces the tokens."""
+    return FINALIZE_WARPS if finalizes else 4
+
+
+def token_prologue(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes, normalizer,
+                   finalize=None) -> None:
     """Launch the prologue over a ``TokenInputs`` batch (``dgpo_ops.kernels.row_io``).
 
     ``status`` must hold zeros (its arrival counter); ``aggregation_codes`` is
     ``(per_response, Denominator)``; ``normalizer`` a ``(Normalizer, float, tensor or None)``.
+    ``finalize``: ``(workspace, has_kl)`` to reduce the loss and metrics into that ``RowWorkspace``
+    in the same launch; its planes must have been written by the row forward with the epilogue.
     """
     n_seqs, seq_len = batch.grid
 
@@ -187,10 +213,16 @@ def token_prologue(batch, sequence_stats, seq_scale, status, vocab: int, aggrega
     def pointer(tensor):
         return anchor if tensor is None else tensor
 
+    workspace, has_kl = finalize if finalize is not None else (None, False)
+    if workspace is not None and workspace.n_tokens != n_seqs * seq_len:
+        raise ValueError(f"the workspace holds {workspace.n_tokens} tokens, the batch {n_seqs} x {seq_len}")
+    finalize_pointers = ((workspace.per_token, workspace.target_index, workspace.loss, workspace.stats)
+                         if workspace is not None else (seq_scale,) * 4)
+
     token_prologue_kernel[(n_seqs,)](
         batch.target_ids, pointer(batch.mask), batch.advantages, pointer(batch.old_logps), pointer(batch.ref_logps),
         pointer(batch.rollout_weights), pointer(normalizer_tensor),
-        sequence_stats, seq_scale, status,
+        sequence_stats, seq_scale, status, *finalize_pointers,
         float(normalizer_value), n_seqs, seq_len, vocab,
         *strides(batch.target_ids), *strides(batch.mask), *strides(batch.advantages), *strides(batch.old_logps),
         *strides(batch.ref_logps), *strides(batch.rollout_weights),
@@ -204,5 +236,8 @@ def token_prologue(batch, sequence_stats, seq_scale, status, vocab: int, aggrega
         DENOMINATOR=int(denominator),
         BLOCK_T=min(1024, triton.next_power_of_2(max(seq_len, 1))),
         BLOCK_B=min(1024, triton.next_power_of_2(max(n_seqs, 1))),
-        num_warps=4,
+        HAS_FINALIZE=workspace is not None,
+        HAS_KL=has_kl,
+        FINALIZE_BLOCK=finalize_block(n_seqs * seq_len) if workspace is not None else 16,  # no recompile per size
+        num_warps=prologue_warps(workspace is not None),
     )

@@ -137,6 +137,34 @@ def test_finalize_matches_the_torch_metrics():
                                                   "dual_clip_fraction", "kl_mean"))
 
 
+@pytest.mark.parametrize("bad", [False, True])
+def test_the_finalizing_prologue_equals_the_finalize_kernel(bad):
+    # The logits op reduces the loss and metrics in the prologue's last program; the fused-linear op
+    # launches finalize_kernel. Both must give the same bits from the same planes.
+    from dgpo_ops.fused import forward_pass, logits_plan
+    from dgpo_ops.options import LossOptions
+
+    inputs = logits_batch(5, 9, 40, seed=11)
+    if bad:
+        inputs["target_ids"][3, 2] = 40  # out of range: the loss must come out NaN either way
+    batch = LossBatch(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
+                      inputs["ref_logps"])
+    options = LossOptions.build("grpo", beta=0.1, dual_clip=3.0, backend="triton", validation="deferred")
+    plan = logits_plan(inputs["logits"], batch, options, needs_grad=False)
+    workspace, loss, stats, _ = forward_pass(inputs["logits"], plan)
+    finalized = (loss.clone(), stats.clone())
+    assert workspace.status[Status.ARRIVED] == 5
+    loss.fill_(123.0)
+    stats.fill_(123.0)
+    finalize_module.finalize(workspace, plan.grid_seq_len, plan.has_kl)
+    torch.testing.assert_close((loss, stats), finalized, rtol=0, atol=0, equal_nan=True)
+    assert loss.isnan().item() == bad
+    assert (stats[:5] > 0).all()  # every region and the dual clip occur: the counts were reduced
+    if bad:
+        with pytest.raises(ValueError, match="target_ids"):
+            dgpo_ops.raise_deferred_errors()
+
+
 def test_twin_chunks_match_one_chunk():
     logits, target, mask = row_inputs(3, 7, 50, seed=2)
     batch, whole = workspace_after_prologue(logits, target, mask)
@@ -174,7 +202,7 @@ def test_long_completions_launch_on_grid_axis_zero(monkeypatch):
     dgpo_ops.fused_dgpo_loss(logits.requires_grad_(True), target, torch.ones(1), backend="triton",
                              validation="deferred").loss.backward()
     dgpo_ops.raise_deferred_errors()
-    assert recorder.grids == [(70_000,), (1,), (1,), (70_000,)]  # rows, prologue per response, finalize, rows
+    assert recorder.grids == [(70_000,), (1,), (70_000,)]  # rows, prologue per response (it finalizes), rows
 
 
 def test_an_unknown_method_id_does_not_compile():
