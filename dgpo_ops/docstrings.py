@@ -35,6 +35,9 @@ ARGUMENTS = {
     "inplace": "write d(loss)/d(logits) into the logits' storage during backward (no extra logits-sized "
                "buffer); the logits must be a non-leaf you do not read again.",
     "memory_budget": "bytes of logits and gradient tiles alive at once (the token chunk follows from it).",
+    "logits_on_chip": "False: cuBLAS products into logits tiles of ``memory_budget`` bytes; True: Triton kernels "
+                      "that keep the logits in registers (no tiles, no weight copy under autocast, one more pass "
+                      "of products, gradients summed with atomics; CUDA or the interpreter).",
     "backend": "``auto`` (Triton on CUDA, the chunked torch path on CPU), ``triton`` (on CPU tensors only under "
                "``TRITON_INTERPRET=1``) or ``torch``.",
     "validation": "``auto`` (immediate on CPU, deferred on CUDA), ``immediate`` or ``deferred``: deferred checks "

@@ -56,6 +56,10 @@ class ProjectionOptions:
     logit_scale: float = 1.0
     softcap: float | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET
+    # True: the Triton kernels of kernels/linear_logits.py and linear_grad.py, where the logits exist
+    # only in registers (no tile buffers, no copy of the weight in the compute dtype; one more pass of
+    # products). Not yet measured against the tile path on a GPU, so not the default.
+    logits_on_chip: bool = False
 
     def __post_init__(self):
         if isinstance(self.logit_scale, bool) or not isinstance(self.logit_scale, (int, float)) or not math.isfinite(
@@ -66,6 +70,8 @@ class ProjectionOptions:
             raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
         if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1:
             raise ValueError(f"memory_budget must be a positive integer number of bytes, got {self.memory_budget!r}")
+        if not isinstance(self.logits_on_chip, bool):
+            raise ValueError(f"logits_on_chip must be True or False, got {self.logits_on_chip!r}")
 
 
 @dataclass(frozen=True)
@@ -187,11 +193,49 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
+def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_autocast: torch.dtype | None,
+                         zero_planes: bool = False):
+    """``linear_forward_pass`` with ``logits_on_chip``: the logits only ever in the kernels' registers.
+    A token-level method: partials + rows kernels (the epilogue in the latter), the prologue's scales,
+    then one gradient kernel that recomputes each tile and multiplies its gradient into the fp32
+    accumulators. GSPO: the torch objective between the two, as on the tile path."""
+    from .kernels.linear_grad import linear_grads
+    from .kernels.linear_logits import OnChipProjection, linear_logprob_entropy
+
+    call, options = plan.call, plan.call.options
+    softcap, logit_scale = plan.projection.softcap, plan.projection.logit_scale
+    operand = compute_autocast if compute_autocast in LOW_PRECISION else weight.dtype
+    projection = OnChipProjection(operand, (softcap if softcap is not None else logit_scale) / options.temperature,
+                                  logit_scale / softcap if softcap is not None else 1.0, softcap is not None)
+    token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
+    workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device, torch.float32, zero_planes)
+    run_prologue(call, workspace)
+    epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
+    linear_logprob_entropy(hidden, weight, bias, call.inputs, workspace, projection, epilogue)
+    coefficient = None
+    if call.uses_epilogue:
+        call.kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
+        loss, stats = workspace.loss, workspace.stats
+    else:
+        result = objective_route(call, workspace)
+        loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if wanted else None
+             for t, wanted in zip((hidden, weight, bias), wants)]
+    if call.needs_grad:
+        linear_grads(hidden, weight, bias, workspace, call.grid_seq_len, projection, options.entropy_coef, *grads,
+                     dloss_dlogp=coefficient)
+    if call.deferred:
+        defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
+    return loss, workspace.per_token, stats, *grads
+
+
 def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_autocast: torch.dtype | None,
                         zero_planes: bool = False):
     """The sweep of one call: ``(loss, per_token, stats, grad_hidden, grad_weight, grad_bias)``, the
     gradients fp32 (fp64) accumulators of the inputs ``wants`` names (None for the others).
     ``compute_autocast`` is the autocast dtype the call was made under (None: none)."""
+    if plan.projection.logits_on_chip:
+        return on_chip_forward_pass(hidden, weight, bias, plan, wants, compute_autocast, zero_planes)
     call = plan.call
     options, kernels = call.options, call.kernels
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -315,6 +359,9 @@ def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, pr
                              device=weight.device)
     make = prepare_call if checked else plan_call
     call = make(inputs, options, tile_probe, weight.shape[0], batch.loss_normalizer, weight.device, needs_grad)
+    if projection_options.logits_on_chip and call.kernels.name != "triton":
+        raise ValueError("logits_on_chip=True runs Triton kernels: pass CUDA tensors, or backend='triton' with "
+                         "TRITON_INTERPRET=1 on the CPU")
     return LinearPlan(call, projection_options)
 
 
@@ -360,6 +407,7 @@ def fused_linear_dgpo_loss(
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    logits_on_chip: bool = False,
     backend: str = "auto",
     validation: str = "auto",
     **method_params,
@@ -368,7 +416,8 @@ def fused_linear_dgpo_loss(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
         importance_sampling_level=importance_sampling_level, backend=backend, validation=validation, **method_params,
     )
-    projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget)
+    projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
+                                           logits_on_chip=logits_on_chip)
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
     return fused_linear_loss_from_options(hidden, weight, bias, batch, options, projection_options)
 

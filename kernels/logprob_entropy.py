@@ -116,9 +116,24 @@ def logprob_entropy_fwd_kernel(
         sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
         row_max = new_max
 
+    target_logit = tl.load(row_ptr + target * stride_v, mask=valid, other=0.0).to(tl.float32) * inv_temperature
+    finish_row(per_token_ptr, token, n_tokens, b, t, valid, row_max, sum_exp, sum_exp_dx, target_logit, advantages_ptr,
+               old_logps_ptr, ref_logps_ptr, rollout_weights_ptr, method_params_ptr, beta, entropy_coef, adv_stride_b,
+               adv_stride_t, old_stride_b, old_stride_t, ref_stride_b, ref_stride_t, rw_stride_b, rw_stride_t,
+               METHOD, GATE, HAS_EPILOGUE, HAS_OLD_LOGPS, HAS_KL, KL_TIMES_RATIO, HAS_ROLLOUT_WEIGHTS)
+
+
+@triton.jit
+def finish_row(per_token_ptr, token, n_tokens, b, t, valid, row_max, sum_exp, sum_exp_dx, target_logit, advantages_ptr,
+               old_logps_ptr, ref_logps_ptr, rollout_weights_ptr, method_params_ptr, beta, entropy_coef, adv_stride_b,
+               adv_stride_t, old_stride_b, old_stride_t, ref_stride_b, ref_stride_t, rw_stride_b, rw_stride_t,
+               METHOD: tl.constexpr, GATE: tl.constexpr, HAS_EPILOGUE: tl.constexpr, HAS_OLD_LOGPS: tl.constexpr,
+               HAS_KL: tl.constexpr, KL_TIMES_RATIO: tl.constexpr, HAS_ROLLOUT_WEIGHTS: tl.constexpr):
+    """A token's planes from its row's running ``(max, S, U)`` and target logit (already / temperature):
+    log-prob, entropy and, with the epilogue, the method's per-token terms. Shared by the row forward
+    and the on-chip fused-linear kernels (``linear_logits.py``), so both evaluate one table."""
     shift = tl.where(row_max == -float("inf"), 0.0, row_max)
     log_sum_exp = tl.log(tl.where(valid, sum_exp, 1.0))
-    target_logit = tl.load(row_ptr + target * stride_v, mask=valid, other=0.0).to(tl.float32) * inv_temperature
     # log-sum-exp kept as (max, log S) rather than their sum: log p = (x - max) - log S keeps full
     # precision for confident tokens (log p ~ -1e-3) where x - lse would cancel.
     logp = tl.where(valid, (target_logit - shift) - log_sum_exp, 0.0)
@@ -169,6 +184,8 @@ def logprob_entropy_fwd_kernel(
         tl.store(token_planes_ptr + codes.PLANE_PSI * n_tokens, tl.where(valid, psi, 0.0))
         tl.store(token_planes_ptr + codes.PLANE_REGION * n_tokens, tl.where(valid, region, 0).to(tl.float32))
         tl.store(token_planes_ptr + codes.PLANE_KL * n_tokens, tl.where(valid, kl, 0.0))
+
+
 
 
 def default_block_v(vocab: int, shape: LaunchShape) -> int:

@@ -31,7 +31,7 @@ def linear_case(B=3, T=6, H=16, V=70, seed=0, dtype=torch.float32, bias=True, lo
     return params, inputs
 
 
-def run_linear(variant, backend, options, dtype=torch.float32, seed=0, **case):
+def run_linear(variant, backend, options, dtype=torch.float32, seed=0, logits_on_chip=False, **case):
     name, params = variant
     (hidden, weight, bias), inputs = linear_case(seed=seed, dtype=dtype, **case)
     projection = dict(logit_scale=case.get("logit_scale", 1.0), softcap=case.get("softcap"))
@@ -40,7 +40,7 @@ def run_linear(variant, backend, options, dtype=torch.float32, seed=0, **case):
     logits = make_logits(*ref_leaves, **projection)
     ref = dgpo_ops.reference_loss(logits, **inputs, method=name, **params, **options)
     out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], method=name, **params,
-                                          **projection, **options, backend=backend,
+                                          **projection, **options, backend=backend, logits_on_chip=logits_on_chip,
                                           memory_budget=2 * 70 * 4 * 2)  # two-token tiles: many chunks
     wanted = [t for t in ref_leaves if t is not None]
     ref_grads = torch.autograd.grad(ref.loss, wanted)

@@ -148,14 +148,16 @@ def test_every_route_is_sync_free(recorder, backend, level):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "on_chip"])
 def test_fused_linear_is_sync_free(recorder, backend, level):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(2, 8, 16, generator=g, requires_grad=True)
     weight = torch.randn(50, 16, generator=g, requires_grad=True)
     inputs = loss_inputs()
     inputs.pop("logits")
-    options = dict(importance_sampling_level=level, aggregation="seq_mean_token_mean", backend=backend,
+    on_chip = backend == "on_chip"
+    options = dict(importance_sampling_level=level, aggregation="seq_mean_token_mean",
+                   backend="triton" if on_chip else backend, logits_on_chip=on_chip,
                    validation="deferred", memory_budget=50 * 4 * 4, loss_normalizer=torch.tensor(3.0))
 
     def step():
