@@ -32,6 +32,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 COMPETITORS = {
     "ours": "dgpo_ops.fused_linear_dgpo_loss",
+    "ours_on_chip": "dgpo_ops.fused_linear_dgpo_loss(logits_on_chip=True): logits only in registers",
     "trl": "TRL 1.16 ChunkedLogProbFunction + TRL loss",
     "liger": "Liger-Kernel LigerFusedLinearGRPOLoss (dapo)",
     "eager": "whole logits + log_softmax + TRL loss",
@@ -76,13 +77,14 @@ def step_fn(competitor, inputs, setting):
     def context():
         return torch.autocast(device, dtype=torch.bfloat16, enabled=autocast)
 
-    if competitor == "ours":
+    if competitor in ("ours", "ours_on_chip"):
         import dgpo_ops
 
         def step():
             with context():
                 out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, target, advantages, mask, old_logps,
-                                                      method="grpo", eps_low=EPS_LOW, eps_high=EPS_HIGH)
+                                                      method="grpo", eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                                                      logits_on_chip=competitor == "ours_on_chip")
             out.loss.backward()
             return out.loss
     elif competitor == "trl":

@@ -23,6 +23,10 @@ host); rows not scored read nothing in the row kernels and get a zero gradient. 
 the tile buffers (``memory_budget`` bytes), the fp32 gradient accumulators, a copy of the weight
 in the compute dtype when it differs from the weight's (autocast over fp32 weights), and O(N)
 per-token vectors.
+
+``logits_on_chip=True`` replaces the tiles with the Triton kernels of ``kernels/linear_logits.py``
+and ``kernels/linear_grad.py``: the logits only ever in registers, operands rounded to the compute
+dtype as they are loaded (no weight copy), one more pass of products, gradients summed with atomics.
 """
 
 from __future__ import annotations

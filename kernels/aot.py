@@ -14,7 +14,10 @@ more than one MUFU instruction per element in the backward's hot loop.
 The default covers every method (and sapo gate) x logits dtype with all epilogue inputs present,
 every combination of the epilogue flags for dgpo, the forward without epilogue (GSPO and forward
 only), the backward with and without the entropy term and with the objective's scaled
-coefficients, the prologue and the finalize kernel. A method id without a Triton branch fails
+coefficients, the prologue and the finalize kernel, and the on-chip fused-linear kernels
+(``linear_logits.py``, ``linear_grad.py``) for bf16 weights and for fp32 weights rounded to bf16 in
+registers (autocast), with the tensor-core instructions (HGMMA on sm_90, HMMA on sm_80) their
+products compile to. A method id without a Triton branch fails
 to compile (``tl.static_assert``), so this report catches it. ``--full`` compiles the whole
 method x dtype x flag product.
 """
@@ -32,6 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from .finalize import FINALIZE_WARPS, finalize_kernel
@@ -39,24 +43,33 @@ from .finalize import MAX_BLOCK as FINALIZE_BLOCK
 from .interface import Denominator, Gate, MethodId, Normalizer
 from .logits_grad import logits_grad_kernel
 from .logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
+from .linear_grad import linear_grad_kernel
+from .linear_logits import LINEAR_GRAD_SHAPE, PARTIALS_SHAPE, linear_partials_kernel, linear_rows_kernel
 from .prologue import prologue_warps, token_prologue_kernel
 
 KERNELS = {"forward": logprob_entropy_fwd_kernel, "backward": logits_grad_kernel, "prologue": token_prologue_kernel,
-           "finalize": finalize_kernel}
+           "finalize": finalize_kernel, "linear_partials": linear_partials_kernel, "linear_rows": linear_rows_kernel,
+           "linear_grad": linear_grad_kernel}
 # The production tiles (vocabularies at least that wide) and the launchers' shapes.
 LAUNCH = {"forward": dict(num_warps=FORWARD_SHAPE.num_warps, num_stages=FORWARD_SHAPE.num_stages),
           "backward": dict(num_warps=BACKWARD_SHAPE.num_warps, num_stages=BACKWARD_SHAPE.num_stages),
-          "prologue": dict(num_warps=prologue_warps(False)), "finalize": dict(num_warps=FINALIZE_WARPS)}
+          "prologue": dict(num_warps=prologue_warps(False)), "finalize": dict(num_warps=FINALIZE_WARPS),
+          "linear_partials": dict(num_warps=PARTIALS_SHAPE.num_warps, num_stages=PARTIALS_SHAPE.num_stages),
+          "linear_rows": dict(num_warps=1),
+          "linear_grad": dict(num_warps=LINEAR_GRAD_SHAPE.num_warps, num_stages=LINEAR_GRAD_SHAPE.num_stages)}
+LOGITS_LIKE = ("logits_ptr", "grad_logits_ptr", "hidden_ptr", "weight_ptr", "bias_ptr")  # pointers of the spec's dtype
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i64", "target_index_ptr": "*i64",
                  "sequence_stats_ptr": "*i64", "status_ptr": "*i64"}
-FLOAT_SCALARS = ("inv_temperature", "beta", "entropy_coef", "normalizer")
-DIVISIBLE_INTS = ("vocab", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t")
-UNIT_STRIDES = ("stride_v", "grad_stride_v")
+FLOAT_SCALARS = ("inv_temperature", "beta", "entropy_coef", "normalizer", "tanh_scale", "out_scale")
+DIVISIBLE_INTS = ("vocab", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "hidden_dim", "stride_hn",
+                  "stride_wv", "split_width")
+UNIT_STRIDES = ("stride_v", "grad_stride_v", "stride_hk", "stride_wk")
 FORWARD_FLAGS = ("HAS_OLD_LOGPS", "HAS_KL", "KL_TIMES_RATIO", "HAS_ROLLOUT_WEIGHTS")
 METHOD_VARIANTS = [(m.name.lower(), m, Gate.SIGMOID) for m in MethodId if m != MethodId.SAPO] + [
     (f"sapo_{g.name.lower()}", MethodId.SAPO, g) for g in Gate
 ]
+MMA_OF_ARCH = {"sm_80": "HMMA", "sm_90": "HGMMA"}  # what the on-chip fused-linear products must use
 MAX_BACKWARD_MUFU_PER_ELEMENT = 1.0  # issue 12: one exp per element, 1 - p of the target once per row
 
 
@@ -84,6 +97,12 @@ class Specialisation:
                    f"{int(c['HAS_ROLLOUT_WEIGHTS'])} norm={Normalizer(c['NORMALIZER']).name.lower()}{finalizes}"
         if self.kernel == "finalize":
             return f"finalize kl={int(c['HAS_KL'])}"
+        if self.kernel in ("linear_partials", "linear_grad"):
+            operand = "bf16 operands" if self.dtype == "bf16" else f"{self.dtype}->bf16 (autocast)"
+            grads = f" entropy={int(c['HAS_ENTROPY_GRAD'])}" if self.kernel == "linear_grad" else ""
+            return f"{self.kernel} {self.dtype} {operand}{grads}"
+        if self.kernel == "linear_rows":
+            return "linear_rows - dgpo epilogue old/kl/klr/w=1111"
         if not c["HAS_EPILOGUE"]:
             return f"forward  {self.dtype} no-epilogue"
         method = next(n for n, m, g in METHOD_VARIANTS if m == c["METHOD"] and (m != MethodId.SAPO or g == c["GATE"]))
@@ -123,6 +142,25 @@ def _finalize(kl: bool):
     return Specialisation("finalize", "-", (("BLOCK", FINALIZE_BLOCK), ("HAS_KL", kl)))
 
 
+def _linear(kernel: str, stored: str, entropy: bool = False):
+    """An on-chip fused-linear kernel reading ``stored`` hidden/weight and multiplying bf16 operands."""
+    shape = PARTIALS_SHAPE if kernel == "linear_partials" else LINEAR_GRAD_SHAPE
+    constexprs = dict(OPERAND=tl.bfloat16, HAS_BIAS=False, HAS_SOFTCAP=False, DOT_PRECISION="tf32", DOT_IN_FP32=False,
+                      BLOCK_N=shape.block_n, BLOCK_V=shape.block_v, BLOCK_K=shape.block_k)
+    if kernel == "linear_partials":
+        constexprs["HAS_MASK"] = True
+    else:
+        constexprs.update(COEF_IS_SCALED=False, HAS_ENTROPY_GRAD=entropy, HAS_GRAD_HIDDEN=True, HAS_GRAD_WEIGHT=True,
+                          HAS_GRAD_BIAS=False)
+    return Specialisation(kernel, stored, tuple(sorted(constexprs.items())))
+
+
+def _linear_rows():
+    constexprs = dict(METHOD=int(MethodId.DGPO), GATE=int(Gate.SIGMOID), HAS_EPILOGUE=True, HAS_MASK=True,
+                      BLOCK_S=8, **dict(zip(FORWARD_FLAGS, ALL_FLAGS)))
+    return Specialisation("linear_rows", "-", tuple(sorted(constexprs.items())))
+
+
 def _flag_sets():
     """Every combination of the epilogue flags the launcher can pass (the KL ratio needs the KL)."""
     combos = itertools.product((False, True), repeat=len(FORWARD_FLAGS))
@@ -132,6 +170,8 @@ def _flag_sets():
 def specialisations(full: bool = False) -> list[Specialisation]:
     specs = [_prologue(False), _prologue(True), _prologue(False, finalize=True), _prologue(True, finalize=True),
              _finalize(False), _finalize(True)]
+    specs += [_linear("linear_partials", stored) for stored in ("bf16", "fp32")] + [_linear_rows()]
+    specs += [_linear("linear_grad", stored, entropy) for stored in ("bf16", "fp32") for entropy in (False, True)]
     for dtype in DTYPES:
         specs.append(_forward(dtype, epilogue=False))
         for _, method, gate in METHOD_VARIANTS:
@@ -154,8 +194,7 @@ def _source(spec: Specialisation, constexpr_overrides: dict | None = None):
             signature[name] = "constexpr"
             constexprs[name] = 1
         elif name.endswith("_ptr"):
-            logits_like = name in ("logits_ptr", "grad_logits_ptr")
-            signature[name] = DTYPES[spec.dtype] if logits_like else POINTER_TYPES.get(name, "*fp32")
+            signature[name] = DTYPES[spec.dtype] if name in LOGITS_LIKE else POINTER_TYPES.get(name, "*fp32")
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif name in FLOAT_SCALARS:
             signature[name] = "fp32"
@@ -222,6 +261,9 @@ def compile_one(job: tuple[Specialisation, int]) -> dict:
     row["shared"] = max(row["shared"] or 0, compiled.metadata.shared)
     row["ldg128"] = len(re.findall(r"LDG\.E\.128", sass))
     row["stg128"] = len(re.findall(r"STG\.E\.128", sass))
+    mma = re.findall(r"\b(H[G]?MMA)\.", sass)  # tensor-core products: HGMMA (sm_90 wgmma), HMMA (mma.sync)
+    row["mma"] = len(mma)
+    row["mma_ops"] = sorted(set(mma))
     if spec.kernel in ("forward", "backward"):
         loop = hot_loop_mufu(sass)
         elements_per_thread = dict(spec.constexprs)["BLOCK_V"] / (32 * spec.launch["num_warps"])
@@ -243,7 +285,7 @@ def run(archs=(80, 90), full=False, jobs=2) -> list[dict]:
 
 def format_report(rows: list[dict]) -> str:
     header = (f"{'arch':<6} {'specialisation':<58} {'regs':>4} {'smem':>6} {'local':>5} {'stack':>5} "
-              f"{'LDG.128':>7} {'STG.128':>7} {'MUFU/elt':>8}")
+              f"{'LDG.128':>7} {'STG.128':>7} {'MUFU/elt':>8} {'MMA':>5}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if "error" in row:
@@ -251,7 +293,7 @@ def format_report(rows: list[dict]) -> str:
             continue
         mufu = f"{row['mufu_per_element']:.2f}" if "mufu_per_element" in row else "-"
         lines.append(f"{row['arch']:<6} {row['label']:<58} {row['reg']:>4} {row['shared']:>6} {row['local']:>5} "
-                     f"{row['stack']:>5} {row['ldg128']:>7} {row['stg128']:>7} {mufu:>8}")
+                     f"{row['stack']:>5} {row['ldg128']:>7} {row['stg128']:>7} {mufu:>8} {row['mma']:>5}")
     return "\n".join(lines)
 
 
@@ -265,6 +307,9 @@ def problems(rows: list[dict]) -> list[str]:
             found.append(f"{where}: spills (local {row['local']} B, stack {row['stack']} B)")
         elif row["label"].startswith(("forward  bf16", "backward bf16")) and row["ldg128"] == 0:
             found.append(f"{where}: no 128-bit global loads in a bf16 row kernel")
+        elif row["kernel"] in ("linear_partials", "linear_grad") and row["mma_ops"] != [MMA_OF_ARCH[row["arch"]]]:
+            found.append(f"{where}: products compiled to {row['mma_ops'] or 'no tensor-core instructions'}, "
+                         f"expected {MMA_OF_ARCH[row['arch']]}")
         elif row["kernel"] == "backward" and row["mufu_per_element"] > MAX_BACKWARD_MUFU_PER_ELEMENT:
             found.append(f"{where}: {row['mufu_per_element']:.2f} MUFU instructions per element in the hot loop "
                          f"({', '.join(row['mufu_ops'])}); the backward must stay at one exp")
@@ -292,6 +337,8 @@ def main(argv=None) -> int:
         f"bf16 gradient stores convert with: {', '.join(bf16)} (cvt.rn: round to nearest even)",
         "MUFU/elt: special-function instructions per vocabulary element in the row kernels' hot loop "
         f"(the backward must stay at {MAX_BACKWARD_MUFU_PER_ELEMENT:g})",
+        "MMA: tensor-core instructions in the SASS (the on-chip fused-linear products: "
+        + ", ".join(f"{arch} {op}" for arch, op in MMA_OF_ARCH.items()) + ")",
         f"{len(rows) - len(found)} of {len(rows)} specialisations compiled without problems",
     ])
     print(report)

@@ -132,7 +132,7 @@ def linear_partials_kernel(
     split_end = tl.minimum(split_start + split_width, vocab)
     for v_start in range(split_start, split_end, BLOCK_V):
         cols = v_start + tl.arange(0, BLOCK_V).to(tl.int64)
-        x, _ = projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, vocab, hidden_dim, stride_hn,
+        x, _tanh = projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, vocab, hidden_dim, stride_hn,
                                 stride_hk, stride_wv, stride_wk, tanh_scale, out_scale, OPERAND, HAS_BIAS, HAS_SOFTCAP,
                                 DOT_PRECISION, DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_K)
         x = tl.where(cols[None, :] < split_end, x, -float("inf"))
@@ -244,8 +244,8 @@ class GemmShape:
 
 # Not tuned on a GPU yet (csrc_notes.md, "On-chip fused linear"): common tensor-core GEMM tiles that
 # compile for sm_80 and sm_90 without spills. The backward holds the gradient tile too: fewer rows.
-PARTIALS_SHAPE = GemmShape(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3)
-LINEAR_GRAD_SHAPE = GemmShape(block_n=64, block_v=128, block_k=64, num_warps=8, num_stages=2)
+PARTIALS_SHAPE = GemmShape(block_n=128, block_v=128, block_k=32, num_warps=8, num_stages=3)
+LINEAR_GRAD_SHAPE = GemmShape(block_n=64, block_v=128, block_k=32, num_warps=8, num_stages=2)
 PROGRAMS_WANTED = 528  # enough programs for 4 per SM on a 132-SM H100; the vocabulary is split to reach it
 
 DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -1,5 +1,6 @@
 """Every kernel specialisation compiles ahead of time for sm_80 and sm_90, without spills, with 128-bit
-loads in the bf16 row kernels and one special-function instruction per element in the backward."""
+loads in the bf16 row kernels, one special-function instruction per element in the backward, and
+tensor-core products in the on-chip fused-linear kernels."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import sys
 
 import pytest
 
-ROW = re.compile(r"^(sm_\d+)\s+(forward|backward|prologue|finalize)\s+(\S+)?.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
-                 r"\s+([0-9.]+|-)$")
+KINDS = {"forward", "backward", "prologue", "finalize", "linear_partials", "linear_rows", "linear_grad"}
+ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
+                 r"\s+(\d+)\s+([0-9.]+|-)\s+(\d+)$")
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +41,14 @@ def test_every_specialisation_compiled_for_both_architectures(report):
     assert sum(line.startswith("sm_90 ") for line in lines) == expected
     assert not [line for line in lines if "FAILED" in line]
     kinds = {m.group(2) for m in rows(report)}
-    assert kinds == {"forward", "backward", "prologue", "finalize"}
+    assert kinds == KINDS
 
 
 def test_no_local_memory_and_vectorised_bf16_loads(report):
     matched = rows(report)
     assert len(matched) >= 2 * 40
     for m in matched:
-        arch, kernel, dtype, regs, smem, local, stack, ldg128, stg128, mufu = m.groups()
+        arch, kernel, dtype, regs, smem, local, stack, ldg128, stg128, mufu, mma = m.groups()
         assert int(local) == 0 and int(stack) == 0, m.group(0)
         assert 0 < int(regs) <= 255, m.group(0)
         if kernel in ("forward", "backward") and dtype == "bf16":
@@ -67,6 +69,21 @@ def test_one_exp_per_element_in_the_hot_loops(report):
             assert 1.0 <= float(mufu) <= 1.1, m.group(0)
         else:
             assert mufu == "-", m.group(0)
+
+
+def test_on_chip_linear_products_run_on_tensor_cores(report):
+    # wgmma (HGMMA) on sm_90, mma.sync (HMMA) on sm_80, for bf16 weights and for fp32 weights rounded
+    # in registers; the row kernels multiply nothing.
+    seen = set()
+    for m in rows(report):
+        arch, kernel, mma = m.group(1), m.group(2), int(m.group(11))
+        if kernel in ("linear_partials", "linear_grad"):
+            assert mma > 0, m.group(0)
+            seen.add((arch, kernel))
+        else:
+            assert mma == 0, m.group(0)
+    assert seen == {(arch, kernel) for arch in ("sm_80", "sm_90") for kernel in ("linear_partials", "linear_grad")}
+    assert "sm_90 HGMMA" in report.stdout and "sm_80 HMMA" in report.stdout
 
 
 def test_aot_refuses_to_run_under_the_interpreter():

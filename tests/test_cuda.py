@@ -51,8 +51,9 @@ def test_logits_op_never_synchronises(options):
     dgpo_ops.raise_deferred_errors()
 
 
+@pytest.mark.parametrize("on_chip", [False, True], ids=["tiles", "on_chip"])
 @pytest.mark.parametrize("autocast", [True, False])
-def test_linear_op_never_synchronises(autocast):
+def test_linear_op_never_synchronises(autocast, on_chip):
     g = torch.Generator(device="cuda").manual_seed(1)
     hidden = torch.randn(4, 64, 256, device="cuda", generator=g, requires_grad=True)
     weight = (torch.randn(32000, 256, device="cuda", generator=g) * 0.05).requires_grad_(True)
@@ -62,7 +63,7 @@ def test_linear_op_never_synchronises(autocast):
     def step():
         hidden.grad = weight.grad = None
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, beta=0.02)
+            out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, beta=0.02, logits_on_chip=on_chip)
         out.loss.backward()
         return out
 
@@ -94,9 +95,12 @@ def rounded_like_the_model(logits, dtype):
     return logits + (logits.to(dtype).double() - logits).detach()
 
 
+@pytest.mark.parametrize("on_chip", [False, True], ids=["tiles", "on_chip"])
 @pytest.mark.parametrize("setting", ["autocast_fp32_params", "bf16_params", "fp32"])
 @pytest.mark.parametrize("method", ["dgpo", "grpo", "sapo"])
-def test_linear_op_matches_the_models_logits(setting, method):
+def test_linear_op_matches_the_models_logits(setting, method, on_chip):
+    # tiles: the logits tile is the model's own (rounded to bf16 under bf16 products); on_chip: the
+    # fp32 accumulator is never rounded (the logits exist only in registers).
     g = torch.Generator().manual_seed(2)
     B, T, H, V = 2, 16, 64, 3000
     hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
@@ -108,14 +112,15 @@ def test_linear_op_matches_the_models_logits(setting, method):
     operands = [t.to(torch.bfloat16 if low else torch.float32) for t in (hidden, weight)]
     ref_leaves = [t.double().requires_grad_(True) for t in operands]
     ref_logits = ref_leaves[0] @ ref_leaves[1].T
-    if low:
+    if low and not on_chip:
         ref_logits = rounded_like_the_model(ref_logits, torch.bfloat16)
     ref = dgpo_ops.reference_loss(ref_logits, **inputs, method=method, beta=0.02)
     ref_grads = torch.autograd.grad(ref.loss, ref_leaves)
     leaves = [t.to(params_dtype).cuda().requires_grad_(True) for t in (hidden, weight)]
     cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setting == "autocast_fp32_params"):
-        out = dgpo_ops.fused_linear_dgpo_loss(*leaves, **cuda, method=method, beta=0.02, memory_budget=V * 2 * 8)
+        out = dgpo_ops.fused_linear_dgpo_loss(*leaves, **cuda, method=method, beta=0.02, memory_budget=V * 2 * 8,
+                                              logits_on_chip=on_chip)
     grads = torch.autograd.grad(out.loss, leaves)
     torch.testing.assert_close(out.loss.double().cpu(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
     for got, want, leaf in zip(grads, ref_grads, leaves):
