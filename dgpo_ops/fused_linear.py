@@ -438,6 +438,7 @@ def fused_linear_logprobs(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    logits_on_chip: bool = False,
     backend: str = "auto",
     validation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,5 +447,6 @@ def fused_linear_logprobs(
     advantages = torch.zeros(target_ids.shape, device=hidden.device)
     out = fused_linear_dgpo_loss(hidden, weight, target_ids, advantages, mask, bias=bias, method="grpo",
                                  temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                                 memory_budget=memory_budget, backend=backend, validation=validation)
+                                 memory_budget=memory_budget, logits_on_chip=logits_on_chip, backend=backend,
+                                 validation=validation)
     return out.logps, out.entropy

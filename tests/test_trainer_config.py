@@ -18,6 +18,7 @@ def make(tmp_path, **fields):
     ("fused_memory_budget", -5, "fused_memory_budget must be a positive integer"),
     ("fused_memory_budget", 1.5e6, "fused_memory_budget must be a positive integer"),
     ("fused_memory_budget", True, "fused_memory_budget must be a positive integer"),
+    ("fused_logits_on_chip", "yes", "fused_logits_on_chip must be True or False"),
     # A method's own fields are checked whichever policy_loss is chosen (the default is dgpo).
     ("dcpo_r_max", 0.5, "dcpo_r_max=0.5): dcpo: r_max must be in (1.0, inf)"),
     ("gppo_beta1", float("nan"), "gppo_beta1=nan, gppo_beta2=1.0): ce_gppo: beta1 must be a finite number"),
@@ -30,6 +31,12 @@ def test_a_bad_field_fails_when_the_config_is_made(tmp_path, field, value, messa
     with pytest.raises(ValueError) as error:
         make(tmp_path, **{field: value})
     assert message in str(error.value)
+
+
+def test_logits_on_chip_needs_the_linear_op(tmp_path):
+    with pytest.raises(ValueError, match="fused_logits_on_chip=True applies to fused='linear'"):
+        make(tmp_path, fused="logits", fused_logits_on_chip=True)
+    assert make(tmp_path, fused_logits_on_chip=True).fused_logits_on_chip
 
 
 def test_dapo_carries_dapos_clip_higher_unless_epsilon_high_is_set(tmp_path):

@@ -73,6 +73,8 @@ class DGPOConfig(GRPOConfig):
         advantage_estimator: `"grpo"` (TRL's group advantages) or `"dcpo"` (smooth advantage standardisation).
         fused: `"linear"` (hidden states + lm_head, logits never whole) or `"logits"` (the model's logits).
         fused_memory_budget: bytes of logits and gradient tiles for `fused="linear"` (a positive integer).
+        fused_logits_on_chip: `fused="linear"` through Triton kernels that keep the logits in registers (no
+            tiles, no bf16 weight copy under autocast; CUDA only; not yet measured on a GPU, so off by default).
         max_nonfinite_steps: an optimizer step whose gradients are not finite is skipped with a warning naming the
             step and the first such parameter; this many consecutive skips stop the run with an error.
 
@@ -84,6 +86,8 @@ class DGPOConfig(GRPOConfig):
     advantage_estimator: str = field(default="grpo", metadata={"help": "Advantages: grpo or dcpo."})
     fused: str = field(default="linear", metadata={"help": "linear (hidden states + lm_head) or logits."})
     fused_memory_budget: int = field(default=512 * 2**20, metadata={"help": "Bytes of fp32 logits tiles."})
+    fused_logits_on_chip: bool = field(default=False, metadata={
+        "help": "fused='linear' with the logits only in registers (Triton, CUDA): no tiles, no weight copy."})
     max_nonfinite_steps: int = field(default=3, metadata={
         "help": "Optimizer steps with non-finite gradients are skipped; this many in a row stop the run."})
 
@@ -115,6 +119,10 @@ class DGPOConfig(GRPOConfig):
                 or self.fused_memory_budget < 1):
             raise ValueError(f"fused_memory_budget must be a positive integer number of bytes, got "
                              f"{self.fused_memory_budget!r}")
+        if not isinstance(self.fused_logits_on_chip, bool):
+            raise ValueError(f"fused_logits_on_chip must be True or False, got {self.fused_logits_on_chip!r}")
+        if self.fused_logits_on_chip and self.fused != "linear":
+            raise ValueError(f"fused_logits_on_chip=True applies to fused='linear', not fused={self.fused!r}")
         if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) or \
                 self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {self.max_nonfinite_steps!r}")

@@ -98,7 +98,8 @@ class DGPOTrainer(GRPOTrainer):
             add_hidden_state_output(self.ref_model)
         logit_scale, softcap = _logit_transform(base.config) if self.args.fused == "linear" else (1.0, None)
         self.projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap,
-                                                    memory_budget=self.args.fused_memory_budget)
+                                                    memory_budget=self.args.fused_memory_budget,
+                                                    logits_on_chip=self.args.fused_logits_on_chip)
         self.smooth_advantages = SmoothAdvantageStandardizer() if self.args.advantage_estimator == "dcpo" else None
         self.nonfinite_skips = 0  # consecutive optimizer steps skipped for non-finite gradients
         self.skipped_steps: list[int] = []
@@ -220,7 +221,8 @@ class DGPOTrainer(GRPOTrainer):
                 lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=self.temperature,
                                                 logit_scale=self.projection_options.logit_scale,
                                                 softcap=self.projection_options.softcap,
-                                                memory_budget=self.projection_options.memory_budget)
+                                                memory_budget=self.projection_options.memory_budget,
+                                                logits_on_chip=self.projection_options.logits_on_chip)
             logps.append(lp)
             entropies.append(ent)
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
