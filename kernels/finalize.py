@@ -2,7 +2,8 @@
 
 ``reduce_loss_and_metrics`` is the reduction; the logits op runs it in the last program of the
 prologue (one launch fewer per call), the fused-linear op, whose prologue runs before any logits
-exist, in ``finalize_kernel`` after its last chunk. One program walks the per-token planes in ``BLOCK`` blocks and sums, over scored tokens,
+exist, in ``finalize_kernel`` after its last chunk. One program walks the per-token planes in
+``BLOCK`` blocks and sums, over scored tokens,
 ``s_b TOKEN_LOSS`` (the loss) and the metric terms (region counts, ratio, psi / ratio, entropy,
 KL), then divides the metrics by the scored-token count the prologue found. A fixed order of
 summation gives the same bits on every run. Poisoned scales (input the prologue could not score)

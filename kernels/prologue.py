@@ -24,6 +24,7 @@ import triton.language as tl
 
 from . import codes
 from .finalize import FINALIZE_WARPS, finalize_block, reduce_loss_and_metrics
+from .finalize import finalize as finalize_rows
 from .tokens import read_targets
 
 
@@ -216,6 +217,10 @@ def token_prologue(batch, sequence_stats, seq_scale, status, vocab: int, aggrega
     workspace, has_kl = finalize if finalize is not None else (None, False)
     if workspace is not None and workspace.n_tokens != n_seqs * seq_len:
         raise ValueError(f"the workspace holds {workspace.n_tokens} tokens, the batch {n_seqs} x {seq_len}")
+    if n_seqs == 0:  # no program would run: the loss and metrics of no tokens (0) from the finalize kernel
+        if workspace is not None:
+            finalize_rows(workspace, max(seq_len, 1), has_kl)
+        return
     finalize_pointers = ((workspace.per_token, workspace.target_index, workspace.loss, workspace.stats)
                          if workspace is not None else (seq_scale,) * 4)
 

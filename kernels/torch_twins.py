@@ -56,8 +56,11 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, a
     counts = valid.sum(dim=1)
     total = counts.sum()
     # argmax of a boolean tensor is its first True (row-major); 0 when there is none (the bit is off then).
-    first_bad = target.reshape(-1).take(bad_target.reshape(-1).to(torch.uint8).argmax())  # take: no host read
-    bad_value = torch.where(bad_target.any(), first_bad, 0)
+    if bad_target.numel():  # take: no host read
+        first_bad = target.reshape(-1).take(bad_target.reshape(-1).to(torch.uint8).argmax())
+        bad_value = torch.where(bad_target.any(), first_bad, 0)
+    else:  # an empty batch (argmax has nothing to reduce)
+        bad_value = torch.zeros((), dtype=torch.int64, device=target.device)
     dtype = seq_scale.dtype
     if normalizer_kind == Normalizer.TENSOR:
         denom = normalizer_tensor.reshape(()).to(dtype)

@@ -165,6 +165,22 @@ def test_the_finalizing_prologue_equals_the_finalize_kernel(bad):
             dgpo_ops.raise_deferred_errors()
 
 
+@pytest.mark.parametrize("shape", [(0, 5, 11), (0, 11), (2, 0, 11)], ids=["no_responses", "no_tokens_flat", "T0"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_an_empty_batch_has_loss_zero(backend, shape):
+    # No prologue program runs when there is no response: the loss and metrics still come out 0, as
+    # the reference's sum over no tokens, not whatever the allocator left in the buffers.
+    logits = torch.randn(*shape, requires_grad=True)
+    target = torch.zeros(shape[:-1], dtype=torch.long)
+    advantages = torch.ones(shape[0]) if len(shape) == 3 else torch.ones(shape[:-1])
+    out = dgpo_ops.fused_dgpo_loss(logits, target, advantages, backend=backend, validation="deferred", beta=0.0)
+    out.loss.backward()
+    dgpo_ops.raise_deferred_errors()
+    assert out.loss.item() == 0.0
+    assert all(value.item() == 0.0 for value in out.metrics.values())
+    assert logits.grad.shape == logits.shape
+
+
 def test_twin_chunks_match_one_chunk():
     logits, target, mask = row_inputs(3, 7, 50, seed=2)
     batch, whole = workspace_after_prologue(logits, target, mask)
