@@ -211,23 +211,24 @@ def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_
     operand = compute_autocast if compute_autocast in LOW_PRECISION else weight.dtype
     projection = OnChipProjection(operand, (softcap if softcap is not None else logit_scale) / options.temperature,
                                   logit_scale / softcap if softcap is not None else 1.0, softcap is not None)
-    token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
-    workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device, torch.float32, zero_planes)
-    run_prologue(call, workspace)
-    epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
-    linear_logprob_entropy(hidden, weight, bias, call.inputs, workspace, projection, epilogue)
-    coefficient = None
-    if call.uses_epilogue:
-        call.kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
-        loss, stats = workspace.loss, workspace.stats
-    else:
-        result = objective_route(call, workspace)
-        loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
-    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if wanted else None
-             for t, wanted in zip((hidden, weight, bias), wants)]
-    if call.needs_grad:
-        linear_grads(hidden, weight, bias, workspace, call.grid_seq_len, projection, options.entropy_coef, *grads,
-                     dloss_dlogp=coefficient)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose, as on the tile path
+        token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
+        workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device, torch.float32, zero_planes)
+        run_prologue(call, workspace)
+        epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
+        linear_logprob_entropy(hidden, weight, bias, call.inputs, workspace, projection, epilogue)
+        coefficient = None
+        if call.uses_epilogue:
+            call.kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
+            loss, stats = workspace.loss, workspace.stats
+        else:
+            result = objective_route(call, workspace)
+            loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if wanted else None
+                 for t, wanted in zip((hidden, weight, bias), wants)]
+        if call.needs_grad:
+            linear_grads(hidden, weight, bias, workspace, call.grid_seq_len, projection, options.entropy_coef,
+                         *grads, dloss_dlogp=coefficient)
     if call.deferred:
         defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
     return loss, workspace.per_token, stats, *grads
@@ -361,6 +362,9 @@ def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, pr
     inputs = token_inputs(logits_shape, weight.dtype, weight.device, batch, options.aggregation, options.sequence_level)
     tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
                              device=weight.device)
+    if projection_options.logits_on_chip and weight.dtype == torch.float64:
+        raise ValueError("logits_on_chip=True multiplies float32, bfloat16 or float16 weights; float64 weights "
+                         "take the tile path (logits_on_chip=False)")
     make = prepare_call if checked else plan_call
     call = make(inputs, options, tile_probe, weight.shape[0], batch.loss_normalizer, weight.device, needs_grad)
     if projection_options.logits_on_chip and call.kernels.name != "triton":

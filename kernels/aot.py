@@ -64,7 +64,7 @@ POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i64", "target_index_ptr
 FLOAT_SCALARS = ("inv_temperature", "beta", "entropy_coef", "normalizer", "tanh_scale", "out_scale")
 DIVISIBLE_INTS = ("vocab", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "hidden_dim", "stride_hn",
                   "stride_wv", "split_width")
-UNIT_STRIDES = ("stride_v", "grad_stride_v", "stride_hk", "stride_wk")
+UNIT_STRIDES = ("stride_v", "grad_stride_v", "stride_hk", "stride_wk", "stride_bias")
 FORWARD_FLAGS = ("HAS_OLD_LOGPS", "HAS_KL", "KL_TIMES_RATIO", "HAS_ROLLOUT_WEIGHTS")
 METHOD_VARIANTS = [(m.name.lower(), m, Gate.SIGMOID) for m in MethodId if m != MethodId.SAPO] + [
     (f"sapo_{g.name.lower()}", MethodId.SAPO, g) for g in Gate

@@ -11,7 +11,8 @@ row backward does,
 ``1 - p`` of the target once per row), takes it through the chain rule to ``y = hidden @ weight^T +
 bias`` (times ``out_scale``, and ``(1 - t^2) tanh_scale`` with softcap), rounds it to the compute
 dtype and multiplies it in the same program: ``dH[rows] += G @ W[cols]`` and ``dW[cols] += G^T @
-H[rows]`` slice by slice of H, added into fp32 accumulators with atomics. The order of those fp32
+H[rows]`` slice by slice of H, added into fp32 accumulators with relaxed atomics (a sum needs no
+ordering with other memory operations). The order of those fp32
 additions varies between runs on a GPU (as in Cut Cross-Entropy): the gradients are not bitwise
 reproducible there, unlike the tile path's GEMMs.
 """
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import codes
-from .linear_logits import LINEAR_GRAD_SHAPE, dot_operand, projected_logits
+from .linear_logits import LINEAR_GRAD_SHAPE, bias_stride, check_hidden_strides, dot_operand, projected_logits
 from .logits_grad import _one_minus_exp
 
 
@@ -48,6 +49,7 @@ def linear_grad_kernel(
     stride_hk,
     stride_wv,
     stride_wk,
+    stride_bias,
     OPERAND: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -79,8 +81,8 @@ def linear_grad_kernel(
                                              other=0.0))
 
     x, t = projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, vocab, hidden_dim, stride_hn,
-                            stride_hk, stride_wv, stride_wk, tanh_scale, out_scale, OPERAND, HAS_BIAS, HAS_SOFTCAP,
-                            DOT_PRECISION, DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_K)
+                            stride_hk, stride_wv, stride_wk, stride_bias, tanh_scale, out_scale, OPERAND, HAS_BIAS,
+                            HAS_SOFTCAP, DOT_PRECISION, DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_K)
     log_p = (x - row_max[:, None]) - log_norm[:, None]
     p = tl.exp(log_p)
     grad = tl.where(cols[None, :] == target[:, None], target_coef[:, None], -g[:, None] * p)
@@ -97,7 +99,7 @@ def linear_grad_kernel(
     grad_tile = dot_operand(grad, OPERAND, DOT_IN_FP32)  # rounded as the tile path's gradient tile
 
     if HAS_GRAD_BIAS:
-        tl.atomic_add(grad_bias_ptr + cols, tl.sum(grad_tile.to(tl.float32), axis=0), mask=cols < vocab)
+        tl.atomic_add(grad_bias_ptr + cols, tl.sum(grad_tile.to(tl.float32), axis=0), mask=cols < vocab, sem="relaxed")
     for k_start in range(0, hidden_dim, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if HAS_GRAD_HIDDEN:
@@ -105,13 +107,14 @@ def linear_grad_kernel(
                         mask=(cols[:, None] < vocab) & (ks[None, :] < hidden_dim), other=0.0)
             partial = tl.dot(grad_tile, dot_operand(w, OPERAND, DOT_IN_FP32), input_precision=DOT_PRECISION)
             tl.atomic_add(grad_hidden_ptr + rows[:, None] * hidden_dim + ks[None, :], partial,
-                          mask=inside[:, None] & (ks[None, :] < hidden_dim))
+                          mask=inside[:, None] & (ks[None, :] < hidden_dim), sem="relaxed")
         if HAS_GRAD_WEIGHT:
             h_tile = tl.load(hidden_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hk,
                              mask=inside[:, None] & (ks[None, :] < hidden_dim), other=0.0)
-            partial = tl.dot(tl.trans(grad_tile), dot_operand(h_tile, OPERAND, DOT_IN_FP32), input_precision=DOT_PRECISION)
+            partial = tl.dot(tl.trans(grad_tile), dot_operand(h_tile, OPERAND, DOT_IN_FP32),
+                             input_precision=DOT_PRECISION)
             tl.atomic_add(grad_weight_ptr + cols[:, None] * hidden_dim + ks[None, :], partial,
-                          mask=(cols[:, None] < vocab) & (ks[None, :] < hidden_dim))
+                          mask=(cols[:, None] < vocab) & (ks[None, :] < hidden_dim), sem="relaxed")
 
 
 def linear_grads(hidden, weight, bias, workspace, grid_seq_len: int, projection, entropy_coef: float,
@@ -122,6 +125,7 @@ def linear_grads(hidden, weight, bias, workspace, grid_seq_len: int, projection,
     (the torch objective's), instead of the epilogue's plane."""
     n_tokens, hidden_dim = hidden.shape
     vocab = weight.shape[0]
+    check_hidden_strides(hidden, weight)
     if n_tokens == 0 or all(g is None for g in (grad_hidden, grad_weight, grad_bias)):
         return
     for accumulator in (grad_hidden, grad_weight, grad_bias):
@@ -137,7 +141,7 @@ def linear_grads(hidden, weight, bias, workspace, grid_seq_len: int, projection,
         hidden, weight, pointer(bias), workspace.target_index, workspace.per_token, pointer(dloss_dlogp),
         workspace.seq_scale, pointer(grad_hidden), pointer(grad_weight), pointer(grad_bias),
         projection.tanh_scale, projection.out_scale, float(entropy_coef), n_tokens, grid_seq_len, vocab, hidden_dim,
-        *hidden.stride(), *weight.stride(),
+        *hidden.stride(), *weight.stride(), bias_stride(bias),
         COEF_IS_SCALED=dloss_dlogp is not None,
         HAS_ENTROPY_GRAD=entropy_coef != 0.0,
         HAS_GRAD_HIDDEN=grad_hidden is not None,

@@ -50,9 +50,9 @@ def dot_operand(x, OPERAND: tl.constexpr, DOT_IN_FP32: tl.constexpr):
 
 @triton.jit
 def projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, vocab, hidden_dim, stride_hn, stride_hk,
-                     stride_wv, stride_wk, tanh_scale, out_scale, OPERAND: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                     stride_wv, stride_wk, stride_bias, tanh_scale, out_scale, OPERAND: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     DOT_IN_FP32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """``(x, t)``: the ``BLOCK_N x BLOCK_V`` logits tile ``x`` (what the row kernels read times
     1 / temperature) and, with softcap, ``t = tanh(logit_scale y / softcap)`` (the chain rule needs it).
 
@@ -69,7 +69,7 @@ def projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, voc
                      input_precision=DOT_PRECISION)
     if HAS_BIAS:
         # the bias in the compute dtype, as the tile path's GEMM adds it
-        bias = tl.load(bias_ptr + cols, mask=cols < vocab, other=0.0)
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < vocab, other=0.0)
         acc += dot_operand(bias, OPERAND, DOT_IN_FP32).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
         # tanh(u) = 1 - 2 / (exp(2u) + 1): exact at both ends (exp overflow gives 1), no libdevice
@@ -101,6 +101,7 @@ def linear_partials_kernel(
     stride_hk,
     stride_wv,
     stride_wk,
+    stride_bias,
     target_stride_b,
     target_stride_t,
     mask_stride_b,
@@ -132,9 +133,9 @@ def linear_partials_kernel(
     split_end = tl.minimum(split_start + split_width, vocab)
     for v_start in range(split_start, split_end, BLOCK_V):
         cols = v_start + tl.arange(0, BLOCK_V).to(tl.int64)
-        x, _tanh = projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, vocab, hidden_dim, stride_hn,
-                                stride_hk, stride_wv, stride_wk, tanh_scale, out_scale, OPERAND, HAS_BIAS, HAS_SOFTCAP,
-                                DOT_PRECISION, DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_K)
+        x, _tanh = projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, vocab, hidden_dim,
+                                    stride_hn, stride_hk, stride_wv, stride_wk, stride_bias, tanh_scale, out_scale, OPERAND,
+                                    HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_K)
         x = tl.where(cols[None, :] < split_end, x, -float("inf"))
         target_logit += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
         # The row forward's running update, on BLOCK_N rows at once.
@@ -269,6 +270,19 @@ class OnChipProjection:
                     DOT_IN_FP32=interpreted)
 
 
+def bias_stride(bias) -> int:
+    return 0 if bias is None else bias.stride(0)
+
+
+def check_hidden_strides(hidden, weight) -> None:
+    """The hidden-axis offsets are int32 in the products' inner loop (a unit stride, the usual case,
+    is specialised away); a layout whose hidden stride times H reaches 2^31 would overflow them."""
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
+        if tensor.stride(1) * tensor.shape[1] >= 2**31:
+            raise ValueError(f"logits_on_chip=True: a {name} whose hidden-axis stride times H reaches 2^31 is not "
+                             "supported: pass it .contiguous()")
+
+
 def vocabulary_splits(n_tokens: int, vocab: int, shape: GemmShape) -> tuple[int, int]:
     """``(splits, split_width)``: the vocabulary cut into whole tiles so that token blocks x splits
     reaches ``PROGRAMS_WANTED``; every split holds at least one column."""
@@ -284,6 +298,7 @@ def linear_logprob_entropy(hidden, weight, bias, batch, workspace, projection: O
     its token order) into ``workspace``, as ``logprob_entropy`` writes them from logits."""
     n_tokens, hidden_dim = hidden.shape
     vocab = weight.shape[0]
+    check_hidden_strides(hidden, weight)
     if n_tokens == 0:
         return
     shape = PARTIALS_SHAPE.fitted(n_tokens, vocab, hidden_dim)
@@ -301,7 +316,7 @@ def linear_logprob_entropy(hidden, weight, bias, batch, workspace, projection: O
     linear_partials_kernel[(triton.cdiv(n_tokens, shape.block_n), splits)](
         hidden, weight, pointer(bias), batch.target_ids, pointer(batch.mask), partials,
         projection.tanh_scale, projection.out_scale, n_tokens, grid_seq_len, vocab, hidden_dim, split_width,
-        *hidden.stride(), *weight.stride(), *strides(batch.target_ids), *strides(batch.mask),
+        *hidden.stride(), *weight.stride(), bias_stride(bias), *strides(batch.target_ids), *strides(batch.mask),
         HAS_MASK=batch.mask is not None, BLOCK_N=shape.block_n, BLOCK_V=shape.block_v, BLOCK_K=shape.block_k,
         num_warps=shape.num_warps, num_stages=shape.num_stages, **projection.constexprs(bias),
     )

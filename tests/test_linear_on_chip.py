@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dgpo_ops
-from dgpo_ops.kernels.linear_logits import PARTIALS_SHAPE, vocabulary_splits
+from dgpo_ops.kernels.linear_logits import PARTIALS_SHAPE, check_hidden_strides, vocabulary_splits
 from helpers import METHOD_VARIANTS, variant_id
 from test_fused_linear import OPTION_SETS, linear_case, make_logits, run_linear
 from test_row_kernels import largest_allocations
@@ -88,9 +88,43 @@ def test_no_tile_buffers():
     assert torch.isfinite(weight.grad).all() and weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("layout", ["strided_bias", "transposed_weight", "sliced_hidden"])
+def test_strided_operands(layout):
+    # Every operand is read through its own strides: a bias column of a wider tensor, a weight that is
+    # the transpose of an (H, V) tensor (tied embeddings stored the other way), hidden sliced in time.
+    (hidden, weight, bias), inputs = linear_case(B=2, T=5, V=70, seed=6)
+    if layout == "strided_bias":
+        bias = torch.stack([bias, torch.randn_like(bias)], dim=1)[:, 0]
+    elif layout == "transposed_weight":
+        weight = weight.t().contiguous().t()
+    else:
+        hidden = torch.cat([hidden, torch.randn(2, 1, hidden.shape[-1])], dim=1)[:, :-1]
+    assert not (bias.is_contiguous() and weight.is_contiguous() and hidden.is_contiguous())
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    ref = dgpo_ops.reference_loss(make_logits(*(t.double() for t in leaves)), **inputs)
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], backend="triton",
+                                          logits_on_chip=True)
+    torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss.double(), ref.loss.double(), rtol=1e-5, atol=1e-6)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    want = torch.autograd.grad(dgpo_ops.reference_loss(make_logits(*ref_leaves), **inputs).loss, ref_leaves)
+    for got, expected in zip(torch.autograd.grad(out.loss, leaves), want):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_hidden_axis_offsets_must_fit_int32():
+    wide = torch.empty_strided((4, 3), (1, 2**30), device="meta")  # stride x H = 3 * 2^30
+    with pytest.raises(ValueError, match="hidden-axis stride times H reaches 2"):
+        check_hidden_strides(wide, torch.empty((5, 3), device="meta"))
+    check_hidden_strides(torch.empty((4, 3), device="meta"), torch.empty((5, 3), device="meta"))
+
+
 def test_needs_the_triton_kernels():
     (hidden, weight, bias), inputs = linear_case()
     with pytest.raises(ValueError, match="logits_on_chip=True runs Triton kernels"):
         dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, backend="torch", logits_on_chip=True)
     with pytest.raises(ValueError, match="logits_on_chip"):
         dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, backend="triton", logits_on_chip="yes")
+    with pytest.raises(ValueError, match="float64 weights take the tile path"):
+        dgpo_ops.fused_linear_dgpo_loss(hidden.double(), weight.double(), **inputs, backend="triton",
+                                        logits_on_chip=True)

@@ -237,7 +237,9 @@ def test_an_unknown_method_id_does_not_compile():
         "                       options=aot.LAUNCH['forward'])\n"
         "        print(method, 'compiled')\n"
         "    except Exception as error:\n"
-        "        cause = error.__cause__\n"
+        "        cause = error\n"
+        "        while cause.__cause__ is not None:  # the assert sits in a helper the kernel calls\n"
+        "            cause = cause.__cause__\n"
         "        print(method, 'failed', type(cause).__name__, 'unknown METHOD id' in str(cause))\n"
     )
     assert spec.kernel == "forward"

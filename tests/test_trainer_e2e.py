@@ -200,3 +200,9 @@ def test_skipped_step_leaves_parameters_and_moments_unchanged(model_dir, tmp_pat
     assert trainer.skipped_steps == [2]
     for before, after in zip(seen["params"] + seen["moments"], seen["params_after"] + seen["moments_after"]):
         assert torch.equal(before, after)
+
+
+def test_logits_on_chip_on_the_cpu_fails_when_the_trainer_is_made(model_dir, tmp_path):
+    # The CPU path runs the torch twins, not the on-chip Triton kernels: say so before training starts.
+    with pytest.raises(ValueError, match="fused_logits_on_chip=True runs Triton kernels"):
+        train(model_dir, tmp_path, max_steps=1, fused_logits_on_chip=True)

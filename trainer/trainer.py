@@ -19,6 +19,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
+from dgpo_ops.backends import select_kernels
 from dgpo_ops.fused import fused_loss_from_options
 from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
 from dgpo_ops.inputs import LossBatch
@@ -100,6 +101,12 @@ class DGPOTrainer(GRPOTrainer):
         self.projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap,
                                                     memory_budget=self.args.fused_memory_budget,
                                                     logits_on_chip=self.args.fused_logits_on_chip)
+        if self.args.fused_logits_on_chip:  # fail now, not at the first training step
+            probe = torch.empty(0, device=self.accelerator.device)
+            if select_kernels(self.loss_options.backend, probe).name != "triton":
+                raise ValueError(f"fused_logits_on_chip=True runs Triton kernels, which this run on "
+                                 f"{self.accelerator.device} does not use (CUDA, or TRITON_INTERPRET=1 with "
+                                 "backend='triton' on the CPU)")
         self.smooth_advantages = SmoothAdvantageStandardizer() if self.args.advantage_estimator == "dcpo" else None
         self.nonfinite_skips = 0  # consecutive optimizer steps skipped for non-finite gradients
         self.skipped_steps: list[int] = []
