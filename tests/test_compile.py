@@ -104,6 +104,27 @@ def test_compiled_autocast_linear_op_multiplies_in_bf16_as_eager():
     assert fp32.item() != loss_e.item()
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_compiled_on_chip_linear_op_equals_eager(level):
+    hidden, weight, inputs = linear_inputs(seed=5)
+    kwargs = dict(method="dgpo", importance_sampling_level=level, entropy_coef=0.01, backend="triton",
+                  logits_on_chip=True)
+
+    def loss_fn(h, w):
+        return dgpo_ops.fused_linear_dgpo_loss(h, w, **inputs, **kwargs).loss
+
+    torch._dynamo.reset()
+    eager = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    compiled = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    loss_e = loss_fn(*eager)
+    loss_c = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(*compiled)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
+    loss_e.backward()
+    loss_c.backward()
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c.grad, e.grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("fn", ["reference_loss", "fused_dgpo_loss"])
 def test_compiled_calls_keep_the_input_errors(fn):
     inputs = logits_batch(B, T, V, seed=5)
@@ -138,6 +159,10 @@ def test_opcheck_every_custom_op():
                                 options_spec(LossOptions.build("grpo", importance_sampling_level="sequence")), True)),
         (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
                                        None, None, options_spec(LossOptions.build("grpo"), ProjectionOptions()),
+                                       [True, True, False], "")),
+        (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
+                                       None, None, options_spec(LossOptions.build("grpo", backend="triton"),
+                                                                ProjectionOptions(logits_on_chip=True)),
                                        [True, True, False], "")),
         (checked_inputs_op, (target_ids, advantages, mask, old_logps, None, None, None, None, [B, T, V],
                              torch.float32, spec)),
