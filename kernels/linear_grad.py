@@ -79,15 +79,21 @@ def linear_grad_kernel(
     log_norm = tl.load(per_token_ptr + codes.PLANE_LOG_NORM * n_tokens + rows, mask=valid, other=0.0)
     target_coef = g * _one_minus_exp(tl.load(per_token_ptr + codes.PLANE_LOGP * n_tokens + rows, mask=valid,
                                              other=0.0))
+    active = g != 0.0  # NaN (poisoned scales) counts as active: it must reach the gradients
+    if HAS_ENTROPY_GRAD:
+        h = tl.where(valid, -entropy_coef * seq_scale, 0.0)
+        active = active | (h != 0.0)
+    # A block without an active row (tokens not scored, or A = 0 without entropy bonus: whole
+    # responses of an all-equal reward group) multiplies nothing: its loops run to 0, not to H.
+    k_end = tl.where(tl.max(active.to(tl.int32), axis=0) > 0, hidden_dim, 0)
 
-    x, t = projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, vocab, hidden_dim, stride_hn,
+    x, t = projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, vocab, k_end, stride_hn,
                             stride_hk, stride_wv, stride_wk, stride_bias, tanh_scale, out_scale, OPERAND, HAS_BIAS,
                             HAS_SOFTCAP, DOT_PRECISION, DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_K)
     log_p = (x - row_max[:, None]) - log_norm[:, None]
     p = tl.exp(log_p)
     grad = tl.where(cols[None, :] == target[:, None], target_coef[:, None], -g[:, None] * p)
     if HAS_ENTROPY_GRAD:
-        h = tl.where(valid, -entropy_coef * seq_scale, 0.0)
         entropy = tl.load(per_token_ptr + codes.PLANE_ENTROPY * n_tokens + rows, mask=valid, other=0.0)
         grad -= h[:, None] * tl.where(p > 0.0, p * (log_p + entropy[:, None]), 0.0)
     # d x / d y: out_scale, and with softcap x = out_scale tanh(tanh_scale y).
@@ -99,8 +105,10 @@ def linear_grad_kernel(
     grad_tile = dot_operand(grad, OPERAND, DOT_IN_FP32)  # rounded as the tile path's gradient tile
 
     if HAS_GRAD_BIAS:
-        tl.atomic_add(grad_bias_ptr + cols, tl.sum(grad_tile.to(tl.float32), axis=0), mask=cols < vocab, sem="relaxed")
-    for k_start in range(0, hidden_dim, BLOCK_K):
+        if k_end > 0:
+            tl.atomic_add(grad_bias_ptr + cols, tl.sum(grad_tile.to(tl.float32), axis=0), mask=cols < vocab,
+                          sem="relaxed")
+    for k_start in range(0, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if HAS_GRAD_HIDDEN:
             w = tl.load(weight_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wk,

@@ -70,6 +70,27 @@ def test_many_vocabulary_splits_merge_exactly():
     torch.testing.assert_close(out.entropy.double(), ref.entropy.double(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+def test_blocks_without_a_gradient_are_skipped_exactly(entropy_coef):
+    # 64-token blocks that line up with responses: one with A = 0, one fully masked, one live. The
+    # gradient kernel skips the products of blocks where no row has a gradient (with an entropy bonus
+    # every scored row has one); the result must equal the reference either way.
+    (hidden, weight, bias), inputs = linear_case(B=3, T=64, V=70, H=16, seed=8)
+    inputs["advantages"] = torch.tensor([0.0, 1.0, -0.7])
+    inputs["mask"][1] = False
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = dgpo_ops.reference_loss(make_logits(*ref_leaves), **inputs, entropy_coef=entropy_coef)
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], backend="triton",
+                                          logits_on_chip=True, entropy_coef=entropy_coef)
+    torch.testing.assert_close(out.loss.double(), ref.loss.double(), rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out.loss, leaves)
+    for got, want in zip(grads, torch.autograd.grad(ref.loss, ref_leaves)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    assert grads[0][1].abs().max() == 0 and grads[0][2].abs().max() > 0
+    assert (grads[0][0].abs().max() > 0) == (entropy_coef != 0.0)
+
+
 def test_no_tile_buffers():
     N, H, V = 256, 8, 2048  # a weight smaller than 16 rows of logits
     g = torch.Generator().manual_seed(0)
