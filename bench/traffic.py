@@ -85,7 +85,9 @@ def derived(kind: str, spec, method: str | None) -> dict:
     ``tl.load``/``tl.store``: inside the ``for`` over vocabulary tiles with an ``offsets`` address it is
     row traffic (the pointer's element size per vocabulary entry), otherwise one scalar per token. The
     element size comes from the pointer's type in the AOT signature. The method's parameter words are
-    loaded by ``method_table.token_terms`` (PARAM_WORDS), called with ``method_params_ptr``."""
+    loaded by ``method_table.token_terms`` (PARAM_WORDS), called with ``method_params_ptr``. A helper of
+    the kernel's own module called as a statement (``finish_row``) is walked as part of the kernel."""
+    import triton
     from dgpo_ops.kernels import aot
 
     source = aot._source(spec)
@@ -133,8 +135,30 @@ def derived(kind: str, spec, method: str | None) -> dict:
                 if consts.get("HAS_MASK"):
                     reads["mask"] = reads.get("mask", 0) + TYPE_BYTES[signature["mask_ptr"]]
 
+    kernel_globals = source.fn.fn.__globals__
+
+    def inlined(st, in_loop: bool) -> bool:
+        """A statement that calls a @triton.jit helper of the kernel's own module (the row forward's
+        ``finish_row``): its loads and stores are the kernel's, so walk its body with its parameters
+        bound to the caller's pointers and constexprs."""
+        call = st.value if isinstance(st, ast.Expr) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+            return False
+        helper = kernel_globals.get(call.func.id)
+        if not isinstance(helper, triton.JITFunction) or helper.fn.__module__ != source.fn.fn.__module__:
+            return False
+        for param, arg in zip(helper.arg_names, call.args):
+            if isinstance(arg, ast.Name) and arg.id in consts:
+                consts[param] = consts[arg.id]
+            elif base(arg) is not None:
+                aliases[param] = base(arg)
+        visit(ast.parse(helper.src).body[0].body, in_loop)
+        return True
+
     def visit(stmts, in_loop: bool) -> None:
         for st in stmts:
+            if inlined(st, in_loop):
+                continue
             if isinstance(st, ast.If):
                 test = st.test
                 if isinstance(test, ast.Name) and test.id in consts:

@@ -55,12 +55,18 @@ OPTION_SETS = {
 }
 
 
+# "on_chip": the Triton kernels that keep the logits in registers (logits_on_chip=True).
+PATHS = ["triton", "torch", "on_chip"]
+
+
 @pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
 @pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", PATHS)
 def test_linear_matches_reference(backend, variant, options):
     case = dict(logit_scale=1.3, softcap=4.0) if options == "kl_entropy_temperature" else {}
-    ref, out, ref_grads, grads = run_linear(variant, backend, OPTION_SETS[options], **case)
+    on_chip = backend == "on_chip"
+    ref, out, ref_grads, grads = run_linear(variant, "triton" if on_chip else backend, OPTION_SETS[options],
+                                            logits_on_chip=on_chip, **case)
     torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.entropy.double(), ref.entropy.double(), rtol=1e-5, atol=1e-5)
@@ -78,21 +84,26 @@ def rounded_like_the_model(logits: torch.Tensor, dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16_weights", "autocast_fp32_weights"])
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", PATHS)
 def test_low_precision_products_equal_the_models_logits(backend, autocast):
     # The tile is the model's own bf16 logits (the product accumulated in fp32, rounded once), under
     # autocast or with bf16 weights alike; the loss then keeps fp32 accuracy against an fp64
     # reference on those logits. Gradients are fp32-accumulated from bf16 operands and come back in
-    # each input's dtype.
+    # each input's dtype. On chip the operands are rounded to bf16 as they are loaded (no copy of fp32
+    # master weights) and the fp32 product is never rounded: its reference is the exact product.
+    on_chip = backend == "on_chip"
     (hidden, weight, bias), inputs = linear_case(dtype=torch.float32 if autocast else torch.bfloat16)
     operands = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
     ref_leaves = [t.detach().double().requires_grad_(True) for t in operands]
-    ref_logits = rounded_like_the_model(make_logits(*ref_leaves), torch.bfloat16)
+    ref_logits = make_logits(*ref_leaves)
+    if not on_chip:
+        ref_logits = rounded_like_the_model(ref_logits, torch.bfloat16)
     ref = dgpo_ops.reference_loss(ref_logits, **inputs, beta=0.02)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02,
-                                              backend=backend, memory_budget=2 * 70 * 4 * 2)
+                                              backend="triton" if on_chip else backend, logits_on_chip=on_chip,
+                                              memory_budget=2 * 70 * 4 * 2)
     ref_grads = torch.autograd.grad(ref.loss, ref_leaves)
     grads = torch.autograd.grad(out.loss, leaves)
     torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)

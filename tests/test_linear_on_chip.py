@@ -1,5 +1,7 @@
-"""The on-chip fused-linear kernels (``logits_on_chip=True``: logits only in registers) against the
-fp64 reference, under the Triton interpreter on the CPU and compiled on CUDA when a GPU is visible."""
+"""What is particular to the on-chip fused-linear kernels (``logits_on_chip=True``: logits only in
+registers): vocabulary splits, strided operands, skipped blocks, no tile buffers, the errors. Their
+parity with the fp64 reference for every method and precision is in ``test_fused_linear.py`` (the
+``on_chip`` path), under the Triton interpreter here and on CUDA in ``test_cuda.py``."""
 
 from __future__ import annotations
 
@@ -8,47 +10,8 @@ import torch
 
 import dgpo_ops
 from dgpo_ops.kernels.linear_logits import PARTIALS_SHAPE, check_hidden_strides, vocabulary_splits
-from helpers import METHOD_VARIANTS, variant_id
-from test_fused_linear import OPTION_SETS, linear_case, make_logits, run_linear
+from test_fused_linear import linear_case, make_logits
 from test_row_kernels import largest_allocations
-
-
-@pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
-@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
-def test_on_chip_matches_reference(variant, options):
-    case = dict(logit_scale=1.3, softcap=4.0) if options == "kl_entropy_temperature" else {}
-    ref, out, ref_grads, grads = run_linear(variant, "triton", OPTION_SETS[options], logits_on_chip=True, **case)
-    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.entropy.double(), ref.entropy.double(), rtol=1e-5, atol=1e-5)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
-    for key in ref.metrics:
-        torch.testing.assert_close(out.metrics[key].double(), ref.metrics[key].double(), rtol=1e-5, atol=1e-6,
-                                   msg=key)
-
-
-@pytest.mark.parametrize("autocast", [False, True], ids=["bf16_weights", "autocast_fp32_weights"])
-def test_low_precision_operands_are_rounded_in_registers(autocast):
-    # Operands rounded to bf16 as loaded (fp32 master weights under autocast need no bf16 copy), the
-    # product accumulated in fp32 and never rounded: the reference is the exact product of the
-    # rounded operands (the tile path instead rounds the tile to bf16, as the model's lm_head does).
-    (hidden, weight, bias), inputs = linear_case(dtype=torch.float32 if autocast else torch.bfloat16)
-    operands = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
-    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in operands]
-    ref = dgpo_ops.reference_loss(make_logits(*ref_leaves), **inputs, beta=0.02)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02,
-                                              backend="triton", logits_on_chip=True)
-    ref_grads = torch.autograd.grad(ref.loss, ref_leaves)
-    grads = torch.autograd.grad(out.loss, leaves)
-    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)
-    for got, want, leaf in zip(grads, ref_grads, leaves):
-        assert got.dtype == leaf.dtype
-        # the gradient tile is rounded to bf16 before the fp32-accumulated products
-        torch.testing.assert_close(got.double(), want, rtol=2.0**-6, atol=2e-3 * want.abs().max().item())
 
 
 def test_vocabulary_splits_cover_the_vocabulary_once():
