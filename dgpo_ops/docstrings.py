@@ -8,8 +8,10 @@ import inspect
 ARGUMENTS = {
     "logits": "``(B, T, V)`` or ``(N, V)``, fp32, bf16 or fp16 (fp64 on the torch path); may be strided.",
     "hidden": "hidden states ``(B, T, H)`` or ``(N, H)`` entering the lm_head.",
-    "weight": "the lm_head weight ``(V, H)`` (a DTensor from FSDP2 is gathered; its gradient keeps the "
-              "placement).",
+    "weight": "the lm_head weight ``(V, H)``, or the lm_head module itself (``model.lm_head``; needed when an "
+              "engine shards it, FSDP2 or DeepSpeed ZeRO-3: the op then runs as the module's forward, so the "
+              "engine gathers the weight and reduces its gradient; its bias is used unless ``bias`` is given). "
+              "A sharded DTensor weight is refused: pass the module.",
     "bias": "the lm_head bias ``(V,)``, or None.",
     "target_ids": "sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not scored.",
     "advantages": "per token ``(B, T)`` or per response ``(B,)``.",

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .docstrings import documented
+from .head import check_unsharded, head_forward
 from .inputs import LossBatch, per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
@@ -346,15 +347,6 @@ def _flatten_tokens(hidden, weight, bias):
     return hidden.reshape(-1, hidden.shape[-1]), logits_shape
 
 
-def _gathered(tensor):
-    """A DTensor (an FSDP2-sharded lm_head weight or bias) gathered whole for the products. The gather
-    is differentiable, so the gradient reaches the DTensor with the parameter's own placement, as
-    with TRL's ``full_tensor()``."""
-    if tensor is not None and hasattr(tensor, "full_tensor") and hasattr(tensor, "placements"):
-        return tensor.full_tensor()
-    return tensor
-
-
 def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,
                 needs_grad: bool, checked: bool = True) -> LinearPlan:
     """The call's plan from metadata; ``checked`` also checks the values (False: the fake
@@ -375,7 +367,13 @@ def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, pr
 
 def fused_linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: LossOptions,
                                    projection_options: ProjectionOptions) -> PolicyLossOutput:
-    weight, bias = _gathered(weight), _gathered(bias)
+    if isinstance(weight, torch.nn.Module):  # the lm_head module: the op runs as its forward (dgpo_ops.head)
+        def as_head_forward(head_hidden, head_weight, head_bias):
+            return fused_linear_loss_from_options(head_hidden, head_weight, head_bias if bias is None else bias,
+                                                  batch, options, projection_options).tensors()
+
+        return PolicyLossOutput.from_tensors(head_forward(weight, as_head_forward, hidden))
+    weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
     flat_hidden, logits_shape = _flatten_tokens(hidden, weight, bias)
     if options.inplace:
         raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
@@ -396,7 +394,7 @@ chunks of logits tiles within ``memory_budget``. Under ``torch.autocast`` the pr
 as the model's own lm_head would. Tied embeddings need nothing special.""")
 def fused_linear_dgpo_loss(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | torch.nn.Module,
     target_ids: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor | None = None,
@@ -433,7 +431,7 @@ def fused_linear_dgpo_loss(
 @torch.no_grad()
 def fused_linear_logprobs(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | torch.nn.Module,
     target_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     *,

@@ -225,42 +225,47 @@ def test_bad_inputs_raise(change, match):
         dgpo_ops.fused_linear_dgpo_loss(**args)
 
 
-def _sharded_weight_worker(rank, world_size, init_file, out_dir):
+def _dtensor_weight_worker(rank, world_size, init_file, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         (hidden, weight, bias), inputs = linear_case(seed=7)  # the same inputs on every process
         leaf = hidden.detach().clone().requires_grad_(True)
-        sharded = distribute_tensor(weight.detach().clone(), mesh, [Shard(0)]).requires_grad_(True)
-        sharded_bias = distribute_tensor(bias.detach().clone(), mesh, [Shard(0)]).requires_grad_(True)
-        out = dgpo_ops.fused_linear_dgpo_loss(leaf, sharded, **inputs, bias=sharded_bias, beta=0.02)
+        replicated = distribute_tensor(weight.detach().clone(), mesh, [Replicate()]).requires_grad_(True)
+        replicated_bias = distribute_tensor(bias.detach().clone(), mesh, [Replicate()]).requires_grad_(True)
+        out = dgpo_ops.fused_linear_dgpo_loss(leaf, replicated, **inputs, bias=replicated_bias, beta=0.02)
         out.loss.backward()
-        assert isinstance(sharded.grad, DTensor) and tuple(sharded.grad.placements) == (Shard(0),)
-        assert isinstance(sharded_bias.grad, DTensor)
-        torch.save({"loss": out.loss.detach(), "hidden": leaf.grad, "weight": sharded.grad.full_tensor(),
-                    "bias": sharded_bias.grad.full_tensor(), "local_rows": sharded.grad.to_local().shape[0]},
-                   f"{out_dir}/rank{rank}.pt")
+        assert isinstance(replicated.grad, DTensor) and tuple(replicated.grad.placements) == (Replicate(),)
+        sharded = distribute_tensor(weight.detach().clone(), mesh, [Shard(0)]).requires_grad_(True)
+        try:
+            dgpo_ops.fused_linear_dgpo_loss(leaf, sharded, **inputs)
+            refused = None
+        except ValueError as error:
+            refused = str(error)
+        torch.save({"loss": out.loss.detach(), "hidden": leaf.grad, "weight": replicated.grad.to_local(),
+                    "bias": replicated_bias.grad.to_local(), "refused": refused}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_sharded_weight_gives_the_unsharded_result_as_a_dtensor(tmp_path):
-    # FSDP2 hands the lm_head weight over as a DTensor (Shard(0)): it is gathered for the products and
-    # its gradient comes back as a DTensor with the same placement, equal to the unsharded op's.
+def test_dtensor_weights_replicated_are_used_sharded_are_refused(tmp_path):
+    # A replicated DTensor is the whole weight on every process: used as it is, its gradient a
+    # replicated DTensor equal to the plain op's. A Shard(0) DTensor may be FSDP's storage sharding
+    # or a tensor-parallel vocabulary split; the op does not guess (tests/test_fsdp.py has FSDP2).
     import torch.multiprocessing as mp
 
-    mp.spawn(_sharded_weight_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_dtensor_weight_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     (hidden, weight, bias), inputs = linear_case(seed=7)
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
     out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02)
     out.loss.backward()
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got["local_rows"] == weight.shape[0] // 2
         torch.testing.assert_close(got["loss"], out.loss.detach())
         for name, leaf in zip(("hidden", "weight", "bias"), leaves):
             torch.testing.assert_close(got[name], leaf.grad, msg=name)
+        assert got["refused"] is not None and "weight is a DTensor placed as (Shard(dim=0),)" in got["refused"]

@@ -22,8 +22,10 @@ from trl import GRPOTrainer
 from dgpo_ops.backends import select_kernels
 from dgpo_ops.fused import fused_loss_from_options
 from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
+from dgpo_ops.head import head_forward
 from dgpo_ops.inputs import LossBatch
 from dgpo_ops.metrics import METRIC_NAMES
+from dgpo_ops.output import PolicyLossOutput
 from dgpo_ops.validation import raise_deferred_errors
 
 from .advantages import SmoothAdvantageStandardizer, prompt_key
@@ -56,17 +58,30 @@ def _logit_transform(config) -> tuple[float, float | None]:
 
 
 def add_hidden_state_output(model) -> None:
-    """Let ``model(..., dgpo_hidden=True)`` return the backbone's last hidden state. The forward is
-    patched on the instance, like TRL's fused head, so DDP/FSDP/DeepSpeed wrappers still run it."""
+    """Let ``model(..., dgpo_head_fn=fn)`` return ``fn(hidden, lm_head)``, ``hidden`` the backbone's last
+    hidden state. The forward is patched on the instance, like TRL's fused head, so the fused-linear op
+    runs inside the model's forward as wrapped by DDP/FSDP/DeepSpeed, and ``fn`` runs it as the
+    lm_head's own forward (``dgpo_ops.head``): FSDP2 in any wrapping, and ZeRO-3, gather the head's
+    weight and reduce its gradient as for ``lm_head(hidden)``."""
     previous_forward = model.forward
 
-    def forward(self, *args, dgpo_hidden=False, **kwargs):
-        if not dgpo_hidden:
+    def forward(self, *args, dgpo_head_fn=None, **kwargs):
+        if dgpo_head_fn is None:
             return previous_forward(*args, **kwargs)
         kwargs["use_cache"] = False
-        return self.base_model(*args, **kwargs).last_hidden_state
+        return dgpo_head_fn(self.base_model(*args, **kwargs).last_hidden_state, self.get_output_embeddings())
 
     model.forward = types.MethodType(forward, model)
+
+
+def fused_linear_on_model(model, input_ids, attention_mask, logits_to_keep, loss_fn):
+    """``loss_fn(hidden, weight, bias)`` on the completion positions' hidden states, run as the
+    lm_head's forward inside ``model``'s (wrapped) forward; returns what ``loss_fn`` returns (a tuple
+    of tensors). ``model`` has had ``add_hidden_state_output``."""
+    def on_hidden(hidden, head):
+        return head_forward(head, loss_fn, hidden[:, -logits_to_keep - 1 : -1])
+
+    return model(input_ids=input_ids, attention_mask=attention_mask, dgpo_head_fn=on_hidden)
 
 
 def _fused_adam(optimizer):
@@ -197,17 +212,6 @@ class DGPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ per-token log-probs
 
-    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, dgpo_hidden=True)
-        return hidden[:, -logits_to_keep - 1 : -1]
-
-    def _lm_head(self, model):
-        unwrapped = self.accelerator.unwrap_model(model)
-        if is_peft_model(unwrapped):
-            unwrapped = unwrapped.get_base_model()
-        head = unwrapped.get_output_embeddings()
-        return head.weight, head.bias
-
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         # Old-policy and reference log-probs through the same op as the loss: on-policy ratios are exactly 1.
@@ -222,14 +226,15 @@ class DGPOTrainer(GRPOTrainer):
             targets = ids[:, -logits_to_keep:].masked_fill(att[:, -logits_to_keep:] == 0, -100)
             # The same autocast as the loss: the old-policy log-probs of an unchanged policy then equal
             # the loss's own, and on-policy ratios are exactly 1 in bf16 runs too.
+            def logprobs(hidden, weight, bias):
+                return fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=self.temperature,
+                                             logit_scale=self.projection_options.logit_scale,
+                                             softcap=self.projection_options.softcap,
+                                             memory_budget=self.projection_options.memory_budget,
+                                             logits_on_chip=self.projection_options.logits_on_chip)
+
             with self.accelerator.autocast():
-                hidden = self._completion_hidden(model, ids, att, logits_to_keep)
-                weight, bias = self._lm_head(model)
-                lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=self.temperature,
-                                                logit_scale=self.projection_options.logit_scale,
-                                                softcap=self.projection_options.softcap,
-                                                memory_budget=self.projection_options.memory_budget,
-                                                logits_on_chip=self.projection_options.logits_on_chip)
+                lp, ent = fused_linear_on_model(model, ids, att, logits_to_keep, logprobs)
             logps.append(lp)
             entropies.append(ent)
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
@@ -281,10 +286,12 @@ class DGPOTrainer(GRPOTrainer):
         batch = LossBatch(targets, advantages, mask.bool(), old_logps, ref_logps, rollout_weights, normalizer)
         with self.accelerator.autocast():
             if self.args.fused == "linear":
-                hidden = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep)
-                weight, bias = self._lm_head(model)
-                out = fused_linear_loss_from_options(hidden, weight, bias, batch, self.loss_options,
-                                                     self.projection_options)
+                def policy_loss(hidden, weight, bias):
+                    return fused_linear_loss_from_options(hidden, weight, bias, batch, self.loss_options,
+                                                          self.projection_options).tensors()
+
+                out = PolicyLossOutput.from_tensors(
+                    fused_linear_on_model(model, input_ids, attention_mask, logits_to_keep, policy_loss))
             else:
                 logits = model(input_ids=input_ids, attention_mask=attention_mask,
                                logits_to_keep=logits_to_keep + 1).logits[:, :-1]

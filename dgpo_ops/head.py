@@ -1,0 +1,86 @@
+"""Running the fused-linear op as the lm_head module's own forward, so that a sharding engine
+(FSDP2 in any wrapping, DeepSpeed ZeRO-3) hands it the whole weight and reduces its gradient.
+
+The fused-linear op replaces ``lm_head(hidden)``: the head module's forward never runs, so neither do
+the hooks an engine registers on it. FSDP2 all-gathers a unit's parameters in its forward pre-hook and
+reduce-scatters their gradients from hooks placed on that forward's inputs and outputs; ZeRO-3 does
+the same per module. A weight taken from a head whose hooks did not run is a shard (FSDP2: a
+``Shard(0)`` DTensor; ZeRO-3: an empty tensor), and a gradient computed from it by hand
+(``full_tensor()``) stays on one process: silently wrong. ``head_forward`` calls the head module
+itself with its ``forward`` redirected to the op (TRL's forward redirection), so every hook of every
+engine runs exactly as for ``lm_head(hidden)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, *args) -> Any:
+    """``fn(hidden, head.weight, head.bias, *args)``, run as ``head``'s forward (``head(hidden)``
+    with its forward redirected), so the engine that shards ``head`` has its parameters whole when
+    ``fn`` reads them and reduces their gradients as it does for the head's own forward.
+
+    ``fn`` must return tensors in a tuple (FSDP2 and DeepSpeed find the outputs that need their
+    backward hooks by walking tuples); ``hidden`` reaches it as the engine passed it on (cast by an
+    FSDP2 ``MixedPrecisionPolicy``, as the head's own input would be)."""
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"head must be the lm_head nn.Module, got {type(head).__name__}")
+    if not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(f"head ({type(head).__name__}) has no weight tensor: pass the lm_head module (an nn.Linear "
+                         "or the tied nn.Embedding), whose weight is (V, H)")
+    had_own_forward = "forward" in head.__dict__
+    own_forward = head.__dict__.get("forward")
+
+    def redirected(engine_hidden, *engine_args):
+        restore()  # a recomputing engine (activation checkpointing) calls the real forward again
+        return fn(engine_hidden, head.weight, getattr(head, "bias", None), *engine_args)
+
+    def restore():
+        if had_own_forward:
+            head.forward = own_forward
+        elif "forward" in head.__dict__:
+            del head.forward
+
+    head.forward = redirected
+    try:
+        return head(hidden, *args)
+    finally:
+        restore()
+
+
+def check_unsharded(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """``tensor`` as the products can use it. A replicated DTensor is its local (whole) value; a
+    sharded one is refused: from the tensor alone, ``Shard(0)`` may be FSDP's storage sharding over
+    processes with different tokens (the weight must act whole and FSDP must reduce its gradient:
+    pass the head module instead) or a tensor-parallel vocabulary split (each process keeps its rows),
+    and a wrong guess computes a wrong gradient without an error."""
+    if tensor is None or not _is_dtensor(tensor):
+        if tensor is not None and getattr(tensor, "ds_id", None) is not None and tensor.numel() == 0:
+            raise ValueError(f"{name} is a DeepSpeed ZeRO-3 parameter partitioned to 0 elements outside its "
+                             "module's forward: pass the lm_head module instead of its weight "
+                             f"(fused_linear_dgpo_loss(hidden, model.lm_head, ...)), which runs the op inside "
+                             "the module's forward where ZeRO-3 gathers it")
+        return tensor
+    from torch.distributed.tensor import Replicate
+
+    if all(isinstance(p, Replicate) for p in tensor.placements):
+        return tensor.full_tensor()  # no communication: every process holds it whole
+    raise ValueError(
+        f"{name} is a DTensor placed as {tuple(tensor.placements)} on {tensor.device_mesh}: the op does not "
+        "guess what the sharding means. For FSDP2 (processes holding different tokens, the weight acting "
+        "whole) pass the lm_head module instead of its weight: fused_linear_dgpo_loss(hidden, model.lm_head, "
+        "...) runs the op as the module's forward, so FSDP2 gathers the weight and reduces its gradient. "
+        "A vocabulary split across tensor-parallel processes is not supported yet.")
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
