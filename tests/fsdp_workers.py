@@ -1,4 +1,4 @@
-"""What each process of the FSDP2 tests runs (``tests/test_fsdp.py``): a tiny Qwen2 causal LM wrapped
+"""What each process of the FSDP2 (and DDP) tests runs (``tests/test_fsdp.py``): a tiny Qwen2 causal LM wrapped
 with ``fully_shard`` as a training job wraps it, the fused-linear policy loss computed as
 ``DGPOTrainer._compute_loss`` computes it (inside the model's forward, the op as the lm_head's
 forward), on this process's share of one global batch; the whole gradients are written to a file.
@@ -28,6 +28,8 @@ CASES = {
     "root_only": (False, False, "root_only"),
     "bf16_params_head_unit": (False, True, "head_unit_reshard"),
     "bf16_params_accelerate": (False, True, "accelerate"),
+    "ddp": (False, False, "ddp"),
+    "ddp_tied": (True, False, "ddp"),
 }
 
 
@@ -69,6 +71,8 @@ def rows(batch: dict, rank: int, world: int) -> dict:
 def wrap(model, wrapping: str, mesh, mixed_precision: bool):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if wrapping == "ddp":  # DistributedDataParallel: whole parameters, gradients all-reduced (averaged)
+        return torch.nn.parallel.DistributedDataParallel(model)
     kwargs = dict(mesh=mesh)
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -97,7 +101,7 @@ def policy_loss(model, batch: dict, method: str, on_chip: bool):
     from dgpo_ops.output import PolicyLossOutput
     from dgpo_ops.trainer.trainer import add_hidden_state_output, fused_linear_on_model
 
-    add_hidden_state_output(model)
+    add_hidden_state_output(getattr(model, "module", model))  # as DGPOTrainer: on the model inside a DDP wrapper
     backend = "triton" if on_chip else "auto"
     options = LossOptions.build(aggregation="seq_mean_token_mean", backend=backend, **METHODS[method])
     projection = ProjectionOptions(logits_on_chip=on_chip)
@@ -126,7 +130,7 @@ def whole_gradients(model) -> dict:
         grad = param.grad
         if grad is not None and hasattr(grad, "full_tensor"):
             grad = grad.full_tensor()
-        grads[name] = None if grad is None else grad.detach().float().clone()
+        grads[name.removeprefix("module.")] = None if grad is None else grad.detach().float().clone()
     return grads
 
 

@@ -1,5 +1,5 @@
-"""FSDP2 with real processes (gloo, CPU): the fused-linear loss as DGPOTrainer computes it, under every
-wrapping a training job uses, gives the gradients of one process over the same global batch.
+"""FSDP2 (and DDP) with real processes (gloo, CPU): the fused-linear loss as DGPOTrainer computes it,
+under every wrapping a training job uses, gives the gradients of one process over the same global batch.
 
 Before the op ran as the lm_head's forward (``dgpo_ops.head``), the head's own FSDP unit got a
 gradient 100 % off (the head's forward never ran, so FSDP never reduced it) and the tied embedding
@@ -43,10 +43,23 @@ def jobs_for(world: int) -> list:
     return jobs
 
 
+_RUNS: dict[int, list[dict]] = {}
+
+
+def runs_of(world: int, tmp_path_factory) -> tuple[int, list[dict]]:
+    if world not in _RUNS:  # one spawn per world for the whole module
+        _RUNS[world] = spawn(tmp_path_factory.mktemp(f"fsdp{world}"), world, jobs_for(world))
+    return world, _RUNS[world]
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"{world}ranks")
 def fsdp_runs(request, tmp_path_factory):
-    world = request.param
-    return world, spawn(tmp_path_factory.mktemp(f"fsdp{world}"), world, jobs_for(world))
+    return runs_of(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    return runs_of(2, tmp_path_factory)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -80,7 +93,7 @@ def check_against_one_process(world, results, case, method="dgpo", on_chip=False
 
 
 @pytest.mark.parametrize("case", FP32_CASES)
-def test_fsdp2_wrapping_gives_the_gradients_of_one_process(fsdp_runs, case):
+def test_wrapping_gives_the_gradients_of_one_process(fsdp_runs, case):
     world, results = fsdp_runs
     check_against_one_process(world, results, case)
 
@@ -104,19 +117,15 @@ def test_a_bare_sharded_weight_is_refused(fsdp_runs):
 
 
 @pytest.mark.parametrize("case", SEQUENCE_LEVEL_CASES)
-def test_fsdp2_sequence_level_with_kl(fsdp_runs, case):
+def test_fsdp2_sequence_level_with_kl(two_process_runs, case):
     # GSPO's sequence ratio (a second sweep recomputes the tiles) and a k3 KL.
-    world, results = fsdp_runs
-    if world != 2:
-        pytest.skip("run on 2 processes")
+    world, results = two_process_runs
     check_against_one_process(world, results, case, "gspo")
 
 
 @pytest.mark.skipif(not triton_is_interpreted(), reason="the on-chip kernels run here through the Triton interpreter")
 @pytest.mark.parametrize("case", ON_CHIP_CASES)
-def test_fsdp2_logits_on_chip(fsdp_runs, case):
+def test_fsdp2_logits_on_chip(two_process_runs, case):
     # The on-chip kernels (Triton interpreter on CPU) under FSDP2, against the one-process tile path.
-    world, results = fsdp_runs
-    if world != 2:
-        pytest.skip("run on 2 processes")
+    world, results = two_process_runs
     check_against_one_process(world, results, case, on_chip=True)
