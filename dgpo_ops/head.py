@@ -13,6 +13,7 @@ engine runs exactly as for ``lm_head(hidden)``.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,34 @@ def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, 
         return head(hidden, *args)
     finally:
         restore()
+
+
+def add_hidden_state_output(model) -> None:
+    """Let ``model(..., dgpo_head_fn=fn)`` return ``fn(hidden, lm_head)``, ``hidden`` the backbone's last
+    hidden state (a transformers causal LM: ``base_model`` and ``get_output_embeddings``). The forward
+    is patched on the instance, like TRL's fused head, so the fused-linear op
+    runs inside the model's forward as wrapped by DDP/FSDP/DeepSpeed, and ``fn`` runs it as the
+    lm_head's own forward (``dgpo_ops.head``): FSDP2 in any wrapping, and ZeRO-3, gather the head's
+    weight and reduce its gradient as for ``lm_head(hidden)``."""
+    previous_forward = model.forward
+
+    def forward(self, *args, dgpo_head_fn=None, **kwargs):
+        if dgpo_head_fn is None:
+            return previous_forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        return dgpo_head_fn(self.base_model(*args, **kwargs).last_hidden_state, self.get_output_embeddings())
+
+    model.forward = types.MethodType(forward, model)
+
+
+def fused_linear_on_model(model, input_ids, attention_mask, logits_to_keep, loss_fn):
+    """``loss_fn(hidden, weight, bias)`` on the completion positions' hidden states, run as the
+    lm_head's forward inside ``model``'s (wrapped) forward; returns what ``loss_fn`` returns (a tuple
+    of tensors). ``model`` has had ``add_hidden_state_output``."""
+    def on_hidden(hidden, head):
+        return head_forward(head, loss_fn, hidden[:, -logits_to_keep - 1 : -1])
+
+    return model(input_ids=input_ids, attention_mask=attention_mask, dgpo_head_fn=on_hidden)
 
 
 def check_unsharded(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:

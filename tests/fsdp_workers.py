@@ -99,7 +99,7 @@ def policy_loss(model, batch: dict, method: str, on_chip: bool):
     from dgpo_ops.inputs import LossBatch
     from dgpo_ops.options import LossOptions
     from dgpo_ops.output import PolicyLossOutput
-    from dgpo_ops.trainer.trainer import add_hidden_state_output, fused_linear_on_model
+    from dgpo_ops.head import add_hidden_state_output, fused_linear_on_model
 
     add_hidden_state_output(getattr(model, "module", model))  # as DGPOTrainer: on the model inside a DDP wrapper
     backend = "triton" if on_chip else "auto"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import types
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
@@ -22,7 +21,7 @@ from trl import GRPOTrainer
 from dgpo_ops.backends import select_kernels
 from dgpo_ops.fused import fused_loss_from_options
 from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
-from dgpo_ops.head import head_forward
+from dgpo_ops.head import add_hidden_state_output, fused_linear_on_model
 from dgpo_ops.inputs import LossBatch
 from dgpo_ops.metrics import METRIC_NAMES
 from dgpo_ops.output import PolicyLossOutput
@@ -55,33 +54,6 @@ def _logit_transform(config) -> tuple[float, float | None]:
             raise ValueError(f"fused='linear' does not handle the model's {name}; use fused='logits'")
     logit_scale = getattr(text_config, "logit_scale", None)
     return (1.0 if logit_scale is None else float(logit_scale)), getattr(text_config, "final_logit_softcapping", None)
-
-
-def add_hidden_state_output(model) -> None:
-    """Let ``model(..., dgpo_head_fn=fn)`` return ``fn(hidden, lm_head)``, ``hidden`` the backbone's last
-    hidden state. The forward is patched on the instance, like TRL's fused head, so the fused-linear op
-    runs inside the model's forward as wrapped by DDP/FSDP/DeepSpeed, and ``fn`` runs it as the
-    lm_head's own forward (``dgpo_ops.head``): FSDP2 in any wrapping, and ZeRO-3, gather the head's
-    weight and reduce its gradient as for ``lm_head(hidden)``."""
-    previous_forward = model.forward
-
-    def forward(self, *args, dgpo_head_fn=None, **kwargs):
-        if dgpo_head_fn is None:
-            return previous_forward(*args, **kwargs)
-        kwargs["use_cache"] = False
-        return dgpo_head_fn(self.base_model(*args, **kwargs).last_hidden_state, self.get_output_embeddings())
-
-    model.forward = types.MethodType(forward, model)
-
-
-def fused_linear_on_model(model, input_ids, attention_mask, logits_to_keep, loss_fn):
-    """``loss_fn(hidden, weight, bias)`` on the completion positions' hidden states, run as the
-    lm_head's forward inside ``model``'s (wrapped) forward; returns what ``loss_fn`` returns (a tuple
-    of tensors). ``model`` has had ``add_hidden_state_output``."""
-    def on_hidden(hidden, head):
-        return head_forward(head, loss_fn, hidden[:, -logits_to_keep - 1 : -1])
-
-    return model(input_ids=input_ids, attention_mask=attention_mask, dgpo_head_fn=on_hidden)
 
 
 def _fused_adam(optimizer):
