@@ -12,6 +12,11 @@ ARGUMENTS = {
               "engine shards it, FSDP2 or DeepSpeed ZeRO-3: the op then runs as the module's forward, so the "
               "engine gathers the weight and reduces its gradient; its bias is used unless ``bias`` is given). "
               "A sharded DTensor weight is refused: pass the module.",
+    "vocab_parallel_group": "a process group over which the vocabulary is split (tensor parallelism): every "
+                            "process passes the same tokens and its equal share of the logits' columns, in rank "
+                            "order; the loss, log-probs, entropies and metrics are the whole vocabulary's, the "
+                            "gradient this process's columns'. Per token 16 bytes cross processes, never logits. "
+                            "A chunked torch path (``dgpo_ops/vocab_parallel.py``); None: not split.",
     "bias": "the lm_head bias ``(V,)``, or None.",
     "target_ids": "sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not scored.",
     "advantages": "per token ``(B, T)`` or per response ``(B,)``.",

@@ -167,6 +167,7 @@ def fused_dgpo_loss(
     inplace: bool = False,
     backend: str = "auto",
     validation: str = "auto",
+    vocab_parallel_group=None,
     **method_params,
 ) -> PolicyLossOutput:
     options = LossOptions.build(
@@ -174,8 +175,12 @@ def fused_dgpo_loss(
         importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
         validation=validation, **method_params,
     )
-    return fused_loss_from_options(logits, LossBatch(target_ids, advantages, mask, old_logps, ref_logps,
-                                                     rollout_weights, loss_normalizer), options)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+    if vocab_parallel_group is not None:
+        from .vocab_parallel import vocab_parallel_loss_from_options
+
+        return vocab_parallel_loss_from_options(logits, batch, options, vocab_parallel_group)
+    return fused_loss_from_options(logits, batch, options)
 
 
 class DGPOLoss(torch.nn.Module):

@@ -1,0 +1,92 @@
+"""What each process of tests/test_vocab_parallel.py runs: the same tokens on every process, this
+process's equal share of the vocabulary columns, ``fused_dgpo_loss(..., vocab_parallel_group=...)``."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+
+from helpers import METHOD_VARIANTS, logits_batch
+
+VOCAB = 60  # divisible by 2 and 3 processes
+OPTION_SETS = {
+    "plain": dict(),
+    "kl_entropy_temperature": dict(aggregation="seq_mean_token_mean", beta=0.05, entropy_coef=0.01, temperature=0.7),
+}
+EXTRA_JOBS = {  # name -> (method, params, options, per-token advantages, dtype, flat)
+    "gspo": ("grpo", {}, dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", beta=0.02),
+             False, torch.float32, False),
+    "seq_sum_norm_per_token_adv": ("dgpo", {}, dict(aggregation="seq_mean_token_sum_norm", loss_normalizer=5.0),
+                                   True, torch.float32, False),
+    "seq_sum_token_mean": ("cispo", {}, dict(aggregation="seq_sum_token_mean"), False, torch.float32, False),
+    "flat_rollout_weights": ("dgpo", {}, dict(), True, torch.float32, True),
+    "bf16": ("dgpo", {}, dict(entropy_coef=0.01), False, torch.bfloat16, False),
+}
+
+
+def jobs() -> dict:
+    """name -> (method, params, options, per-token advantages, dtype, flat)"""
+    every = {}
+    for name, params in METHOD_VARIANTS:
+        for option_name, options in OPTION_SETS.items():
+            label = name + "".join(f"-{k}={v}" for k, v in params.items())
+            every[f"{label}/{option_name}"] = (name, params, options, False, torch.float32, False)
+    return {**every, **EXTRA_JOBS}
+
+
+def inputs_of(job) -> tuple[dict, dict]:
+    """(the whole-vocabulary inputs, the loss keywords) of a job, the same in every process."""
+    method, params, options, per_token_adv, dtype, flat = job
+    batch = logits_batch(3, 7, VOCAB, seed=11, dtype=dtype, per_token_adv=per_token_adv)
+    if flat:
+        batch = {name: value.reshape(-1, *value.shape[2:]) if value.dim() >= 2 else value
+                 for name, value in batch.items()}
+        batch["rollout_weights"] = torch.rand(batch["target_ids"].shape, generator=torch.Generator().manual_seed(3))
+    if not options.get("beta"):
+        batch.pop("ref_logps")
+    return batch, dict(method=method, **params, **options)
+
+
+def columns_of(rank: int, world: int) -> slice:
+    share = VOCAB // world
+    return slice(rank * share, (rank + 1) * share)
+
+
+def vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
+    import torch.distributed as dist
+
+    import dgpo_ops
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    try:
+        group = dist.new_group(list(range(world)))
+        for name, job in jobs().items():
+            batch, keywords = inputs_of(job)
+            shard = batch.pop("logits")[..., columns_of(rank, world)].detach().clone().requires_grad_(True)
+            out = dgpo_ops.fused_dgpo_loss(shard, **batch, **keywords, vocab_parallel_group=group)
+            out.loss.backward()
+            results[name] = dict(loss=out.loss.detach(), logps=out.logps, entropy=out.entropy,
+                                 metrics=out.metrics.as_tensor().detach(), grad=shard.grad)
+        # Bad input: unequal shares of the vocabulary, a target outside it.
+        batch, keywords = inputs_of(EXTRA_JOBS["bf16"])
+        logits = batch.pop("logits").float()
+        uneven = logits[..., : VOCAB // world - (1 if rank == 0 else 0)]
+        for label, call in (
+                ("uneven", lambda: dgpo_ops.fused_dgpo_loss(uneven, **batch, vocab_parallel_group=group)),
+                ("target", lambda: dgpo_ops.fused_dgpo_loss(
+                    logits[..., columns_of(rank, world)], **{**batch, "target_ids": batch["target_ids"] + VOCAB},
+                    vocab_parallel_group=group))):
+            try:
+                call()
+                results[f"error/{label}"] = None
+            except ValueError as error:
+                results[f"error/{label}"] = str(error)
+    except Exception:
+        results["error"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
