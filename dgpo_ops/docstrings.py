@@ -13,10 +13,19 @@ ARGUMENTS = {
               "engine gathers the weight and reduces its gradient; its bias is used unless ``bias`` is given). "
               "A sharded DTensor weight is refused: pass the module.",
     "vocab_parallel_group": "a process group over which the vocabulary is split (tensor parallelism): every "
-                            "process passes the same tokens and its equal share of the logits' columns, in rank "
-                            "order; the loss, log-probs, entropies and metrics are the whole vocabulary's, the "
-                            "gradient this process's columns'. Per token 16 bytes cross processes, never logits. "
-                            "A chunked torch path (``dgpo_ops/vocab_parallel.py``); None: not split.",
+                            "process passes the same tokens and its equal share of the vocabulary, in rank order "
+                            "(``V / P`` logits columns, or ``V / P`` rows of the lm_head weight and bias); the loss, "
+                            "log-probs, entropies and metrics are the whole vocabulary's, the gradient this "
+                            "process's share's (the hidden state's is summed over the group). 16 bytes per token "
+                            "cross processes, never logits or weights. A chunked torch path "
+                            "(``dgpo_ops/chunked.py``); None: not split.",
+    "cu_seqlens": "packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)`` hidden "
+                  "states with boundaries ``[0, len_0, len_0 + len_1, ..., total_tokens]`` (int32/int64, as "
+                  "flash-attention and verl take them); per-token inputs ``(total_tokens,)``, advantages per token "
+                  "or per sequence ``(B,)``; every aggregation and GSPO as on the padded ``(B, max_seqlen)`` "
+                  "layout. A chunked torch path (``dgpo_ops/chunked.py``); None: not packed.",
+    "max_seqlen": "the longest packed sequence (the padded layout's width, which "
+                  "``seq_mean_token_sum_norm`` divides by); None: read from ``cu_seqlens`` (a host read).",
     "bias": "the lm_head bias ``(V,)``, or None.",
     "target_ids": "sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not scored.",
     "advantages": "per token ``(B, T)`` or per response ``(B,)``.",

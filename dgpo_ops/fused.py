@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .backends import RowKernels
+from .chunked import CallLayout, chunked_loss_from_options
 from .docstrings import documented
 from .inputs import LossBatch, token_inputs
 from .kernels.interface import Plane
@@ -168,6 +169,8 @@ def fused_dgpo_loss(
     backend: str = "auto",
     validation: str = "auto",
     vocab_parallel_group=None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
     **method_params,
 ) -> PolicyLossOutput:
     options = LossOptions.build(
@@ -176,10 +179,9 @@ def fused_dgpo_loss(
         validation=validation, **method_params,
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
-    if vocab_parallel_group is not None:
-        from .vocab_parallel import vocab_parallel_loss_from_options
-
-        return vocab_parallel_loss_from_options(logits, batch, options, vocab_parallel_group)
+    layout = CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen)
+    if layout.chunked or max_seqlen is not None:
+        return chunked_loss_from_options(logits, batch, options, layout)
     return fused_loss_from_options(logits, batch, options)
 
 

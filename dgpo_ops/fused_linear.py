@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from .docstrings import documented
-from .head import check_unsharded, head_forward
+from .chunked import CallLayout, chunked_linear_loss_from_options
+from .head import check_unsharded, head_forward, local_vocab_shard
 from .inputs import LossBatch, per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
@@ -366,14 +367,27 @@ def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, pr
 
 
 def fused_linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: LossOptions,
-                                   projection_options: ProjectionOptions) -> PolicyLossOutput:
+                                   projection_options: ProjectionOptions,
+                                   call_layout: CallLayout = CallLayout()) -> PolicyLossOutput:
     if isinstance(weight, torch.nn.Module):  # the lm_head module: the op runs as its forward (dgpo_ops.head)
         def as_head_forward(head_hidden, head_weight, head_bias):
             return fused_linear_loss_from_options(head_hidden, head_weight, head_bias if bias is None else bias,
-                                                  batch, options, projection_options).tensors()
+                                                  batch, options, projection_options, call_layout).tensors()
 
         return PolicyLossOutput.from_tensors(head_forward(weight, as_head_forward, hidden))
-    weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
+    if call_layout.vocab_parallel_group is not None:
+        weight, bias = (local_vocab_shard(t, name, call_layout.vocab_parallel_group)
+                        for t, name in ((weight, "weight"), (bias, "bias")))
+    else:
+        weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
+    if call_layout.chunked:
+        _flatten_tokens(hidden, weight, bias)  # the structural checks
+        if projection_options.logits_on_chip:
+            raise ValueError("logits_on_chip=True does not take vocab_parallel_group or cu_seqlens yet")
+        compute = autocast_dtype(hidden.device)
+        operand = compute if compute in LOW_PRECISION and weight.dtype != torch.float64 else weight.dtype
+        return chunked_linear_loss_from_options(hidden, weight, bias, batch, options, projection_options.logit_scale,
+                                                projection_options.softcap, operand, call_layout)
     flat_hidden, logits_shape = _flatten_tokens(hidden, weight, bias)
     if options.inplace:
         raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
@@ -416,6 +430,9 @@ def fused_linear_dgpo_loss(
     logits_on_chip: bool = False,
     backend: str = "auto",
     validation: str = "auto",
+    vocab_parallel_group=None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
     **method_params,
 ) -> PolicyLossOutput:
     options = LossOptions.build(
@@ -425,7 +442,8 @@ def fused_linear_dgpo_loss(
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
                                            logits_on_chip=logits_on_chip)
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
-    return fused_linear_loss_from_options(hidden, weight, bias, batch, options, projection_options)
+    return fused_linear_loss_from_options(hidden, weight, bias, batch, options, projection_options,
+                                          CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 
 
 @torch.no_grad()
@@ -443,6 +461,9 @@ def fused_linear_logprobs(
     logits_on_chip: bool = False,
     backend: str = "auto",
     validation: str = "auto",
+    vocab_parallel_group=None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only (old-policy and reference log-probs): per-token log-probs and entropies, fp32,
     shaped like ``target_ids``, 0 on masked tokens. One GEMM pass, no gradient work."""
@@ -450,5 +471,6 @@ def fused_linear_logprobs(
     out = fused_linear_dgpo_loss(hidden, weight, target_ids, advantages, mask, bias=bias, method="grpo",
                                  temperature=temperature, logit_scale=logit_scale, softcap=softcap,
                                  memory_budget=memory_budget, logits_on_chip=logits_on_chip, backend=backend,
-                                 validation=validation)
+                                 validation=validation, vocab_parallel_group=vocab_parallel_group,
+                                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     return out.logps, out.entropy

@@ -104,7 +104,41 @@ def check_unsharded(tensor: torch.Tensor | None, name: str) -> torch.Tensor | No
         "guess what the sharding means. For FSDP2 (processes holding different tokens, the weight acting "
         "whole) pass the lm_head module instead of its weight: fused_linear_dgpo_loss(hidden, model.lm_head, "
         "...) runs the op as the module's forward, so FSDP2 gathers the weight and reduces its gradient. "
-        "A vocabulary split across tensor-parallel processes is not supported yet.")
+        "For a vocabulary split across tensor-parallel processes (each keeping its rows) pass "
+        "vocab_parallel_group=<that mesh dimension's process group>.")
+
+
+def local_vocab_shard(tensor: torch.Tensor | None, name: str, group) -> torch.Tensor | None:
+    """This process's rows of an lm_head ``weight`` / ``bias`` split by vocabulary over ``group``
+    (``vocab_parallel_group``): a plain tensor is taken as the local shard (Megatron's column-parallel
+    lm_head, verl's process-group convention); a DTensor must be ``Shard(0)`` over exactly that group,
+    and its local shard is used (its gradient comes back as a ``Shard(0)`` DTensor)."""
+    if tensor is None or not _is_dtensor(tensor):
+        return tensor
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = tensor.device_mesh
+    shard_dims = [dim for dim, placement in enumerate(tensor.placements) if isinstance(placement, Shard)]
+    if (len(shard_dims) != 1 or tensor.placements[shard_dims[0]] != Shard(0)
+            or not all(isinstance(p, Replicate) for i, p in enumerate(tensor.placements) if i != shard_dims[0])):
+        raise ValueError(f"{name} is a DTensor placed as {tuple(tensor.placements)}: with vocab_parallel_group it "
+                         "must be split by vocabulary rows (Shard(0)) over that group, and replicated otherwise")
+    if mesh.get_group(shard_dims[0]) is not group and not _same_ranks(mesh.get_group(shard_dims[0]), group):
+        raise ValueError(f"{name} is sharded over mesh dimension {shard_dims[0]} of {mesh}, which is not "
+                         "vocab_parallel_group: pass that mesh dimension's group (mesh.get_group(dim))")
+    if tensor.shape[0] % mesh.size(shard_dims[0]):
+        raise ValueError(f"{name}: the vocabulary ({tensor.shape[0]}) must split into equal shares over the "
+                         f"{mesh.size(shard_dims[0])} processes of vocab_parallel_group")
+    return tensor.to_local()
+
+
+def _same_ranks(group_a, group_b) -> bool:
+    import torch.distributed as dist
+
+    try:
+        return dist.get_process_group_ranks(group_a) == dist.get_process_group_ranks(group_b)
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return False
 
 
 def _is_dtensor(tensor) -> bool:

@@ -34,6 +34,8 @@ def reference_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
     **method_params,
 ) -> PolicyLossOutput:
     options = LossOptions.build(
@@ -46,7 +48,21 @@ def reference_loss(
         **method_params,
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+    if cu_seqlens is not None or max_seqlen is not None:
+        return packed_reference_loss(logits, batch, options, cu_seqlens, max_seqlen)
     return reference_loss_from_options(logits, batch, options)
+
+
+def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, cu_seqlens, max_seqlen):
+    """Packed ``(total_tokens, V)`` logits: the reference on the padded ``(B, max_seqlen, V)`` layout (which
+    it materialises), per-token outputs back in packed order."""
+    from .chunked import TokenLayout
+
+    if not torch.is_tensor(logits):
+        raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
+    packed = TokenLayout.build(logits.shape[:-1], logits.device, cu_seqlens, max_seqlen).packed
+    out = reference_loss_from_options(packed.pad(logits, 0.0), packed.padded_batch(loss_batch), options)
+    return out._replace(logps=packed.unpad(out.logps), entropy=packed.unpad(out.entropy))
 
 
 def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOptions) -> PolicyLossOutput:

@@ -93,8 +93,9 @@ def wrap(model, wrapping: str, mesh, mixed_precision: bool):
     return model
 
 
-def policy_loss(model, batch: dict, method: str, on_chip: bool):
-    """The loss and the old-policy log-probs as DGPOTrainer computes them (``fused='linear'``)."""
+def policy_loss(model, batch: dict, method: str, on_chip: bool, backward=None):
+    """The loss and the old-policy log-probs as DGPOTrainer computes them (``fused='linear'``); ``model``
+    may be wrapped (DDP, FSDP2, a DeepSpeed engine: ``backward`` is then ``engine.backward``)."""
     from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
     from dgpo_ops.inputs import LossBatch
     from dgpo_ops.options import LossOptions
@@ -119,7 +120,7 @@ def policy_loss(model, batch: dict, method: str, on_chip: bool):
         logps, _ = fused_linear_on_model(model, batch["input_ids"], batch["attention_mask"], COMPLETION, logprobs_fn)
     out = PolicyLossOutput.from_tensors(
         fused_linear_on_model(model, batch["input_ids"], batch["attention_mask"], COMPLETION, loss_fn))
-    out.loss.backward()
+    (backward or torch.Tensor.backward)(out.loss)
     return out, logps
 
 

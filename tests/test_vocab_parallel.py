@@ -49,6 +49,30 @@ def test_split_vocabulary_equals_one_process(runs, name):
         assert got["grad"].dtype == logits.dtype
 
 
+@pytest.mark.parametrize("name", list(workers.LINEAR_JOBS))
+def test_split_lm_head_equals_one_process(runs, name):
+    # The lm_head weight and bias split by vocabulary rows (a plain local shard, or a Shard(0) DTensor),
+    # the same hidden states everywhere: the loss and per-token values of one process with the whole
+    # weight, each process the gradient of its rows, and every process the whole hidden-state gradient.
+    world, results = runs
+    tensors, batch, keywords = workers.linear_inputs(name)
+    leaves = {key: value.requires_grad_(True) for key, value in tensors.items()}
+    want = dgpo_ops.fused_linear_dgpo_loss(leaves["hidden"], leaves["weight"], **batch, bias=leaves["bias"],
+                                           **keywords)
+    want.loss.backward()
+    tolerance = dict(rtol=1e-9, atol=1e-9)  # float64: nothing but summation order
+    for rank, result in enumerate(results):
+        got = result[name]
+        rows = workers.columns_of(rank, world)
+        torch.testing.assert_close(got["loss"], want.loss.detach(), **tolerance)
+        torch.testing.assert_close(got["logps"], want.logps, **tolerance)
+        torch.testing.assert_close(got["entropy"], want.entropy, **tolerance)
+        torch.testing.assert_close(got["metrics"], want.metrics.as_tensor(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got["hidden"], leaves["hidden"].grad, **tolerance)
+        torch.testing.assert_close(got["weight"], leaves["weight"].grad[rows], **tolerance)
+        torch.testing.assert_close(got["bias"], leaves["bias"].grad[rows], **tolerance)
+
+
 def test_bad_input_names_the_argument(runs):
     _, results = runs
     for result in results:

@@ -49,6 +49,38 @@ def inputs_of(job) -> tuple[dict, dict]:
     return batch, dict(method=method, **params, **options)
 
 
+HIDDEN = 12
+LINEAR_JOBS = {  # name -> loss keywords; the weight split by rows, hidden states the same everywhere (float64)
+    "linear": dict(method="dgpo"),
+    "linear_softcap_kl_entropy_temperature": dict(method="dgpo", softcap=4.0, logit_scale=0.9, temperature=0.8,
+                                                  beta=0.05, entropy_coef=0.01, aggregation="seq_mean_token_mean"),
+    "linear_gspo": dict(method="grpo", importance_sampling_level="sequence", aggregation="seq_mean_token_mean"),
+    "linear_dtensor": dict(method="cispo"),  # the weight a Shard(0) DTensor on a 1-D mesh
+    "linear_packed": dict(method="dgpo", aggregation="seq_mean_token_mean"),  # and cu_seqlens
+}
+PACKED_LENGTHS = [4, 7, 1, 9]
+
+
+def linear_inputs(name: str) -> tuple[dict, dict, dict]:
+    """(hidden/weight/bias, loss inputs, keywords) of a linear job, the same in every process."""
+    keywords = dict(LINEAR_JOBS[name])
+    batch = logits_batch(3, 7, VOCAB, seed=13)
+    batch.pop("logits")
+    if not keywords.get("beta"):
+        batch.pop("ref_logps")
+    generator = torch.Generator().manual_seed(17)
+    float64 = dict(generator=generator, dtype=torch.float64)
+    tensors = dict(hidden=torch.randn(3, 7, HIDDEN, **float64), weight=torch.randn(VOCAB, HIDDEN, **float64) * 0.5,
+                   bias=torch.randn(VOCAB, **float64))
+    if name == "linear_packed":  # 21 tokens in 4 packed sequences
+        n = sum(PACKED_LENGTHS)
+        tensors["hidden"] = tensors["hidden"].reshape(-1, HIDDEN)[:n]
+        batch = {key: value.reshape(-1)[:n] for key, value in batch.items() if key != "advantages"}
+        batch["advantages"] = torch.tensor([0.5, -1.0, 0.3, 1.2])
+        keywords["cu_seqlens"] = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()])
+    return tensors, batch, keywords
+
+
 def columns_of(rank: int, world: int) -> slice:
     share = VOCAB // world
     return slice(rank * share, (rank + 1) * share)
@@ -71,6 +103,28 @@ def vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
             out.loss.backward()
             results[name] = dict(loss=out.loss.detach(), logps=out.logps, entropy=out.entropy,
                                  metrics=out.metrics.as_tensor().detach(), grad=shard.grad)
+        for name in LINEAR_JOBS:
+            tensors, batch, keywords = linear_inputs(name)
+            rows = columns_of(rank, world)
+            hidden = tensors["hidden"].requires_grad_(True)
+            weight = tensors["weight"][rows].clone().requires_grad_(True)
+            bias = tensors["bias"][rows].clone().requires_grad_(True)
+            leaf = weight
+            if name == "linear_dtensor":
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.tensor import Shard, distribute_tensor
+
+                mesh = init_device_mesh("cpu", (world,))
+                leaf = distribute_tensor(tensors["weight"].clone(), mesh, [Shard(0)]).requires_grad_(True)
+                weight, group_of_weight = leaf, mesh.get_group(0)
+            out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **batch, bias=bias, **keywords,
+                                                  vocab_parallel_group=group_of_weight if name == "linear_dtensor"
+                                                  else group)
+            out.loss.backward()
+            weight_grad = leaf.grad.to_local() if hasattr(leaf.grad, "to_local") else leaf.grad
+            results[name] = dict(loss=out.loss.detach(), logps=out.logps, entropy=out.entropy,
+                                 metrics=out.metrics.as_tensor().detach(), hidden=hidden.grad, weight=weight_grad,
+                                 bias=bias.grad)
         # Bad input: unequal shares of the vocabulary, a target outside it.
         batch, keywords = inputs_of(EXTRA_JOBS["bf16"])
         logits = batch.pop("logits").float()

@@ -1,0 +1,141 @@
+"""Packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)`` hidden states with
+``cu_seqlens`` give exactly what the padded ``(B, max_seqlen)`` layout gives, for every method variant,
+aggregation, per-response and per-token advantages, KL, entropy bonus, temperature and GSPO."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgpo_ops
+from helpers import METHOD_VARIANTS, logits_batch, variant_id
+
+LENGTHS = [5, 1, 7, 3]  # the padded layout is (4, 7)
+
+
+def pack(batch: dict, lengths=LENGTHS):
+    """The padded batch's real tokens back to back, and cu_seqlens."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    packed = {}
+    for name, value in batch.items():
+        if torch.is_tensor(value) and value.dim() >= 2:
+            packed[name] = torch.cat([value[b, :length] for b, length in enumerate(lengths)])
+        else:
+            packed[name] = value  # per-response advantages
+    return packed, cu
+
+
+def padded_batch(seed=0, per_token_adv=False, dtype=torch.float32):
+    batch = logits_batch(len(LENGTHS), max(LENGTHS), 50, seed=seed, per_token_adv=per_token_adv, dtype=dtype)
+    for b, length in enumerate(LENGTHS):  # beyond each sequence's length there is no token
+        batch["target_ids"][b, length:] = -100
+    return batch
+
+
+def unpack_rows(padded: torch.Tensor, lengths=LENGTHS) -> torch.Tensor:
+    return torch.cat([padded[b, :length] for b, length in enumerate(lengths)])
+
+
+OPTION_SETS = {
+    "token_mean": dict(),
+    "seq_mean_token_mean+kl+entropy+temperature": dict(aggregation="seq_mean_token_mean", beta=0.05,
+                                                       entropy_coef=0.01, temperature=0.7),
+    "seq_mean_token_sum_norm": dict(aggregation="seq_mean_token_sum_norm"),
+    "seq_sum_token_mean+normalizer": dict(aggregation="seq_sum_token_mean", loss_normalizer=3.0),
+    "gspo": dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean"),
+}
+
+
+def compare(got, want, got_grad, want_grad, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(got.loss, want.loss, rtol=rtol, atol=atol)
+    torch.testing.assert_close(got.logps, unpack_rows(want.logps), rtol=rtol, atol=atol)
+    torch.testing.assert_close(got.entropy, unpack_rows(want.entropy), rtol=rtol, atol=atol)
+    torch.testing.assert_close(got.metrics.as_tensor(), want.metrics.as_tensor(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(got_grad, unpack_rows(want_grad), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
+@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=[variant_id(v) for v in METHOD_VARIANTS])
+@pytest.mark.parametrize("loss_fn", ["fused", "reference"])
+def test_packed_logits_equal_the_padded_layout(variant, options, loss_fn):
+    name, params = variant
+    keywords = dict(method=name, **params, **OPTION_SETS[options])
+    batch = padded_batch(per_token_adv=options == "token_mean")
+    if not keywords.get("beta"):
+        batch.pop("ref_logps")
+    padded_logits = batch.pop("logits").requires_grad_(True)
+    want = dgpo_ops.reference_loss(padded_logits, **batch, **keywords)
+    want.loss.backward()
+    packed, cu = pack({"logits": padded_logits.detach(), **batch})
+    logits = packed.pop("logits").clone().requires_grad_(True)
+    fn = dgpo_ops.fused_dgpo_loss if loss_fn == "fused" else dgpo_ops.reference_loss
+    got = fn(logits, **packed, **keywords, cu_seqlens=cu)
+    got.loss.backward()
+    compare(got, want, logits.grad, padded_logits.grad)
+
+
+@pytest.mark.parametrize("options", ["token_mean", "seq_mean_token_mean+kl+entropy+temperature", "gspo"])
+@pytest.mark.parametrize("projection", [dict(), dict(softcap=5.0, logit_scale=0.8)], ids=["plain", "softcap"])
+def test_packed_hidden_states_equal_the_padded_layout(options, projection):
+    keywords = dict(method="dgpo", **OPTION_SETS[options], **projection)
+    batch = padded_batch(seed=3)
+    if not keywords.get("beta"):
+        batch.pop("ref_logps")
+    batch.pop("logits")
+    generator = torch.Generator().manual_seed(5)
+    # float64, so that the two paths' different summation orders leave nothing to tolerate
+    float64 = dict(generator=generator, dtype=torch.float64)
+    hidden = torch.randn(len(LENGTHS), max(LENGTHS), 16, **float64).requires_grad_(True)
+    weight = torch.randn(50, 16, **float64).requires_grad_(True)
+    bias = torch.randn(50, **float64).requires_grad_(True)
+    want = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **batch, bias=bias, **keywords)
+    want.loss.backward()
+    want_grads = [t.grad.clone() for t in (weight, bias)]
+    weight.grad = bias.grad = None
+    packed, cu = pack({"hidden": hidden.detach(), **batch})
+    packed_hidden = packed.pop("hidden").clone().requires_grad_(True)
+    got = dgpo_ops.fused_linear_dgpo_loss(packed_hidden, weight, **packed, bias=bias, **keywords, cu_seqlens=cu,
+                                          max_seqlen=max(LENGTHS))
+    got.loss.backward()
+    compare(got, want, packed_hidden.grad, hidden.grad, rtol=1e-9, atol=1e-9)
+    for grad, want_grad in zip((weight.grad, bias.grad), want_grads):
+        torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-9)
+
+
+def test_packed_bf16_logits_and_old_logprobs():
+    batch = padded_batch(seed=4, dtype=torch.bfloat16)
+    batch.pop("ref_logps")
+    padded_logits = batch.pop("logits").requires_grad_(True)
+    want = dgpo_ops.reference_loss(padded_logits, **batch, aggregation="seq_mean_token_mean")
+    want.loss.backward()
+    packed, cu = pack({"logits": padded_logits.detach(), **batch})
+    logits = packed.pop("logits").clone().requires_grad_(True)
+    got = dgpo_ops.fused_dgpo_loss(logits, **packed, aggregation="seq_mean_token_mean", cu_seqlens=cu.int())
+    got.loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+    compare(got, want, logits.grad.float(), padded_logits.grad.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(cu_seqlens=torch.tensor([0, 5, 6, 13, 15])), "end at the number of packed tokens"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 4, 13, 16])), "non-decreasing"),
+    (dict(cu_seqlens=torch.tensor([0.0, 16.0])), "int32 or int64"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 6, 13, 16]), max_seqlen=6), "max_seqlen"),
+    (dict(cu_seqlens=None, max_seqlen=7), "max_seqlen goes with cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 6, 13, 16]), old_logps=torch.zeros(15)), "old_logps must have shape"),
+])
+def test_packed_bad_input_names_the_argument(change, match):
+    batch = padded_batch()
+    batch.pop("ref_logps")
+    packed, cu = pack(batch)
+    arguments = {**packed, "cu_seqlens": cu, **change}
+    if arguments["cu_seqlens"] is None:
+        del arguments["cu_seqlens"]
+    with pytest.raises(ValueError, match=match):
+        dgpo_ops.fused_dgpo_loss(**arguments)
+
+
+def test_padded_logits_with_cu_seqlens_are_refused():
+    batch = padded_batch()
+    with pytest.raises(ValueError, match="total_tokens"):
+        dgpo_ops.fused_dgpo_loss(**batch, cu_seqlens=torch.tensor([0, 5, 6, 13, 16]))
