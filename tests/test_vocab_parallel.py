@@ -78,6 +78,7 @@ def test_bad_input_names_the_argument(runs):
     for result in results:
         assert "vocab_parallel_group" in result["error/uneven"] and "equal share" in result["error/uneven"]
         assert result["error/target"] is not None and "target" in result["error/target"]
+        assert result["error/group"] is not None and "vocab_parallel_group" in result["error/group"]
 
 
 def test_without_a_process_group_it_says_so():

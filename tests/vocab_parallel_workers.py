@@ -139,6 +139,19 @@ def vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
                 results[f"error/{label}"] = None
             except ValueError as error:
                 results[f"error/{label}"] = str(error)
+        # A Shard(0) DTensor weight over the whole group, with another group stated: refused on every process.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        tensors, batch, keywords = linear_inputs("linear")
+        weight = distribute_tensor(tensors["weight"], init_device_mesh("cpu", (world,)), [Shard(0)])
+        other_group = dist.new_group([0])  # every process must take part in making it
+        try:
+            dgpo_ops.fused_linear_dgpo_loss(tensors["hidden"], weight, **batch, **keywords,
+                                            vocab_parallel_group=other_group)
+            results["error/group"] = None
+        except ValueError as error:
+            results["error/group"] = str(error)
     except Exception:
         results["error"] = traceback.format_exc()
     finally:
