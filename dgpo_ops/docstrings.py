@@ -18,11 +18,11 @@ ARGUMENTS = {
                             "log-probs, entropies and metrics are the whole vocabulary's, the gradient this "
                             "process's share's (the hidden state's is summed over the group). 16 bytes per token "
                             "cross processes, never logits or weights. A chunked torch path "
-                            "(``dgpo_ops/chunked.py``); None: not split.",
+                            "(``dgpo_ops/vocab_split.py``); None: not split.",
     "cu_seqlens": "packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)`` hidden "
                   "states with boundaries ``[0, len_0, len_0 + len_1, ..., total_tokens]`` (int32/int64, as "
                   "flash-attention and verl take them); per-token inputs ``(total_tokens,)``, advantages per token "
-                  "or per sequence ``(B,)``; every aggregation and GSPO as on the padded ``(B, max_seqlen)`` "
+                  "or per sequence ``(B,)`` (read per sequence where the shapes coincide); every aggregation and GSPO as on the padded ``(B, max_seqlen)`` "
                   "layout. A chunked torch path (``dgpo_ops/chunked.py``); None: not packed.",
     "max_seqlen": "the longest packed sequence (the padded layout's width, which "
                   "``seq_mean_token_sum_norm`` divides by); None: read from ``cu_seqlens`` (a host read).",

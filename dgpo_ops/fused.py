@@ -180,7 +180,7 @@ def fused_dgpo_loss(
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
     layout = CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen)
-    if layout.chunked or max_seqlen is not None:
+    if layout.needs_chunked_path:
         return chunked_loss_from_options(logits, batch, options, layout)
     return fused_loss_from_options(logits, batch, options)
 

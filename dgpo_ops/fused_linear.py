@@ -380,7 +380,7 @@ def fused_linear_loss_from_options(hidden, weight, bias, batch: LossBatch, optio
                         for t, name in ((weight, "weight"), (bias, "bias")))
     else:
         weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
-    if call_layout.chunked:
+    if call_layout.needs_chunked_path:
         _flatten_tokens(hidden, weight, bias)  # the structural checks
         if projection_options.logits_on_chip:
             raise ValueError("logits_on_chip=True does not take vocab_parallel_group or cu_seqlens yet")

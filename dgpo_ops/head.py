@@ -38,7 +38,7 @@ def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, 
     own_forward = head.__dict__.get("forward")
 
     def redirected(engine_hidden, *engine_args):
-        restore()  # a recomputing engine (activation checkpointing) calls the real forward again
+        restore()  # anything inside fn that calls the head gets its own forward
         return fn(engine_hidden, head.weight, getattr(head, "bias", None), *engine_args)
 
     def restore():

@@ -56,7 +56,7 @@ def reference_loss(
 def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, cu_seqlens, max_seqlen):
     """Packed ``(total_tokens, V)`` logits: the reference on the padded ``(B, max_seqlen, V)`` layout (which
     it materialises), per-token outputs back in packed order."""
-    from .chunked import TokenLayout
+    from .packed import TokenLayout
 
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")

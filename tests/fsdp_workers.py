@@ -102,7 +102,9 @@ def policy_loss(model, batch: dict, method: str, on_chip: bool, backward=None):
     from dgpo_ops.output import PolicyLossOutput
     from dgpo_ops.head import add_hidden_state_output, fused_linear_on_model
 
-    add_hidden_state_output(getattr(model, "module", model))  # as DGPOTrainer: on the model inside a DDP wrapper
+    method, _, route = method.partition("@")  # "dgpo@module": fused_linear_dgpo_loss(hidden, model.lm_head, ...)
+    inner = getattr(model, "module", model)
+    add_hidden_state_output(inner)  # as DGPOTrainer: on the model inside a DDP wrapper
     backend = "triton" if on_chip else "auto"
     options = LossOptions.build(aggregation="seq_mean_token_mean", backend=backend, **METHODS[method])
     projection = ProjectionOptions(logits_on_chip=on_chip)
@@ -116,10 +118,18 @@ def policy_loss(model, batch: dict, method: str, on_chip: bool, backward=None):
         return fused_linear_logprobs(hidden, weight, batch["targets"], bias=bias, logits_on_chip=on_chip,
                                      backend=backend)
 
+    if route == "module":  # the public call, after the model's forward, with the head module as the weight
+        def on_head(fn):
+            hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           dgpo_head_fn=lambda hidden, head: hidden)[:, -COMPLETION - 1:-1]
+            return fn(hidden, inner.get_output_embeddings(), None)
+    else:  # as DGPOTrainer: inside the model's forward
+        def on_head(fn):
+            return fused_linear_on_model(model, batch["input_ids"], batch["attention_mask"], COMPLETION, fn)
+
     with torch.no_grad():
-        logps, _ = fused_linear_on_model(model, batch["input_ids"], batch["attention_mask"], COMPLETION, logprobs_fn)
-    out = PolicyLossOutput.from_tensors(
-        fused_linear_on_model(model, batch["input_ids"], batch["attention_mask"], COMPLETION, loss_fn))
+        logps, _ = on_head(logprobs_fn)
+    out = PolicyLossOutput.from_tensors(on_head(loss_fn))
     (backward or torch.Tensor.backward)(out.loss)
     return out, logps
 

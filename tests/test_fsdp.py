@@ -30,6 +30,7 @@ def spawn(tmp_path, world: int, jobs) -> list[dict]:
 
 SEQUENCE_LEVEL_CASES = ["head_unit_reshard", "accelerate_tied"]
 ON_CHIP_CASES = ["head_unit_reshard", "accelerate_tied"]
+MODULE_CALL_CASES = ["head_unit_reshard", "tied_embedding_head_unit", "root_only"]
 
 
 def jobs_for(world: int) -> list:
@@ -38,6 +39,7 @@ def jobs_for(world: int) -> list:
     jobs = [(case, "dgpo", False) for case in workers.CASES]
     if world == 2:
         jobs += [(case, "gspo", False) for case in SEQUENCE_LEVEL_CASES]
+        jobs += [(case, "dgpo@module", False) for case in MODULE_CALL_CASES]
         if triton_is_interpreted():  # the Triton kernels on CPU tensors; the processes inherit TRITON_INTERPRET
             jobs += [(case, "dgpo", True) for case in ON_CHIP_CASES]
     return jobs
@@ -70,7 +72,7 @@ def check_against_one_process(world, results, case, method="dgpo", on_chip=False
     """The processes' losses average to one process's loss over the whole batch, their log-probs are
     its rows, and every whole gradient is its gradient (the one-process reference takes the tile path;
     the on-chip kernels agree with it to fp32 rounding)."""
-    reference = workers.unsharded_result(case, method)
+    reference = workers.unsharded_result(case, method.partition("@")[0])
     share = workers.GLOBAL_BATCH // world
     job = (case, method, on_chip)
     losses = torch.stack([result[job]["loss"] for result in results])
@@ -82,6 +84,7 @@ def check_against_one_process(world, results, case, method="dgpo", on_chip=False
             torch.testing.assert_close(result[job]["logps"], reference["logps"][rank * share:(rank + 1) * share],
                                        rtol=1e-5, atol=1e-5)
         for name, want in reference["grads"].items():
+            assert want is not None and grads[name] is not None, f"{case}: {name}"
             torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=f"{case}: {name}")
     else:  # bf16 parameters: every gradient within bf16 rounding of the fp32 one
         assert abs(float(losses.mean() - reference["loss"])) < tolerance * max(1.0, abs(float(reference["loss"])))
@@ -129,3 +132,11 @@ def test_fsdp2_logits_on_chip(two_process_runs, case):
     # The on-chip kernels (Triton interpreter on CPU) under FSDP2, against the one-process tile path.
     world, results = two_process_runs
     check_against_one_process(world, results, case, on_chip=True)
+
+
+@pytest.mark.parametrize("case", MODULE_CALL_CASES)
+def test_fsdp2_the_public_call_with_the_head_module(two_process_runs, case):
+    # fused_linear_dgpo_loss(hidden, model.lm_head, ...) after the model's forward, as the error for a
+    # bare sharded weight tells a user to call it: the op runs as the head's forward there too.
+    world, results = two_process_runs
+    check_against_one_process(world, results, case, "dgpo@module")

@@ -46,12 +46,12 @@ OPTION_SETS = {
 }
 
 
-def compare(got, want, got_grad, want_grad, rtol=1e-5, atol=1e-6):
+def compare(got, want, got_grad, want_grad, rtol=1e-5, atol=1e-6, grad_tolerance=None):
     torch.testing.assert_close(got.loss, want.loss, rtol=rtol, atol=atol)
     torch.testing.assert_close(got.logps, unpack_rows(want.logps), rtol=rtol, atol=atol)
     torch.testing.assert_close(got.entropy, unpack_rows(want.entropy), rtol=rtol, atol=atol)
     torch.testing.assert_close(got.metrics.as_tensor(), want.metrics.as_tensor(), rtol=rtol, atol=atol)
-    torch.testing.assert_close(got_grad, unpack_rows(want_grad), rtol=rtol, atol=atol)
+    torch.testing.assert_close(got_grad, unpack_rows(want_grad), **(grad_tolerance or dict(rtol=rtol, atol=atol)))
 
 
 @pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
@@ -139,3 +139,54 @@ def test_padded_logits_with_cu_seqlens_are_refused():
     batch = padded_batch()
     with pytest.raises(ValueError, match="total_tokens"):
         dgpo_ops.fused_dgpo_loss(**batch, cu_seqlens=torch.tensor([0, 5, 6, 13, 16]))
+
+
+def test_an_empty_sequence_and_per_sequence_advantages_when_B_equals_the_token_count():
+    # cu_seqlens = [0, 0, 2]: an empty sequence, and B == total_tokens, where (B,) advantages are per sequence.
+    lengths = [0, 2]
+    batch = logits_batch(2, 2, 50, seed=8)
+    batch["target_ids"][0] = -100
+    batch.pop("ref_logps")
+    padded_logits = batch.pop("logits").requires_grad_(True)
+    want = dgpo_ops.reference_loss(padded_logits, **batch, aggregation="seq_mean_token_mean")
+    want.loss.backward()
+    packed, cu = pack({"logits": padded_logits.detach(), **batch}, lengths)
+    logits = packed.pop("logits").clone().requires_grad_(True)
+    got = dgpo_ops.fused_dgpo_loss(logits, **packed, aggregation="seq_mean_token_mean", cu_seqlens=cu)
+    got.loss.backward()
+    assert got.loss.abs() > 0
+    torch.testing.assert_close(got.loss, want.loss)
+    torch.testing.assert_close(logits.grad, unpack_rows(padded_logits.grad, lengths))
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_packed_hidden_states_under_autocast_match_the_tile_path(softcap):
+    # bf16 autocast over fp32 parameters: both paths round the operands to bf16 and accumulate in fp32, so
+    # the loss and per-token values agree to fp32 rounding; the tile path also rounds the gradient tile to
+    # bf16 before its GEMMs (as cuBLAS-fed paths do), the chunked path keeps it fp32: gradients to bf16's
+    # 2^-8. (Before autocast was turned off inside, the softcap case's log-probs were 1e-2 off.)
+    batch = padded_batch(seed=6)
+    batch.pop("ref_logps")
+    batch.pop("logits")
+    generator = torch.Generator().manual_seed(9)
+    hidden = torch.randn(len(LENGTHS), max(LENGTHS), 16, generator=generator).requires_grad_(True)
+    weight = torch.randn(50, 16, generator=generator).requires_grad_(True)
+    keywords = dict(method="dgpo", softcap=softcap, entropy_coef=0.01, aggregation="seq_mean_token_mean")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **batch, **keywords)
+    want.loss.backward()
+    want_weight_grad, weight.grad = weight.grad, None
+    packed, cu = pack({"hidden": hidden.detach(), **batch})
+    packed_hidden = packed.pop("hidden").clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dgpo_ops.fused_linear_dgpo_loss(packed_hidden, weight, **packed, **keywords, cu_seqlens=cu)
+    got.loss.backward()
+    bf16_rounding = dict(rtol=2**-7, atol=2**-7 * float(want_weight_grad.abs().max()))
+    compare(got, want, packed_hidden.grad, hidden.grad, rtol=1e-4, atol=1e-5, grad_tolerance=bf16_rounding)
+    torch.testing.assert_close(weight.grad, want_weight_grad, **bf16_rounding)
+
+
+def test_the_linear_op_refuses_max_seqlen_without_cu_seqlens():
+    hidden, weight = torch.randn(6, 8), torch.randn(20, 8)
+    with pytest.raises(ValueError, match="max_seqlen goes with cu_seqlens"):
+        dgpo_ops.fused_linear_dgpo_loss(hidden, weight, torch.zeros(6, dtype=torch.long), torch.ones(6), max_seqlen=6)

@@ -23,6 +23,10 @@ EXTRA_JOBS = {  # name -> (method, params, options, per-token advantages, dtype,
     "seq_sum_token_mean": ("cispo", {}, dict(aggregation="seq_sum_token_mean"), False, torch.float32, False),
     "flat_rollout_weights": ("dgpo", {}, dict(), True, torch.float32, True),
     "bf16": ("dgpo", {}, dict(entropy_coef=0.01), False, torch.bfloat16, False),
+    # response 1's logits -inf beyond column 30: some processes hold only -inf there
+    "minus_inf_columns": ("dgpo", {}, dict(entropy_coef=0.01), False, torch.float32, False),
+    # logits[:, :-1] of a longer sequence: not viewable as (N, V / P), read per response
+    "strided": ("grpo", {}, dict(aggregation="seq_mean_token_mean"), False, torch.float32, False),
 }
 
 
@@ -46,6 +50,13 @@ def inputs_of(job) -> tuple[dict, dict]:
         batch["rollout_weights"] = torch.rand(batch["target_ids"].shape, generator=torch.Generator().manual_seed(3))
     if not options.get("beta"):
         batch.pop("ref_logps")
+    if job is EXTRA_JOBS["minus_inf_columns"]:
+        batch["logits"][1, :, 30:] = float("-inf")
+        batch["target_ids"][1] = batch["target_ids"][1].remainder(30)
+    if job is EXTRA_JOBS["strided"]:  # the same values, read through a view that skips a last position
+        longer = torch.zeros(batch["logits"].shape[0], batch["logits"].shape[1] + 1, VOCAB)
+        longer[:, :-1] = batch["logits"]
+        batch["logits"] = longer[:, :-1]
     return batch, dict(method=method, **params, **options)
 
 
@@ -98,11 +109,17 @@ def vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
         group = dist.new_group(list(range(world)))
         for name, job in jobs().items():
             batch, keywords = inputs_of(job)
-            shard = batch.pop("logits")[..., columns_of(rank, world)].detach().clone().requires_grad_(True)
+            logits = batch.pop("logits")
+            if name == "strided":  # this process's columns of logits[:, :-1], as a view (no copy)
+                leaf = logits._base[..., columns_of(rank, world)].clone().requires_grad_(True)
+                shard = leaf[:, :-1]
+            else:
+                leaf = shard = logits[..., columns_of(rank, world)].detach().clone().requires_grad_(True)
             out = dgpo_ops.fused_dgpo_loss(shard, **batch, **keywords, vocab_parallel_group=group)
             out.loss.backward()
             results[name] = dict(loss=out.loss.detach(), logps=out.logps, entropy=out.entropy,
-                                 metrics=out.metrics.as_tensor().detach(), grad=shard.grad)
+                                 metrics=out.metrics.as_tensor().detach(), grad=leaf.grad[:, :-1] if name == "strided"
+                                 else leaf.grad)
         for name in LINEAR_JOBS:
             tensors, batch, keywords = linear_inputs(name)
             rows = columns_of(rank, world)
