@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .docstrings import documented
 from .chunked import CallLayout, chunked_linear_loss_from_options
+from .docstrings import documented
 from .head import check_unsharded, head_forward, local_vocab_shard
 from .inputs import LossBatch, per_token_dtype, token_inputs
 from .kernels.interface import Plane

@@ -15,9 +15,10 @@ import traceback
 import types
 from datetime import timedelta
 
-import torch
 import fsdp_workers
+import torch
 from fsdp_workers import COMPLETION, GLOBAL_BATCH, HIDDEN, build_model, global_batch, policy_loss, rows
+from helpers import value_error_message
 
 CASES = {"untied": False, "tied": True}  # name -> tied embeddings
 UNSHARDED_CASES = {"untied": "accelerate", "tied": "accelerate_tied"}  # fsdp_workers' cases with that model
@@ -93,11 +94,8 @@ def deepspeed_worker(rank: int, world: int, port: int, out_dir: str, jobs: list)
                 weight = engine.module.lm_head.weight
                 results["bare_weight_numel"] = weight.numel()
                 hidden = torch.randn(2, COMPLETION, HIDDEN, requires_grad=True)
-                try:
-                    fused_linear_dgpo_loss(hidden, weight, batch["targets"][:2], batch["advantages"][:2])
-                    results["bare_weight_error"] = None
-                except ValueError as error:
-                    results["bare_weight_error"] = str(error)
+                results["bare_weight_error"] = value_error_message(lambda: fused_linear_dgpo_loss(
+                    hidden, weight, batch["targets"][:2], batch["advantages"][:2]))
             engine.destroy()
     except Exception:  # noqa: BLE001 (reported by the test, with the traceback)
         results["error"] = traceback.format_exc()

@@ -14,6 +14,9 @@ import os
 import traceback
 
 import torch
+from helpers import value_error_message
+
+import dgpo_ops
 
 VOCAB, HIDDEN, GLOBAL_BATCH, PROMPT, COMPLETION = 96, 32, 6, 5, 6
 METHODS = {"dgpo": dict(method="dgpo"), "gspo": dict(method="grpo", importance_sampling_level="sequence", beta=0.05)}
@@ -97,10 +100,10 @@ def policy_loss(model, batch: dict, method: str, on_chip: bool, backward=None):
     """The loss and the old-policy log-probs as DGPOTrainer computes them (``fused='linear'``); ``model``
     may be wrapped (DDP, FSDP2, a DeepSpeed engine: ``backward`` is then ``engine.backward``)."""
     from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
+    from dgpo_ops.head import add_hidden_state_output, fused_linear_on_model
     from dgpo_ops.inputs import LossBatch
     from dgpo_ops.options import LossOptions
     from dgpo_ops.output import PolicyLossOutput
-    from dgpo_ops.head import add_hidden_state_output, fused_linear_on_model
 
     method, _, route = method.partition("@")  # "dgpo@module": fused_linear_dgpo_loss(hidden, model.lm_head, ...)
     inner = getattr(model, "module", model)
@@ -175,13 +178,8 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, jobs: list)
         # A bare sharded weight (the head's own unit, outside its forward) is refused, never gathered by guess.
         model = wrap(build_model(False), "head_unit_reshard", mesh, False)
         hidden = torch.randn(2, COMPLETION, HIDDEN, requires_grad=True)
-        try:
-            from dgpo_ops import fused_linear_dgpo_loss
-
-            fused_linear_dgpo_loss(hidden, model.lm_head.weight, batch["targets"], batch["advantages"])
-            results["bare_dtensor_error"] = None
-        except ValueError as error:
-            results["bare_dtensor_error"] = str(error)
+        results["bare_dtensor_error"] = value_error_message(lambda: dgpo_ops.fused_linear_dgpo_loss(
+            hidden, model.lm_head.weight, batch["targets"], batch["advantages"]))
     except Exception:
         results["error"] = traceback.format_exc()
     finally:

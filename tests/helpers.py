@@ -113,3 +113,13 @@ def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask
 def config(variant):
     name, params = variant
     return dgpo_ops.method_config(name, **params)
+
+
+def value_error_message(call) -> str | None:
+    """The message of the ``ValueError`` that ``call()`` raises, None if it raises none: what a worker
+    process reports back for the parent's assertions."""
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return None

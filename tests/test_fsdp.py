@@ -7,11 +7,11 @@ with the head as one unit 71 % off, with no error; these tests fail on that code
 
 from __future__ import annotations
 
+import fsdp_workers as workers
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-import fsdp_workers as workers
 from dgpo_ops.backends import triton_is_interpreted
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import METHOD_VARIANTS, logits_batch, variant_id
 
 import dgpo_ops
-from helpers import METHOD_VARIANTS, logits_batch, variant_id
 
 LENGTHS = [5, 1, 7, 3]  # the padded layout is (4, 7)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
+import vocab_parallel_workers as workers
 
 import dgpo_ops
-import vocab_parallel_workers as workers
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 JOBS = workers.jobs()

@@ -7,8 +7,7 @@ import os
 import traceback
 
 import torch
-
-from helpers import METHOD_VARIANTS, logits_batch
+from helpers import METHOD_VARIANTS, logits_batch, value_error_message
 
 VOCAB = 60  # divisible by 2 and 3 processes
 OPTION_SETS = {
@@ -151,11 +150,7 @@ def vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
                 ("target", lambda: dgpo_ops.fused_dgpo_loss(
                     logits[..., columns_of(rank, world)], **{**batch, "target_ids": batch["target_ids"] + VOCAB},
                     vocab_parallel_group=group))):
-            try:
-                call()
-                results[f"error/{label}"] = None
-            except ValueError as error:
-                results[f"error/{label}"] = str(error)
+            results[f"error/{label}"] = value_error_message(call)
         # A Shard(0) DTensor weight over the whole group, with another group stated: refused on every process.
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -163,12 +158,8 @@ def vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
         tensors, batch, keywords = linear_inputs("linear")
         weight = distribute_tensor(tensors["weight"], init_device_mesh("cpu", (world,)), [Shard(0)])
         other_group = dist.new_group([0])  # every process must take part in making it
-        try:
-            dgpo_ops.fused_linear_dgpo_loss(tensors["hidden"], weight, **batch, **keywords,
-                                            vocab_parallel_group=other_group)
-            results["error/group"] = None
-        except ValueError as error:
-            results["error/group"] = str(error)
+        results["error/group"] = value_error_message(lambda: dgpo_ops.fused_linear_dgpo_loss(
+            tensors["hidden"], weight, **batch, **keywords, vocab_parallel_group=other_group))
     except Exception:
         results["error"] = traceback.format_exc()
     finally:
