@@ -186,16 +186,21 @@ def fused_dgpo_loss(
 
 
 class DGPOLoss(torch.nn.Module):
-    """``fused_dgpo_loss`` with its options held in a module: ``DGPOLoss("dgpo", n=2)(logits, ...)``."""
+    """``fused_dgpo_loss`` with its options held in a module: ``DGPOLoss("dgpo", n=2)(logits, ...)``.
+    A tensor-parallel module holds its ``vocab_parallel_group``; packed batches pass ``cu_seqlens`` per call."""
 
-    def __init__(self, method="dgpo", **options):
+    def __init__(self, method="dgpo", vocab_parallel_group=None, **options):
         super().__init__()
         self.options = LossOptions.build(method, **options)
+        self.vocab_parallel_group = vocab_parallel_group
 
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
-                loss_normalizer=None, rollout_weights=None) -> PolicyLossOutput:
-        return fused_loss_from_options(logits, LossBatch(target_ids, advantages, mask, old_logps, ref_logps,
-                                                         rollout_weights, loss_normalizer), self.options)
+                loss_normalizer=None, rollout_weights=None, cu_seqlens=None, max_seqlen=None) -> PolicyLossOutput:
+        batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+        layout = CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen)
+        if layout.needs_chunked_path:
+            return chunked_loss_from_options(logits, batch, self.options, layout)
+        return fused_loss_from_options(logits, batch, self.options)
 
     def extra_repr(self) -> str:
         return repr(self.options)

@@ -190,3 +190,15 @@ def test_the_linear_op_refuses_max_seqlen_without_cu_seqlens():
     hidden, weight = torch.randn(6, 8), torch.randn(20, 8)
     with pytest.raises(ValueError, match="max_seqlen goes with cu_seqlens"):
         dgpo_ops.fused_linear_dgpo_loss(hidden, weight, torch.zeros(6, dtype=torch.long), torch.ones(6), max_seqlen=6)
+
+
+def test_the_loss_module_takes_packed_batches():
+    batch = padded_batch(seed=2)
+    batch.pop("ref_logps")
+    packed, cu = pack(batch)
+    logits = packed.pop("logits")
+    module = dgpo_ops.DGPOLoss("dgpo", aggregation="seq_mean_token_mean")
+    want = dgpo_ops.fused_dgpo_loss(logits, **packed, aggregation="seq_mean_token_mean", cu_seqlens=cu)
+    torch.testing.assert_close(module(logits, **packed, cu_seqlens=cu).loss, want.loss, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="flat"):  # without cu_seqlens the module sees flat tokens
+        module(logits, **packed)
