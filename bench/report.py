@@ -184,12 +184,12 @@ def absolute_table(doc) -> list[str]:
     return lines
 
 
-def fused_linear_section(results_dir: Path = RESULTS_DIR) -> list[str]:
-    """The tables `python bench/fused_linear.py` wrote, one per device."""
+def script_tables_section(title: str, script: str, results_dir: Path = RESULTS_DIR) -> list[str]:
+    """The tables ``python bench/<script>.py`` wrote (``<script>-<device>.md``), one per device."""
     out = []
-    for path in sorted(results_dir.glob("fused_linear-*.md")):
-        out += [f"**Fused linear + loss** ([`{path.relative_to(REPO)}`]({path.relative_to(REPO)}), "
-                "from `python bench/fused_linear.py`):", "", *path.read_text().strip().splitlines(), ""]
+    for path in sorted(results_dir.glob(f"{script}-*.md")):
+        out += [f"**{title}** ([`{path.relative_to(REPO)}`]({path.relative_to(REPO)}), "
+                f"from `python bench/{script}.py`):", "", *path.read_text().strip().splitlines(), ""]
     return out
 
 
@@ -263,7 +263,8 @@ def readme_section(runs, traffic: dict | None) -> str:
             *_load_note(doc),
             "",
         ]
-    out += fused_linear_section()
+    out += script_tables_section("Fused linear + loss", "fused_linear")
+    out += script_tables_section("Vocabulary split across processes", "vocab_parallel")
     if traffic:
         out += [
             ("**Traffic model** (no GPU needed; [`bench/results/traffic.md`](bench/results/traffic.md)): the bf16 "
