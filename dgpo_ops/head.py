@@ -57,10 +57,10 @@ def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, 
 def add_hidden_state_output(model) -> None:
     """Let ``model(..., dgpo_head_fn=fn)`` return ``fn(hidden, lm_head)``, ``hidden`` the backbone's last
     hidden state (a transformers causal LM: ``base_model`` and ``get_output_embeddings``). The forward
-    is patched on the instance, like TRL's fused head, so the fused-linear op
-    runs inside the model's forward as wrapped by DDP/FSDP/DeepSpeed, and ``fn`` runs it as the
-    lm_head's own forward (``dgpo_ops.head``): FSDP2 in any wrapping, and ZeRO-3, gather the head's
-    weight and reduce its gradient as for ``lm_head(hidden)``."""
+    is patched on the instance, like TRL's fused head, so the fused-linear op runs inside the model's
+    forward as DDP, FSDP2 or DeepSpeed wrapped it, and ``fn`` runs it as the lm_head's own forward
+    (``head_forward``): every engine gathers the head's weight and reduces its gradient as for
+    ``lm_head(hidden)``."""
     previous_forward = model.forward
 
     def forward(self, *args, dgpo_head_fn=None, **kwargs):
