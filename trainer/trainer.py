@@ -196,15 +196,15 @@ class DGPOTrainer(GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             ids, att = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
             targets = ids[:, -logits_to_keep:].masked_fill(att[:, -logits_to_keep:] == 0, -100)
-            # The same autocast as the loss: the old-policy log-probs of an unchanged policy then equal
-            # the loss's own, and on-policy ratios are exactly 1 in bf16 runs too.
-            def logprobs(hidden, weight, bias):
+            def logprobs(hidden, weight, bias):  # run as the lm_head's forward (dgpo_ops.head)
                 return fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=self.temperature,
                                              logit_scale=self.projection_options.logit_scale,
                                              softcap=self.projection_options.softcap,
                                              memory_budget=self.projection_options.memory_budget,
                                              logits_on_chip=self.projection_options.logits_on_chip)
 
+            # The same autocast as the loss: the old-policy log-probs of an unchanged policy then equal
+            # the loss's own, and on-policy ratios are exactly 1 in bf16 runs too.
             with self.accelerator.autocast():
                 lp, ent = fused_linear_on_model(model, ids, att, logits_to_keep, logprobs)
             logps.append(lp)
