@@ -16,11 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from .inputs import LossBatch, per_token_dtype, prepare_batch
-from .metrics import policy_metrics
-from .objective import policy_objective
 from .options import LossOptions
 from .output import PolicyLossOutput
 from .packed import TokenLayout
+from .reference import masked_objective
 from .validation import resolve_mode
 from .vocab_split import ChunkedLinearLogProbEntropy, ChunkedLogProbEntropy, Projection, vocab_shard
 
@@ -61,11 +60,7 @@ def objective_loss(per_token_fn, token_layout: TokenLayout, vocab: int, dtype, d
     logp, entropy = per_token_fn(targets)
     if packed is not None:
         logp, entropy = packed.pad(logp, 0.0), packed.pad(entropy, 0.0)
-    logp = torch.where(batch.mask, logp.reshape(grid), 0.0)
-    entropy = torch.where(batch.mask, entropy.reshape(grid), 0.0)
-    terms = policy_objective(logp, entropy, batch, options)
-    metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, batch.mask)
-    loss = terms.loss
+    loss, logp, entropy, metrics = masked_objective(logp.reshape(grid), entropy.reshape(grid), batch, options)
     if not check:  # deferred validation: input the host did not check makes the loss NaN, never quietly wrong
         invalid = (batch.mask & ((batch.target_ids < 0) | (batch.target_ids >= vocab))).any()
         if packed is not None:

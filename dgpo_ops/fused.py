@@ -8,7 +8,8 @@ the prologue (input checks, counts, aggregation scales), whose last program redu
 metrics.
 Sequence-level ratios (GSPO) and the torch backend evaluate the objective with torch on O(N)
 vectors instead. Backward is one launch: the gradient kernel expands two per-token coefficients
-over the vocabulary, reading the incoming gradient on the device.
+over the vocabulary, reading the incoming gradient on the device. A vocabulary split across
+processes and packed sequences take the chunked torch path (``dgpo_ops.chunked``).
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def fused_loss_from_options(logits, batch: LossBatch, options: LossOptions) -> P
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 
 
+def routed_loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: CallLayout) -> PolicyLossOutput:
+    """The row kernels, or the chunked torch path for the layouts they do not take (a split vocabulary,
+    packed sequences)."""
+    if layout.needs_chunked_path:
+        return chunked_loss_from_options(logits, batch, options, layout)
+    return fused_loss_from_options(logits, batch, options)
+
+
 @documented("""Fused policy loss of ``method`` from logits: the sampled token's log-prob by an online
 log-sum-exp, the entropy in the same pass and d(loss)/d(logits) in one more, never a vocabulary-sized
 softmax. Same numbers as ``reference_loss``.""")
@@ -179,10 +188,7 @@ def fused_dgpo_loss(
         validation=validation, **method_params,
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
-    layout = CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen)
-    if layout.needs_chunked_path:
-        return chunked_loss_from_options(logits, batch, options, layout)
-    return fused_loss_from_options(logits, batch, options)
+    return routed_loss_from_options(logits, batch, options, CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 
 
 class DGPOLoss(torch.nn.Module):
@@ -197,10 +203,8 @@ class DGPOLoss(torch.nn.Module):
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
                 loss_normalizer=None, rollout_weights=None, cu_seqlens=None, max_seqlen=None) -> PolicyLossOutput:
         batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
-        layout = CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen)
-        if layout.needs_chunked_path:
-            return chunked_loss_from_options(logits, batch, self.options, layout)
-        return fused_loss_from_options(logits, batch, self.options)
+        return routed_loss_from_options(logits, batch, self.options,
+                                        CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen))
 
     def extra_repr(self) -> str:
         return repr(self.options)

@@ -84,12 +84,21 @@ def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOpti
     probs = log_probs.exp()
     # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf, in the value and in its gradient.
     entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1)
-    # Masked positions take no part: their (replacement) target may even have a -inf logit.
+    loss, logp, entropy, metrics = masked_objective(logp, entropy, batch, options)
+
+    def per_token_output(values):  # fp32, 0 on masked tokens (where the fused kernels read nothing)
+        return batch.unflatten(values.detach().float())
+
+    return PolicyLossOutput(loss, per_token_output(logp), per_token_output(entropy), metrics)
+
+
+def masked_objective(logp, entropy, batch, options: LossOptions):
+    """``(loss, logp, entropy, metrics)`` from per-token log-probs and entropies on ``batch``'s grid
+    (differentiable): the reference's tail, also the chunked path's (``dgpo_ops.chunked``). Masked
+    positions take no part (their replacement target may even have a -inf logit): their per-token
+    values are 0."""
     logp = torch.where(batch.mask, logp, 0.0)
     entropy = torch.where(batch.mask, entropy, 0.0)
     terms = policy_objective(logp, entropy, batch, options)
     metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, batch.mask)
-    def per_token_output(values):  # fp32, 0 on masked tokens (where the fused kernels read nothing)
-        return batch.unflatten(values.detach().float())
-
-    return PolicyLossOutput(terms.loss, per_token_output(logp), per_token_output(entropy), metrics)
+    return terms.loss, logp, entropy, metrics

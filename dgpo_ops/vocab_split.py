@@ -187,11 +187,12 @@ class Projection:
         """``tensor`` rounded to the operand dtype, held in the accumulation dtype."""
         return tensor.to(self.operand).to(self.accumulate)
 
-    def logits(self, hidden, weight, bias):
-        """(x, tanh term for the chain rule or None), fp32 (fp64)."""
-        y = self.rounded(hidden) @ self.rounded(weight).t()
-        if bias is not None:
-            y = y + self.rounded(bias)
+    def logits(self, hidden, operand_weight, operand_bias):
+        """(x, tanh term for the chain rule or None), fp32 (fp64); ``operand_weight`` and ``operand_bias``
+        are ``rounded`` once per pass by the caller, not once per chunk."""
+        y = self.rounded(hidden) @ operand_weight.t()
+        if operand_bias is not None:
+            y = y + operand_bias
         if self.softcap is None:
             return self.rounded(y) * (self.logit_scale * self.inv_temperature), None
         t = torch.tanh(y * (self.logit_scale / self.softcap))
@@ -202,6 +203,10 @@ class Projection:
         if self.softcap is None:
             return grad_x * (self.logit_scale * self.inv_temperature)
         return grad_x * ((1.0 - t * t) * (self.logit_scale * self.inv_temperature))
+
+
+def _rounded_or_none(projection: Projection, tensor):
+    return None if tensor is None else projection.rounded(tensor)
 
 
 class ChunkedLinearLogProbEntropy(torch.autograd.Function):
@@ -217,8 +222,9 @@ class ChunkedLinearLogProbEntropy(torch.autograd.Function):
         partial = torch.empty(3, n, dtype=dtype, device=hidden.device)
         local_target, owned = _local_targets(target_ids, shard, columns)
         with torch.autocast(hidden.device.type, enabled=False):
+            operand_weight, operand_bias = projection.rounded(weight), _rounded_or_none(projection, bias)
             for rows in _chunks(n, columns):
-                x, _ = projection.logits(hidden[rows], weight, bias)
+                x, _ = projection.logits(hidden[rows], operand_weight, operand_bias)
                 local_max[rows], partial[0, rows], partial[1, rows], partial[2, rows] = _row_partials(
                     x, local_target[rows], owned[rows])
         lse, target_logit, entropy = _merge(local_max, partial, shard.group)
@@ -238,9 +244,9 @@ class ChunkedLinearLogProbEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, **zeros) if wants_weight else None
         grad_bias = torch.zeros(weight.shape[:1], **zeros) if wants_bias else None
         with torch.autocast(hidden.device.type, enabled=False):
-            operand_weight = projection.rounded(weight)
+            operand_weight, operand_bias = projection.rounded(weight), _rounded_or_none(projection, bias)
             for rows in _chunks(hidden.shape[0], weight.shape[0]):
-                x, t = projection.logits(hidden[rows], weight, bias)
+                x, t = projection.logits(hidden[rows], operand_weight, operand_bias)
                 grad = projection.chain_rule(_row_grads(x, lse[rows], entropy[rows], grad_logp[rows],
                                                         grad_entropy[rows], local_target[rows], owned[rows]), t)
                 if grad_hidden is not None:
