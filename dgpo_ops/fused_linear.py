@@ -99,7 +99,7 @@ class Precision:
         return cls(operand, tile, operand, torch.float32)
 
 
-class _Projection:
+class TileProjection:
     """The GEMMs: logits tiles, and the fp32-accumulated gradients of hidden, weight and bias."""
 
     def __init__(self, weight, bias, precision: Precision):
@@ -149,7 +149,7 @@ class _Projection:
             grad_bias += grad_tile.sum(dim=0, dtype=grad_bias.dtype)
 
 
-class _Tiles:
+class Tiles:
     """The tile buffers, and the scale the row kernels apply to what they read."""
 
     def __init__(self, n_tokens, vocab, precision: Precision, device, projection_options: ProjectionOptions,
@@ -184,7 +184,7 @@ class LinearPlan:
     projection: ProjectionOptions
 
 
-def _sweep(hidden, projection, tiles, on_tile):
+def sweep_tiles(hidden, projection, tiles, on_tile):
     """Compute each token chunk's logits tile and hand it to ``on_tile``."""
     for start in range(0, hidden.shape[0], tiles.rows):
         stop = min(start + tiles.rows, hidden.shape[0])
@@ -248,8 +248,8 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     precision = Precision.resolve(weight, plan.projection.softcap, compute_autocast)
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
-        projection = _Projection(weight, bias, precision)
-        tiles = _Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
+        projection = TileProjection(weight, bias, precision)
+        tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
         token_shape = (n_tokens,) if call.inputs.flat else call.inputs.grid
         workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
                                           per_token_dtype(precision.tile), zero_planes)
@@ -277,7 +277,7 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
             if token_level and call.needs_grad and call.uses_epilogue:
                 gradient(start, stop, tile)
 
-        _sweep(hidden, projection, tiles, first_pass)
+        sweep_tiles(hidden, projection, tiles, first_pass)
         if call.uses_epilogue:
             kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
             loss, stats = workspace.loss, workspace.stats
@@ -286,7 +286,7 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
             loss, stats = result.loss, result.stats
             if call.needs_grad:
                 # The objective's coefficients are known only now: a second sweep recomputes the tiles.
-                _sweep(hidden, projection, tiles,
+                sweep_tiles(hidden, projection, tiles,
                        lambda start, stop, tile: gradient(start, stop, tile, dloss_dlogp=result.dloss_dlogp))
     if call.deferred:
         defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")

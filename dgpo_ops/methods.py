@@ -43,7 +43,9 @@ class ParamSpec:
     field means the method's default, except ``config_fallback``, the field whose value stands in (TRL's
     ``epsilon_high=None`` means ``epsilon``). ``config_offset`` is added on the way to the config (CISPO's
     cap ``1 + eps_high`` is TRL's ``epsilon_high``). Parameters with no ``config_field`` keep their
-    default under the trainer.
+    default under the trainer. ``verl_field`` names the field of verl's actor config
+    (``actor_rollout_ref.actor``) that means the same (``dgpo_ops.integrations.verl``); parameters without
+    one are read from ``policy_loss.method_params``.
     """
 
     help: str
@@ -55,6 +57,7 @@ class ParamSpec:
     config_field: str | None = None
     config_fallback: str | None = None
     config_offset: float = 0.0
+    verl_field: str | None = None
 
     def check(self, method: str, name: str, value) -> None:
         if value is None:
@@ -100,18 +103,20 @@ def param(default, help: str, **spec):
 
 # The parameters several methods share: one definition each.
 def _eps_low(default=0.2, **spec):
+    spec = {"verl_field": "clip_ratio_low", **spec}
     return param(default, "lower clip: the trust region starts at 1 - eps_low", low=0.0, high=1.0,
                  config_field="epsilon", **spec)
 
 
 def _eps_high(default=0.2, **spec):
+    spec = {"verl_field": "clip_ratio_high", **spec}
     return param(default, "upper clip: the trust region ends at 1 + eps_high", low=0.0, config_field="epsilon_high",
                  config_fallback="epsilon", **spec)
 
 
 def _dual_clip(default, optional=True):
     return param(default, "dual clip c > 1 for A < 0", low=1.0, low_open=True, optional=optional,
-                 config_field="dual_clip")
+                 config_field="dual_clip", verl_field="clip_ratio_c")
 
 
 @dataclass(frozen=True)
@@ -168,9 +173,10 @@ class CispoConfig(MethodConfig):
     name: ClassVar[str] = "cispo"
     method_id: ClassVar[MethodId] = MethodId.CAPPED_IS
     # TRL's CISPO has no lower bound on the weight (eps_low = 1) and calls the cap itself epsilon_high.
-    eps_low: float = param(1.0, "the weight is floored at 1 - eps_low (1: no floor)", low=0.0, high=1.0)
+    eps_low: float = param(1.0, "the weight is floored at 1 - eps_low (1: no floor)", low=0.0, high=1.0,
+                           verl_field="clip_ratio_low")
     eps_high: float = param(4.0, "the weight is capped at 1 + eps_high", low=0.0, config_field="epsilon_high",
-                            config_fallback="epsilon", config_offset=1.0)
+                            config_fallback="epsilon", config_offset=1.0, verl_field="clip_ratio_high")
 
     def _kernel_slots(self):
         return _symmetric_bounds(self)
@@ -264,8 +270,9 @@ class DgpoConfig(MethodConfig):
 class DcpoConfig(MethodConfig):
     name: ClassVar[str] = "dcpo"
     method_id: ClassVar[MethodId] = MethodId.DCPO
-    eps_low: float = _eps_low(0.16)
-    eps_high: float = _eps_high(0.2)
+    # DCPO's eps set a bound that depends on the old probability, not PPO's clip: not verl's clip_ratio_*.
+    eps_low: float = _eps_low(0.16, verl_field=None)
+    eps_high: float = _eps_high(0.2, verl_field=None)
     r_max: float = param(10.0, "ratio cap (and dual clip)", low=1.0, low_open=True, config_field="dcpo_r_max")
 
     def _kernel_slots(self):
@@ -281,9 +288,9 @@ class SapoConfig(MethodConfig):
     method_id: ClassVar[MethodId] = MethodId.SAPO
     gate: str = param("sigmoid", "soft gate of the ratio", choices=tuple(GATES), config_field="sapo_gate")
     tau_pos: float = param(1.0, "gate temperature for A >= 0", low=0.0, low_open=True,
-                           config_field="sapo_temperature_pos")
+                           config_field="sapo_temperature_pos", verl_field="tau_pos")
     tau_neg: float = param(1.05, "gate temperature for A < 0", low=0.0, low_open=True,
-                           config_field="sapo_temperature_neg")
+                           config_field="sapo_temperature_neg", verl_field="tau_neg")
 
     def _kernel_slots(self):
         return {KernelParam.TAU_POS: self.tau_pos, KernelParam.TAU_NEG: self.tau_neg}
@@ -465,12 +472,13 @@ class MethodSpec:
     ``variants``: the parameter sets the tests run for it (the defaults first; every value of a
     ``choices`` parameter somewhere). ``presets``: other ``DGPOConfig`` values that ``dgpo-ops train``
     applies for this method unless given (a parameter read with an offset gets its default there by
-    itself: TRL's default of that field means something else).
+    itself: TRL's default of that field means something else). ``paper``: where the method comes from.
     """
 
     config: type[MethodConfig]
     token_fn: Callable[..., TokenTerms]
     summary: str
+    paper: str
     variants: tuple[dict, ...] = ({},)
     presets: dict = dataclasses.field(default_factory=dict)
 
@@ -487,18 +495,27 @@ class MethodAlias:
 
 METHODS: dict[str, MethodSpec] = {
     "grpo": MethodSpec(GrpoConfig, _grpo, "PPO clip; optional dual clip",
+                       "PPO (Schulman et al. 2017) as GRPO uses it (DeepSeekMath, Shao et al. 2024); dual clip: "
+                       "Ye et al. 2019, arXiv:1912.09729",
                        variants=({}, {"eps_high": 0.28, "dual_clip": 3.0})),
-    "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob",
+    "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob", "CISPO: MiniMax-M1, arXiv:2506.13585",
                         variants=({}, {"eps_low": 0.2, "eps_high": 0.28})),
-    "dispo": MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A"),
-    "gppo": MethodSpec(GppoConfig, _gppo, "gradient-preserving clip, constant boundary weight"),
-    "ce_gppo": MethodSpec(CeGppoConfig, _gppo, "GPPO with boundary scales beta1, beta2"),
-    "aspo": MethodSpec(AspoConfig, _aspo, "flipped ratio for A>0, soft dual clip"),
+    "dispo": MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A", "DISPO: Rawal et al. 2026, arXiv:2602.00983"),
+    "gppo": MethodSpec(GppoConfig, _gppo, "gradient-preserving clip, constant boundary weight",
+                       "GPPO: Klear-Reasoner (Kuaishou, 2025)"),
+    "ce_gppo": MethodSpec(CeGppoConfig, _gppo, "GPPO with boundary scales beta1, beta2", "CE-GPPO (Kuaishou, 2025)"),
+    "aspo": MethodSpec(AspoConfig, _aspo, "flipped ratio for A>0, soft dual clip",
+                       "ASPO: asymmetric importance sampling policy optimization (2025)"),
     "dgpo": MethodSpec(DgpoConfig, _dgpo, "decoupled polynomial / radical decay of the probability gradient",
+                       "DGPO: Fu et al., 'From log pi to pi: Taming Divergence in Soft Clipping via Bilateral "
+                       "Decoupled Decay of Probability Gradient Weight'",
                        variants=({}, {"n": 2.0, "m": 3.0}, {"n": 0.0, "m": 1.0})),
     "dcpo": MethodSpec(DcpoConfig, _dcpo, "PPO clip with bounds from the old probability",
+                       "DCPO: Yang et al. (Baichuan), 'Dynamic Clipping Policy Optimization'",
                        presets={"advantage_estimator": "dcpo"}),  # DCPO's smooth advantage standardisation
     "sapo": MethodSpec(SapoConfig, _sapo, "soft gates instead of clipping",
+                       "SAPO: arXiv:2511.20347 (sigmoid gate); the other gates: Denisov et al. 2026, "
+                       "arXiv:2602.19345",
                        variants=({"gate": "sigmoid"}, {"gate": "erf", "tau_pos": 10.0, "tau_neg": 12.0},
                                  {"gate": "arctan"}, {"gate": "softsign", "tau_pos": 2.0, "tau_neg": 3.0})),
 }

@@ -89,7 +89,8 @@ class Specialisation:
     def label(self) -> str:
         c = dict(self.constexprs)
         if self.kernel == "backward":
-            return (f"backward {self.dtype} entropy={int(c['HAS_ENTROPY_GRAD'])} "
+            per_token = " per-token" if c["ENTROPY_GRAD_PER_TOKEN"] else ""
+            return (f"backward {self.dtype} entropy={int(c['HAS_ENTROPY_GRAD'])}{per_token} "
                     f"scaled={int(c['COEF_IS_SCALED'])}")
         if self.kernel == "prologue":
             finalizes = f" +finalize kl={int(c['HAS_KL'])}" if c["HAS_FINALIZE"] else ""
@@ -121,8 +122,10 @@ def _forward(dtype, method=MethodId.DGPO, gate=Gate.SIGMOID, epilogue=True, flag
     return Specialisation("forward", dtype, tuple(sorted(constexprs.items())))
 
 
-def _backward(dtype, entropy=False, scaled=False):
-    constexprs = dict(BLOCK_V=BACKWARD_SHAPE.block_v, HAS_ENTROPY_GRAD=entropy, COEF_IS_SCALED=scaled, HAS_GRAD_LOSS=True)
+def _backward(dtype, entropy=False, scaled=False, per_token_entropy=False):
+    # per_token_entropy: d loss / d entropy read per token (a loss outside the package: verl's)
+    constexprs = dict(BLOCK_V=BACKWARD_SHAPE.block_v, HAS_ENTROPY_GRAD=entropy, COEF_IS_SCALED=scaled, HAS_GRAD_LOSS=True,
+                      ENTROPY_GRAD_PER_TOKEN=per_token_entropy)
     return Specialisation("backward", dtype, tuple(sorted(constexprs.items())))
 
 
@@ -179,7 +182,8 @@ def specialisations(full: bool = False) -> list[Specialisation]:
             specs += [_forward(dtype, method, gate, flags=flags) for flags in flag_sets]
         if not full:
             specs += [_forward(dtype, flags=flags) for flags in _flag_sets() if flags != ALL_FLAGS]
-        specs += [_backward(dtype, entropy) for entropy in (False, True)] + [_backward(dtype, True, scaled=True)]
+        specs += [_backward(dtype, entropy) for entropy in (False, True)] + [_backward(dtype, True, scaled=True),
+                                                                            _backward(dtype, True, True, True)]
     return specs
 
 

@@ -5,7 +5,8 @@
 with per-token coefficients g = d loss / d l and h = d loss / d H. Both are formed here from the
 per-token planes: ``g = DLOSS_DLOGP * s_b * grad_loss`` (``s_b`` the response's aggregation scale,
 unless the coefficient already carries it) and ``h = -entropy_coef * s_b * grad_loss``, with the
-incoming gradient read on the device, so backward launches nothing else.
+incoming gradient read on the device, so backward launches nothing else. A caller whose loss is not
+the package's (verl's, through ``dgpo_ops.linear_logprobs``) passes both per token instead.
 
 The hot loop does one exp per element and no other special function: ``1 - p`` of the target
 (``-expm1(log p)``, exact for confident tokens) is computed once per row from the saved log-prob
@@ -37,6 +38,7 @@ def logits_grad_kernel(
     target_index_ptr,
     per_token_ptr,
     dloss_dlogp_ptr,
+    dloss_dentropy_ptr,
     seq_scale_ptr,
     grad_loss_ptr,
     entropy_coef,
@@ -55,6 +57,7 @@ def logits_grad_kernel(
     COEF_IS_SCALED: tl.constexpr,
     HAS_GRAD_LOSS: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
+    ENTROPY_GRAD_PER_TOKEN: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -75,7 +78,11 @@ def logits_grad_kernel(
     g = tl.where(valid, g * inv_temperature, 0.0)
     active = g != 0.0
     if HAS_ENTROPY_GRAD:
-        h = tl.where(valid, -entropy_coef * seq_scale * grad_loss * inv_temperature, 0.0)
+        if ENTROPY_GRAD_PER_TOKEN:
+            h = tl.load(dloss_dentropy_ptr + token) * grad_loss
+        else:
+            h = -entropy_coef * seq_scale * grad_loss
+        h = tl.where(valid, h * inv_temperature, 0.0)
         entropy = tl.load(per_token_ptr + codes.PLANE_ENTROPY * n_tokens + token)
         active = active | (h != 0.0)
     row_max = tl.load(per_token_ptr + codes.PLANE_ROW_MAX * n_tokens + token)
@@ -96,13 +103,15 @@ def logits_grad_kernel(
 
 
 def logits_grad(logits, grad_logits, workspace, grid_seq_len: int, inv_temperature: float, entropy_coef: float,
-                grad_loss=None, dloss_dlogp=None, token_offset: int = 0, block_v=None):
+                grad_loss=None, dloss_dlogp=None, token_offset: int = 0, block_v=None, dloss_dentropy=None):
     """Write d loss / d logits into ``grad_logits`` (same shape as ``logits``, any strides; may be
     ``logits`` itself) from the forward's ``workspace`` (a ``RowWorkspace``).
 
     ``dloss_dlogp`` defaults to the epilogue's unscaled plane; a per-token tensor passed instead
     already carries the aggregation scale (the torch objective's coefficients). ``grad_loss`` is
-    the incoming gradient (a 0-dim tensor, read on the device) or None for 1.
+    the incoming gradient (a 0-dim tensor, read on the device) or None for 1. ``dloss_dentropy``, a
+    per-token tensor (``(n_tokens,)``, fp32), replaces ``-entropy_coef`` times the scale: pass it with
+    ``dloss_dlogp`` for a loss of the log-probs and entropies that is not the package's.
     """
     check_vocab_stride(logits)
     check_vocab_stride(grad_logits)
@@ -115,13 +124,15 @@ def logits_grad(logits, grad_logits, workspace, grid_seq_len: int, inv_temperatu
     block_v = block_v or default_block_v(vocab, BACKWARD_SHAPE)
     logits_grad_kernel[(rows,)](
         logits, grad_logits, workspace.target_index, workspace.per_token,
-        workspace.per_token if dloss_dlogp is None else dloss_dlogp, workspace.seq_scale,
+        workspace.per_token if dloss_dlogp is None else dloss_dlogp,
+        workspace.per_token if dloss_dentropy is None else dloss_dentropy, workspace.seq_scale,
         workspace.seq_scale if grad_loss is None else grad_loss,
         float(entropy_coef), inv_temperature, token_offset, n_tokens, grid_seq_len, rows_per_seq, vocab,
         stride_b, stride_t, stride_v, grad_stride_b, grad_stride_t, grad_stride_v,
         COEF_IS_SCALED=dloss_dlogp is not None,
         HAS_GRAD_LOSS=grad_loss is not None,
-        HAS_ENTROPY_GRAD=entropy_coef != 0.0,
+        HAS_ENTROPY_GRAD=entropy_coef != 0.0 or dloss_dentropy is not None,
+        ENTROPY_GRAD_PER_TOKEN=dloss_dentropy is not None,
         BLOCK_V=block_v,
         **launch_shape(block_v, BACKWARD_SHAPE),
     )

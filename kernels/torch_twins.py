@@ -138,7 +138,7 @@ def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=No
 
 
 def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_temperature: float, entropy_coef: float,
-                      grad_loss=None, dloss_dlogp=None, token_offset: int = 0, chunk_rows=None):
+                      grad_loss=None, dloss_dlogp=None, token_offset: int = 0, chunk_rows=None, dloss_dentropy=None):
     """Twin of ``logits_grad``."""
     dtype = _compute_dtype(logits)
     n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
@@ -154,7 +154,12 @@ def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_tem
     else:
         g = dloss_dlogp.reshape(-1)[at].to(dtype) * incoming
     g = torch.where(valid, g * inv_temperature, 0.0)
-    h = torch.where(valid, -entropy_coef * seq_scale * incoming * inv_temperature, 0.0)
+    if dloss_dentropy is None:
+        h = -entropy_coef * seq_scale * incoming
+    else:
+        h = dloss_dentropy.reshape(-1)[at].to(dtype) * incoming
+    h = torch.where(valid, h * inv_temperature, 0.0)
+    has_entropy_grad = entropy_coef != 0.0 or dloss_dentropy is not None
     active = (g != 0) | (h != 0)  # tokens not scored: zeros, whatever their logits
     for rows, (chunk, grad_chunk) in _row_chunks([logits, grad_logits], chunk_rows):
         x = chunk.to(dtype) * inv_temperature
@@ -163,11 +168,11 @@ def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_tem
         index = targets[rows].clamp(min=0)[:, None]
         coef = g[rows, None]
         grad = -coef * p
-        if entropy_coef != 0.0:
+        if has_entropy_grad:
             grad -= h[rows, None] * p * torch.where(p > 0, log_p + planes[Plane.ENTROPY, rows, None], 0.0)
         # 1 - p_target as -expm1(log p_target): no cancellation for confident tokens.
         target_grad = -coef * torch.expm1(planes[Plane.LOGP, rows, None])
-        if entropy_coef != 0.0:
+        if has_entropy_grad:
             target_log_p = log_p.gather(1, index)
             target_p = target_log_p.exp()
             target_grad = target_grad - h[rows, None] * target_p * torch.where(

@@ -1,0 +1,173 @@
+"""dgpo-ops inside verl: the method table as verl policy losses, and the fused kernels as verl's fused
+log-prob backend.
+
+Importing this module registers every method of the table as the verl policy loss ``dgpo_ops.<method>``
+(``verl.trainer.ppo.core_algos.register_policy_loss``). verl imports it in every worker by itself: the
+package's ``verl.plugins`` entry point is loaded by ``import verl``. Choose a loss with
+``actor_rollout_ref.actor.policy_loss.loss_mode=dgpo_ops.dgpo``; the parameters verl has no field for
+(DGPO's ``n`` and ``m``, DISPO's four bounds, ...) go in ``policy_loss.method_params`` once
+``policy_loss._target_`` names this module's ``PolicyLossConfig`` (``verl_params``; the README's "Training
+with verl" has the command lines).
+
+verl calls a policy loss on padded ``(batch, response_length)`` tensors and adds the entropy bonus and
+the KL term itself (``verl.workers.utils.losses.ppo_loss``); the loss here is the package's torch objective
+(``objective.policy_objective``: the method table, GSPO's sequence ratio, rollout weights) with verl's
+aggregation and normalisation across data-parallel ranks and micro-batches (``verl_token_scales``).
+
+``use_fused_kernels()`` (or ``DGPO_OPS_VERL_FUSED_KERNELS=1`` in the workers' environment, read when this
+module is imported) makes verl's Triton fused-kernel path (``use_fused_kernels=True``,
+``fused_kernel_options.impl_backend=triton``) compute its per-token log-probs and entropies with
+``dgpo_ops.linear_logprobs`` instead of verl's own kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
+from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
+
+from ..inputs import TokenBatch
+from ..kernels.interface import Region
+from ..linear_logprobs import linear_logprob_entropy
+from ..metrics import policy_metrics
+from ..objective import policy_objective
+from ..options import IMPORTANCE_SAMPLING_LEVELS
+from .verl_params import LOSS_MODES, POLICY_LOSS, check_method_params, loss_options, read_field, verl_token_scales
+
+FUSED_KERNELS_ENV = "DGPO_OPS_VERL_FUSED_KERNELS"
+# Our metrics beside verl's three; entropy and KL are verl's own (ppo_loss logs them).
+OWN_METRICS = ("ln_fraction", "hp_fraction", "lp_fraction", "hn_fraction", "dual_clip_fraction", "ratio_mean", "eur")
+
+
+@dataclass
+class PolicyLossConfig(VerlPolicyLossConfig):
+    """verl's ``policy_loss`` config with the two fields the losses ``dgpo_ops.*`` read beyond verl's:
+    ``method_params``, the method's parameters by their dgpo-ops names (they win over verl's fields), and
+    ``importance_sampling_level`` (``"sequence"``: GSPO's ratio, for any method). Set it with
+    ``actor_rollout_ref.actor.policy_loss._target_=dgpo_ops.integrations.verl.PolicyLossConfig``."""
+
+    method_params: dict = field(default_factory=dict)
+    importance_sampling_level: str = "token"
+
+    def __post_init__(self):
+        # Checked when verl builds the config (worker start); the values of verl's own fields, which the
+        # policy loss also reads, are checked at the first step.
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"{POLICY_LOSS}.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                             f"got {self.importance_sampling_level!r}")
+        if self.loss_mode in LOSS_MODES:
+            check_method_params(LOSS_MODES[self.loss_mode], self.method_params)
+        elif self.method_params:
+            raise ValueError(f"{POLICY_LOSS}.method_params is read by the losses dgpo_ops.* only; loss_mode is "
+                             f"{self.loss_mode!r}")
+
+
+def _grid_tensor(name: str, value, shape, device) -> torch.Tensor:
+    if not torch.is_tensor(value):
+        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got {type(value).__name__}")
+    if value.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)} (log_prob's), got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but log_prob is on {device}")
+    return value
+
+
+def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                     config=None, rollout_is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss ``dgpo_ops.<method>`` with verl's policy-loss signature: ``(loss, metrics)``, the metrics
+    verl's three (``actor/pg_clipfrac``: tokens in LN or HP, where PPO's clip zeroes the gradient;
+    ``actor/ppo_kl``; ``actor/pg_clipfrac_lower``: the dual clip's) and ours under ``actor/dgpo_ops/``,
+    read to the host in one transfer (verl logs Python floats)."""
+    if config is None:
+        raise ValueError(f"the policy loss {mode} needs verl's actor config (config=...)")
+    options = loss_options(mode, config)
+    if not torch.is_tensor(log_prob) or log_prob.dim() != 2:
+        raise ValueError("log_prob must be a (batch, response_length) tensor")
+    shape, device = log_prob.shape, log_prob.device
+    mask = _grid_tensor("response_mask", response_mask, shape, device).bool()
+    dtype = torch.promote_types(log_prob.dtype, torch.float32)
+
+    def on_grid(name, value):  # 0 where not scored: nothing from a padded position reaches the loss
+        if value is None:
+            return None
+        return torch.where(mask, _grid_tensor(name, value, shape, device).detach().to(dtype), 0.0)
+
+    scale = verl_token_scales(mask, loss_agg_mode, read_field(config, "global_batch_info", default=None), dtype)
+    batch = TokenBatch(target_ids=None, mask=mask, advantages=on_grid("advantages", advantages),  # no targets: the
+                       old_logps=on_grid("old_log_prob", old_log_prob), ref_logps=None,  # objective reads log-probs
+                       rollout_weights=on_grid("rollout_is_weights", rollout_is_weights), scale=scale, flat=False)
+    logp = torch.where(mask, log_prob.to(dtype), 0.0)
+    terms = policy_objective(logp, None, batch, options)
+    return terms.loss, _metrics(terms, logp.detach(), batch)
+
+
+def _metrics(terms, logp, batch: TokenBatch) -> dict[str, float]:
+    mask = batch.mask
+    count = mask.sum().clamp(min=1).to(torch.float32)
+
+    def masked_mean(values):
+        return torch.where(mask, values.to(torch.float32), 0.0).sum() / count
+
+    region = terms.tokens.region
+    ours = policy_metrics(terms.log_ratio, terms.tokens.psi, region, torch.zeros_like(logp), None, mask)
+    values = {
+        "actor/pg_clipfrac": masked_mean((region == Region.LN.value) | (region == Region.HP.value)),
+        "actor/ppo_kl": masked_mean(batch.old_logps - logp),
+        "actor/pg_clipfrac_lower": masked_mean(region == Region.DUAL.value),
+        **{f"actor/dgpo_ops/{name}": ours[name] for name in OWN_METRICS},
+    }
+    return dict(zip(values, torch.stack(list(values.values())).tolist()))
+
+
+def _policy_loss_fn(mode: str):
+    def policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                    rollout_is_weights=None):
+        return verl_policy_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                rollout_is_weights)
+
+    policy_loss.__name__ = policy_loss.__qualname__ = f"policy_loss_{LOSS_MODES[mode]}"
+    policy_loss.__doc__ = f"verl policy loss {mode}: ``dgpo_ops.integrations.verl.verl_policy_loss``."
+    return policy_loss
+
+
+def register() -> list[str]:
+    """Register ``dgpo_ops.<method>`` for every method (again: the same functions) and return the names.
+    A name verl already has for another function is refused, never replaced."""
+    for mode in LOSS_MODES:
+        existing = POLICY_LOSS_REGISTRY.get(mode)
+        if existing is not None and not getattr(existing, "__module__", "").startswith(__name__):
+            raise RuntimeError(f"verl already has a policy loss named {mode!r} ({existing!r}); dgpo-ops will not "
+                               "replace it")
+        register_policy_loss(mode)(_policy_loss_fn(mode))
+    return list(LOSS_MODES)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                         reduction: str = "none", dist_process_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` contract on dgpo-ops' kernels:
+    per-token ``(log_probs, entropy)``, flat ``(num_tokens,)`` fp32, differentiable in both, for hidden
+    ``(..., H)``, the lm_head weight ``(V, H)`` (this process's rows with ``dist_process_group``, the
+    tensor-parallel vocabulary group) and labels shaped like hidden's tokens."""
+    if reduction != "none":
+        raise ValueError(f"dgpo-ops' verl backend gives per-token values (reduction='none'), got reduction={reduction!r}")
+    logp, entropy = linear_logprob_entropy(hidden, weight, labels, temperature=float(temperature),
+                                           vocab_parallel_group=dist_process_group)
+    return logp.reshape(-1), entropy.reshape(-1)
+
+
+def use_fused_kernels() -> None:
+    """Make verl's Triton fused-kernel path use ``linear_cross_entropy`` above: verl's model forwards import
+    ``linear_cross_entropy`` from ``verl.utils.kernel.linear_cross_entropy`` when they run, so replacing
+    that module's function is enough (in each process: set ``DGPO_OPS_VERL_FUSED_KERNELS=1`` in the workers'
+    environment and the plugin calls this on ``import verl``)."""
+    import verl.utils.kernel.linear_cross_entropy as verl_kernel
+
+    verl_kernel.linear_cross_entropy = linear_cross_entropy
+
+
+register()
+if os.environ.get(FUSED_KERNELS_ENV, "0") not in ("", "0", "false", "False"):
+    use_fused_kernels()

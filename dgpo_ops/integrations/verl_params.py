@@ -1,0 +1,204 @@
+"""The verl integration's names, hyperparameters and aggregations, derived from the method table
+without importing verl (``dgpo_ops.integrations.verl`` registers them; the README's verl table comes
+from here).
+
+* Every method of ``methods.METHODS`` is the verl policy loss ``dgpo_ops.<method>``: verl has its own
+  ``cispo``, ``gspo`` and ``sapo``, so the prefix keeps every name apart from verl's, now and later.
+* A parameter comes from ``policy_loss.method_params.<name>`` when set there, else from the field of
+  verl's actor config that means the same (``ParamSpec.verl_field``: ``clip_ratio_low/high``,
+  ``clip_ratio_c``, ``tau_pos/neg``), else it keeps the table's default.
+* verl's five aggregations (``agg_loss``) are per-token scales with verl's normalisation across
+  data-parallel ranks and micro-batches (``global_batch_info``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..catalog import method_params as table_params
+from ..methods import METHODS, ParamSpec
+from ..options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
+
+PREFIX = "dgpo_ops."
+ACTOR = "actor_rollout_ref.actor"
+POLICY_LOSS = f"{ACTOR}.policy_loss"
+# verl builds the actor config with hydra's instantiate: this _target_ adds our two fields to policy_loss.
+POLICY_LOSS_TARGET = "dgpo_ops.integrations.verl.PolicyLossConfig"
+# verl's clip_ratio_low / clip_ratio_high: None means clip_ratio (as verl's own losses read them).
+VERL_FALLBACKS = {"clip_ratio_low": "clip_ratio", "clip_ratio_high": "clip_ratio"}
+
+
+def loss_mode(method: str) -> str:
+    """verl's ``policy_loss.loss_mode`` name of a method of the table."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
+    return PREFIX + method
+
+
+LOSS_MODES: dict[str, str] = {loss_mode(method): method for method in METHODS}
+
+
+@dataclass(frozen=True)
+class VerlAggregation:
+    """verl's ``agg_loss`` mode as per-token scales: each token weighs 1 (or ``1/|o_i|``), divided by the
+    global count ``denominator`` names (or 1), times ``dp_size`` (data-parallel gradients are averaged),
+    and by the horizon ``loss_scale_factor`` (None: the padded response length)."""
+
+    per_response: bool
+    denominator: str | None  # "batch_num_tokens", "global_batch_size" or None
+    horizon: bool = False
+
+
+VERL_AGGREGATIONS: dict[str, VerlAggregation] = {
+    "token-mean": VerlAggregation(False, "batch_num_tokens"),
+    "token-sum": VerlAggregation(False, None),
+    "seq-mean-token-sum": VerlAggregation(False, "global_batch_size"),
+    "seq-mean-token-sum-norm": VerlAggregation(False, "global_batch_size", horizon=True),
+    "seq-mean-token-mean": VerlAggregation(True, "global_batch_size"),
+}
+
+
+def check_aggregation(loss_agg_mode) -> VerlAggregation:
+    if loss_agg_mode not in VERL_AGGREGATIONS:
+        raise ValueError(f"{ACTOR}.loss_agg_mode: verl has no aggregation {loss_agg_mode!r}; "
+                         f"its aggregations are {', '.join(VERL_AGGREGATIONS)}")
+    return VERL_AGGREGATIONS[loss_agg_mode]
+
+
+def _positive_count(name: str, value):
+    """A count from ``global_batch_info``: a number > 0 is checked here (no device read for tensors)."""
+    if isinstance(value, bool) or not (torch.is_tensor(value) or isinstance(value, (int, float))):
+        raise ValueError(f"global_batch_info[{name!r}] must be a number, got {value!r}")
+    if not torch.is_tensor(value) and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"global_batch_info[{name!r}] must be > 0, got {value!r}")
+    return value
+
+
+def verl_token_scales(mask: torch.Tensor, loss_agg_mode: str, global_batch_info, dtype) -> torch.Tensor:
+    """Per-token scales ``s`` (0 on masked tokens) with ``sum(s * L)`` equal to verl's
+    ``agg_loss(L, mask, loss_agg_mode, **global_batch_info)`` on a ``(B, T)`` boolean mask.
+
+    Without a global count (one process, ``dp_size`` 1) verl counts this micro-batch: its tokens, or its
+    responses that have a scored token (fully masked responses are left out of the count, as verl does;
+    ``dgpo_ops.token_scales`` counts them, as TRL does). An empty micro-batch gives 0, not verl's 0/0."""
+    aggregation = check_aggregation(loss_agg_mode)
+    info = dict(global_batch_info or {})
+    dp_size = info.get("dp_size") or 1
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"global_batch_info['dp_size'] must be a positive integer, got {dp_size!r}")
+    scale = mask.to(dtype)
+    if aggregation.per_response:
+        scale = scale / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    if aggregation.denominator is not None:
+        count = info.get(aggregation.denominator)
+        if count is None:
+            if dp_size > 1:
+                raise ValueError(f"loss_agg_mode {loss_agg_mode!r} with dp_size {dp_size} needs "
+                                 f"global_batch_info[{aggregation.denominator!r}] (verl's engine sets it)")
+            local = mask.sum() if aggregation.denominator == "batch_num_tokens" else mask.any(dim=-1).sum()
+            count = local.clamp(min=1).to(dtype)
+        else:
+            count = _positive_count(aggregation.denominator, count)
+        scale = scale / count
+    if aggregation.horizon:
+        horizon = info.get("loss_scale_factor")
+        scale = scale / (mask.shape[-1] if horizon is None else _positive_count("loss_scale_factor", horizon))
+    return scale * dp_size
+
+
+_REQUIRED = object()
+
+
+def read_field(config, name: str, where: str = ACTOR, default=_REQUIRED):
+    """``config.name`` from verl's ``ActorConfig`` (a dataclass that is also a mapping) or a DictConfig."""
+    try:
+        return config[name]
+    except (KeyError, AttributeError, TypeError):
+        try:
+            return getattr(config, name)
+        except AttributeError:
+            if default is not _REQUIRED:
+                return default
+            raise ValueError(f"{where}.{name} is missing: the policy losses of dgpo_ops.* take verl's actor "
+                             f"config ({ACTOR}, a verl ActorConfig), got {type(config).__name__}") from None
+
+
+def _checked(method: str, name: str, spec: ParamSpec, value, source: str):
+    try:
+        spec.check(method, name, value)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+    return value
+
+
+def check_method_params(method: str, given) -> dict:
+    """``policy_loss.method_params`` checked against ``method``'s parameters (names and values)."""
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{POLICY_LOSS}.method_params must be a mapping of parameter names to values, got {given!r}")
+    params = {p.name: p for p in table_params(method)}
+    unknown = sorted(set(given) - set(params))
+    if unknown:
+        raise ValueError(f"{POLICY_LOSS}.method_params.{unknown[0]}: {method} has no parameter {unknown[0]!r}; "
+                         f"it takes {', '.join(params) or 'none'}")
+    return {name: _checked(method, name, params[name].spec, value, f"{POLICY_LOSS}.method_params.{name}")
+            for name, value in given.items()}
+
+
+def method_params(method: str, config) -> dict:
+    """The parameters of ``method`` from verl's actor ``config``: ``policy_loss.method_params`` first,
+    then the verl field that means the same, else the table's default (left out here)."""
+    policy_loss = read_field(config, "policy_loss")
+    given = check_method_params(method, read_field(policy_loss, "method_params", POLICY_LOSS, default=None) or {})
+    values = {}
+    for name, p in ((p.name, p) for p in table_params(method)):
+        if name in given:
+            values[name] = given[name]
+        elif p.spec.verl_field is not None:
+            field = p.spec.verl_field
+            value = read_field(config, field)
+            if value is None and field in VERL_FALLBACKS:
+                field = VERL_FALLBACKS[field]
+                value = read_field(config, field)
+            values[name] = _checked(method, name, p.spec, value, f"{ACTOR}.{field}")
+    return values
+
+
+def loss_options(mode: str, config) -> LossOptions:
+    """The loss options of verl's ``loss_mode`` ``dgpo_ops.<method>`` under ``config``."""
+    if mode not in LOSS_MODES:
+        raise ValueError(f"{POLICY_LOSS}.loss_mode: unknown dgpo-ops loss {mode!r}; known: {', '.join(LOSS_MODES)}")
+    method = LOSS_MODES[mode]
+    policy_loss = read_field(config, "policy_loss")
+    level = read_field(policy_loss, "importance_sampling_level", POLICY_LOSS, default="token")
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"{POLICY_LOSS}.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                         f"got {level!r}")
+    return LossOptions.build(method, importance_sampling_level=level, **method_params(method, config))
+
+
+def _format(value) -> str:
+    return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def verl_table_markdown() -> str:
+    """The README's table of verl loss names, papers and where each parameter is read from."""
+    lines = [f"| `loss_mode` | paper | from `{ACTOR}` | from `policy_loss.method_params` (default) |",
+             "|---|---|---|---|"]
+    for method, spec in METHODS.items():
+        params = table_params(method)
+        verl = []
+        for p in params:
+            if p.spec.verl_field is not None:
+                fallback = VERL_FALLBACKS.get(p.spec.verl_field)
+                verl.append(f"`{p.name}` <- `{p.spec.verl_field}`" + (f" (None: `{fallback}`)" if fallback else ""))
+        own = [f"`{p.name}={_format(p.default)}`" for p in params if p.spec.verl_field is None]
+        lines.append(f"| `{loss_mode(method)}` | {spec.paper} | {'<br>'.join(verl) or '-'} | "
+                     f"{', '.join(own) or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+START, END = "<!-- verl-methods:start -->", "<!-- verl-methods:end -->"
