@@ -3,6 +3,7 @@
 from .aggregation import AGGREGATIONS, token_scales
 from .fused import DGPOLoss, fused_dgpo_loss
 from .fused_linear import fused_linear_dgpo_loss, fused_linear_logprobs
+from .linear_logprobs import linear_logprob_entropy
 from .methods import (
     METHODS,
     AspoConfig,
@@ -48,6 +49,7 @@ __all__ = [
     "fused_dgpo_loss",
     "fused_linear_dgpo_loss",
     "fused_linear_logprobs",
+    "linear_logprob_entropy",
     "method_config",
     "raise_deferred_errors",
     "reference_loss",

@@ -139,18 +139,26 @@ def method_table_markdown() -> str:
 START, END = "<!-- methods:start -->", "<!-- methods:end -->"
 
 
+def readme_with_section(text: str, start: str, end: str, body: str) -> str:
+    """``text`` with the part between the markers ``start`` and ``end`` replaced by ``body``."""
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no {start} ... {end} section")
+    return pattern.sub(lambda _: f"{start}\n{body}{end}", text)
+
+
 def readme_with_method_table(text: str) -> str:
     """``text`` with the part between the method-table markers replaced by the current table."""
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"no {START} ... {END} section")
-    return pattern.sub(lambda _: f"{START}\n{method_table_markdown()}{END}", text)
+    return readme_with_section(text, START, END, method_table_markdown())
 
 
 def main() -> None:
+    from .integrations import verl_params  # the verl table: names and fields the verl integration reads
+
     path = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-    path.write_text(readme_with_method_table(path.read_text()))
-    print(f"wrote the method table of {path}")
+    text = readme_with_method_table(path.read_text())
+    path.write_text(readme_with_section(text, verl_params.START, verl_params.END, verl_params.verl_table_markdown()))
+    print(f"wrote the method tables of {path}")
 
 
 if __name__ == "__main__":

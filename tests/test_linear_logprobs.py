@@ -1,0 +1,176 @@
+"""linear_logprob_entropy (per-token log-probs and entropies from hidden states, a backward for both
+outputs: verl's fused-kernel contract) against log_softmax and autograd on the materialised logits:
+both kernel sets, dtypes, shapes, bias, temperature, autocast, ignored targets, either output alone; the
+backward row kernel's per-token entropy coefficient; and the verl integration's parts that need no verl
+(its table in the README, its aggregations)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from helpers import value_error_message
+
+from dgpo_ops.integrations import verl_params
+from dgpo_ops.linear_logprobs import linear_logprob_entropy
+
+V = 45
+
+
+def case(shape=(3, 7), H=16, dtype=torch.float32, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
+    targets = torch.randint(0, V, shape, generator=g)
+    grads = torch.randn(2, *shape, generator=g, dtype=torch.float64)
+    return [t if t is None else t.to(dtype) for t in (hidden, weight, b)], targets, grads
+
+
+def exact(hidden, weight, bias, targets, temperature):
+    """log-probs and entropies by log_softmax in fp64, differentiable."""
+    logits = hidden.double() @ weight.double().t()
+    if bias is not None:
+        logits = logits + bias.double()
+    log_probs = (logits / temperature).log_softmax(-1)
+    scored = targets != -100
+    logp = log_probs.gather(-1, torch.where(scored, targets, 0)[..., None])[..., 0]
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return torch.where(scored, logp, 0.0), torch.where(scored, entropy, 0.0)
+
+
+def compare(params, targets, grads, backend, tol, temperature=0.7, outputs=(0, 1), **kwargs):
+    leaves = [None if t is None else t.clone().requires_grad_(True) for t in params]
+    exact_leaves = [None if t is None else t.detach().double().requires_grad_(True) for t in params]
+    got = linear_logprob_entropy(leaves[0], leaves[1], targets, bias=leaves[2], temperature=temperature,
+                                 backend=backend, memory_budget=3 * V * 4 * 2, **kwargs)  # 3-token tiles
+    expected = exact(*exact_leaves, targets, temperature)
+    for a, b in zip(got, expected):
+        assert a.shape == targets.shape
+        torch.testing.assert_close(a.double(), b.detach(), rtol=tol, atol=tol)
+    sum(got[i] * grads[i].to(got[i].dtype) for i in outputs).sum().backward()
+    sum(expected[i] * grads[i] for i in outputs).sum().backward()
+    for leaf, exact_leaf in zip(leaves, exact_leaves):
+        if leaf is not None:
+            assert leaf.grad.dtype == leaf.dtype
+            torch.testing.assert_close(leaf.grad.double(), exact_leaf.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (19,)], ids=["BT", "flat"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(("backend", "dtype", "tol"), [("torch", torch.float64, 1e-12), ("torch", torch.float32, 2e-5),
+                                                      ("triton", torch.float32, 2e-5)])
+def test_equals_log_softmax(backend, dtype, tol, bias, shape):
+    params, targets, grads = case(shape, dtype=dtype, bias=bias)
+    compare(params, targets, grads, backend, tol)
+
+
+@pytest.mark.parametrize("outputs", [(0,), (1,)], ids=["logp-only", "entropy-only"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_one_output_in_the_loss(backend, outputs):
+    """A loss of the log-probs only (the entropy's gradient is None) or of the entropies only."""
+    params, targets, grads = case()
+    compare(params, targets, grads, backend, 2e-5, outputs=outputs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ignored_targets_get_zeros_and_no_gradient(backend):
+    params, targets, grads = case()
+    targets[0, 2:] = -100
+    compare(params, targets, grads, backend, 2e-5)
+    hidden = params[0].clone().requires_grad_(True)
+    logp, entropy = linear_logprob_entropy(hidden, params[1], targets, backend=backend)
+    (logp + entropy).sum().backward()
+    assert (logp[0, 2:] == 0).all() and (entropy[0, 2:] == 0).all()
+    assert (hidden.grad[0, 2:] == 0).all() and hidden.grad[0, :2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_autocast_bf16_rounds_as_the_models_lm_head(backend):
+    """Under bf16 autocast over fp32 weights the logits are the bf16 product, as ``lm_head(hidden)`` gives."""
+    (hidden, weight, _), targets, _ = case()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, entropy = linear_logprob_entropy(hidden, weight, targets, backend=backend)
+        logits = hidden @ weight.t()
+    assert logits.dtype == torch.bfloat16
+    log_probs = logits.float().log_softmax(-1)
+    torch.testing.assert_close(logp, log_probs.gather(-1, targets[..., None])[..., 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, -(log_probs.exp() * log_probs).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_gradcheck_fp64():
+    params, targets, _ = case((2, 3), H=4, bias=True, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in params]
+
+    def fn(hidden, weight, bias):
+        logp, entropy = linear_logprob_entropy(hidden, weight, targets, bias=bias, temperature=0.9,
+                                               memory_budget=2 * V * 8)
+        return logp, entropy
+
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+def test_bad_input_is_named():
+    (hidden, weight, _), targets, _ = case()
+    assert "target_ids must have shape" in value_error_message(
+        lambda: linear_logprob_entropy(hidden, weight, targets[:, :-1]))
+    assert "weight must have shape" in value_error_message(lambda: linear_logprob_entropy(hidden, weight.t(), targets))
+    assert "temperature" in value_error_message(lambda: linear_logprob_entropy(hidden, weight, targets, temperature=0))
+    bad = targets.clone()
+    bad[1, 1] = V
+    assert "target_ids must be in [0, 45)" in value_error_message(lambda: linear_logprob_entropy(hidden, weight, bad))
+
+
+# ---------------------------------------------------------------------------------------------
+# The verl integration's parts that need no verl (verl itself: tests/test_verl.py, .ci/verl_cpu.sh)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_readme_verl_table_is_current():
+    """The README's table of verl loss names is ``verl_params.verl_table_markdown()`` (``python -m
+    dgpo_ops.catalog`` rewrites it), so it lists every method of the table."""
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start, end = readme.index(verl_params.START), readme.index(verl_params.END)
+    assert readme[start + len(verl_params.START):end].strip() == verl_params.verl_table_markdown().strip()
+    for mode in verl_params.LOSS_MODES:
+        assert f"`{mode}`" in readme
+
+
+class ActorFields(dict):
+    """A stand-in for verl's actor config: a mapping of its fields."""
+
+
+def test_parameters_come_from_method_params_then_verl_fields_then_defaults():
+    config = ActorFields(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0,
+                         tau_neg=1.05, policy_loss=ActorFields(method_params={"n": 2.0}))
+    method = verl_params.loss_options("dgpo_ops.dgpo", config).method
+    assert (method.eps_low, method.eps_high, method.n, method.m) == (0.2, 0.28, 2.0, 2.0)  # low: clip_ratio
+    plain = {**config, "policy_loss": ActorFields()}  # verl's own PolicyLossConfig: no method_params
+    dcpo = verl_params.loss_options("dgpo_ops.dcpo", plain).method  # DCPO's eps are not verl's clip
+    assert (dcpo.eps_low, dcpo.eps_high) == (0.16, 0.2)
+    assert verl_params.loss_options("dgpo_ops.grpo", plain).method.dual_clip == 3.0
+    assert "policy_loss.method_params.r_max" in value_error_message(
+        lambda: verl_params.loss_options("dgpo_ops.dgpo", {**config, "policy_loss": {"method_params": {"r_max": 2}}}))
+    assert "clip_ratio_c" in value_error_message(
+        lambda: verl_params.loss_options("dgpo_ops.aspo", {**plain, "clip_ratio_c": 0.5}))
+
+
+@pytest.mark.parametrize("mode", list(verl_params.VERL_AGGREGATIONS))
+def test_verl_token_scales_sum_to_verl_normalisation(mode):
+    """Per-token scales: with a mask of known counts the sum of each response's scales is what verl's
+    agg_loss gives a loss of 1 per token (its arithmetic, written out here for this mask)."""
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    info = {"dp_size": 2, "batch_num_tokens": 10, "global_batch_size": 6, "loss_scale_factor": 8}
+    scales = verl_params.verl_token_scales(mask, mode, info, torch.float64)
+    per_response = {"token-mean": [3 / 10 * 2, 0, 1 / 10 * 2], "token-sum": [3 * 2, 0, 1 * 2],
+                    "seq-mean-token-sum": [3 / 6 * 2, 0, 1 / 6 * 2],
+                    "seq-mean-token-sum-norm": [3 / 6 * 2 / 8, 0, 1 / 6 * 2 / 8],
+                    "seq-mean-token-mean": [1 / 6 * 2, 0, 1 / 6 * 2]}[mode]
+    torch.testing.assert_close(scales.sum(-1), torch.tensor(per_response, dtype=torch.float64))
+    assert (scales[~mask] == 0).all()
+    # one process without global counts: the micro-batch's own, fully masked responses left out
+    local = verl_params.verl_token_scales(mask, mode, {}, torch.float64).sum(-1)
+    expected = {"token-mean": [3 / 4, 0, 1 / 4], "token-sum": [3, 0, 1], "seq-mean-token-sum": [3 / 2, 0, 1 / 2],
+                "seq-mean-token-sum-norm": [3 / 2 / 4, 0, 1 / 2 / 4], "seq-mean-token-mean": [1 / 2, 0, 1 / 2]}[mode]
+    torch.testing.assert_close(local, torch.tensor(expected, dtype=torch.float64))
