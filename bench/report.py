@@ -265,6 +265,7 @@ def readme_section(runs, traffic: dict | None) -> str:
         ]
     out += script_tables_section("Fused linear + loss", "fused_linear")
     out += script_tables_section("Vocabulary split across processes", "vocab_parallel")
+    out += script_tables_section("verl's fused log-prob backends", "verl_fused")
     if traffic:
         out += [
             ("**Traffic model** (no GPU needed; [`bench/results/traffic.md`](bench/results/traffic.md)): the bf16 "

@@ -331,7 +331,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         return (*grads, None)
 
 
-def _flatten_tokens(hidden, weight, bias):
+def flatten_tokens(hidden, weight, bias):
     if not torch.is_tensor(hidden) or hidden.dim() not in (2, 3):
         raise ValueError("hidden must be a tensor of shape (B, T, H) or (N, H)")
     if not torch.is_tensor(weight) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -381,14 +381,14 @@ def fused_linear_loss_from_options(hidden, weight, bias, batch: LossBatch, optio
     else:
         weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
     if call_layout.needs_chunked_path:
-        _flatten_tokens(hidden, weight, bias)  # the structural checks
+        flatten_tokens(hidden, weight, bias)  # the structural checks
         if projection_options.logits_on_chip:
             raise ValueError("logits_on_chip=True does not take vocab_parallel_group or cu_seqlens yet")
         compute = autocast_dtype(hidden.device)
         operand = compute if compute in LOW_PRECISION and weight.dtype != torch.float64 else weight.dtype
         return chunked_linear_loss_from_options(hidden, weight, bias, batch, options, projection_options.logit_scale,
                                                 projection_options.softcap, operand, call_layout)
-    flat_hidden, logits_shape = _flatten_tokens(hidden, weight, bias)
+    flat_hidden, logits_shape = flatten_tokens(hidden, weight, bias)
     if options.inplace:
         raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
     if torch.compiler.is_compiling():  # one custom op in the graph (dgpo_ops.compiled)

@@ -26,6 +26,7 @@ from .fused_linear import (
     TileProjection,
     Tiles,
     autocast_dtype,
+    flatten_tokens,
     linear_plan,
     sweep_tiles,
 )
@@ -95,12 +96,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))), None)
 
 
-def _check_shapes(hidden, weight, target_ids):
-    if not torch.is_tensor(hidden) or hidden.dim() not in (2, 3):
-        raise ValueError("hidden must be a tensor of shape (B, T, H) or (N, H)")
-    if not torch.is_tensor(weight) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        shape = tuple(weight.shape) if torch.is_tensor(weight) else type(weight).__name__
-        raise ValueError(f"weight must have shape (V, {hidden.shape[-1]}), got {shape}")
+def _check_targets(hidden, target_ids):
     if not torch.is_tensor(target_ids) or target_ids.shape != hidden.shape[:-1]:
         shape = tuple(target_ids.shape) if torch.is_tensor(target_ids) else type(target_ids).__name__
         raise ValueError(f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's tokens), got {shape}")
@@ -144,8 +140,9 @@ def linear_logprob_entropy(
                                                                                            (bias, "bias")))
     else:
         weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
-    _check_shapes(hidden, weight, target_ids)
-    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), target_ids.reshape(-1)
+    flat_hidden, _ = flatten_tokens(hidden, weight, bias)  # shapes, dtypes and devices of hidden, weight, bias
+    _check_targets(hidden, target_ids)
+    flat_targets = target_ids.reshape(-1)
     if vocab_parallel_group is not None:
         compute = autocast_dtype(hidden.device)
         operand = compute if compute in LOW_PRECISION and weight.dtype != torch.float64 else weight.dtype

@@ -117,6 +117,7 @@ def test_bad_input_is_named():
         lambda: linear_logprob_entropy(hidden, weight, targets[:, :-1]))
     assert "weight must have shape" in value_error_message(lambda: linear_logprob_entropy(hidden, weight.t(), targets))
     assert "temperature" in value_error_message(lambda: linear_logprob_entropy(hidden, weight, targets, temperature=0))
+    assert "same dtype" in value_error_message(lambda: linear_logprob_entropy(hidden, weight.bfloat16(), targets))
     bad = targets.clone()
     bad[1, 1] = V
     assert "target_ids must be in [0, 45)" in value_error_message(lambda: linear_logprob_entropy(hidden, weight, bad))
