@@ -1,4 +1,4 @@
-"""The per-token method table: one row per policy loss of ``LOSS_FAMILY.md``.
+"""The per-token method table: one row per policy loss of ``docs/math.md``.
 
 Every method is two per-token functions of ``(log_ratio, advantage, old_logp)``:
 the loss value ``L`` and the gradient weight ``psi`` with ``dL/dl = -A * psi``.

@@ -20,7 +20,7 @@ IGNORE_INDEX = -100  # target id of a token that is not scored (TRL's and torch'
 
 
 class Region(enum.IntEnum):
-    """Region code of a token (LOSS_FAMILY.md, "Token regions"); DUAL replaces HN/LP where a dual clip fires."""
+    """Region code of a token (docs/math.md, "Regions"); DUAL replaces HN/LP where a dual clip fires."""
 
     M = 0
     LN = 1
