@@ -547,14 +547,17 @@ def straight_through_clamp(x: torch.Tensor, low: float | None, high: float | Non
 
 
 def method_config(method: str | MethodConfig, **params) -> MethodConfig:
-    """Build (and validate) the config of a method by name; unknown names and parameters raise ValueError.
-    Aliases (``ALIASES``: dapo) are the trainer's names; here DAPO is ``method_config("grpo", eps_high=0.28)``."""
+    """Build (and validate) the config of a method or alias by name; unknown names and parameters raise
+    ValueError. An alias (``ALIASES``) is its method with the alias's parameters where ``params`` leaves them
+    unset: ``method_config("dapo")`` is ``method_config("grpo", eps_high=0.28)``."""
     if isinstance(method, MethodConfig):
         config_cls, base = type(method), dataclasses.asdict(method)
     elif method in METHODS:
         config_cls, base = METHODS[method].config, {}
+    elif method in ALIASES:
+        config_cls, base = METHODS[ALIASES[method].method].config, dict(ALIASES[method].params)
     else:
-        raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {method!r}; known methods: {', '.join([*METHODS, *ALIASES])}")
     allowed = [f.name for f in dataclasses.fields(config_cls)]
     unknown = sorted(set(params) - set(allowed))
     if unknown:

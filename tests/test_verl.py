@@ -23,8 +23,8 @@ from verl.utils.experimental.torch_functional import FusedLinearForPPO  # noqa: 
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from dgpo_ops import METHODS, reference_loss  # noqa: E402
-from dgpo_ops.catalog import variants  # noqa: E402
+from dgpo_ops import reference_loss  # noqa: E402
+from dgpo_ops.catalog import POLICY_LOSSES, variants  # noqa: E402
 from dgpo_ops.integrations import verl as dgpo_verl  # noqa: E402
 from dgpo_ops.integrations.verl_params import VERL_AGGREGATIONS  # noqa: E402
 
@@ -275,12 +275,26 @@ def test_entry_point_registers_on_plain_import():
     """``import verl`` alone (no import of dgpo_ops) makes every dgpo_ops.<method> a verl policy loss."""
     code = ("import verl\nfrom verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
             "import sys\nprint(sorted(n for n in sys.modules if n.startswith('dgpo_ops.integrations')))\n"
-            f"print([get_policy_loss_fn('dgpo_ops.' + m).__name__ for m in {list(METHODS)!r}])\n")
+            f"print([get_policy_loss_fn('dgpo_ops.' + m).__name__ for m in {list(POLICY_LOSSES)!r}])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "auto"}).stdout
     assert "dgpo_ops.integrations.verl" in out
-    for method in METHODS:
-        assert f"policy_loss_{method}" in out
+    for name in POLICY_LOSSES:
+        assert f"policy_loss_{name}" in out
+
+
+def test_dapo_is_grpo_with_clip_higher_over_verls_field():
+    """``dgpo_ops.dapo`` takes DAPO's eps_high = 0.28 whatever clip_ratio_high says (verl's fields always
+    hold a value); ``method_params`` still wins."""
+    logits, targets, old, _, advantages, mask, _ = rollout(17, False)
+    log_prob = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    ours = get_policy_loss_fn("dgpo_ops.dapo")(old, log_prob, advantages, mask, "token-mean", actor_config())[0]
+    theirs = get_policy_loss_fn("vanilla")(old, log_prob, advantages, mask, "token-mean",
+                                           actor_config(clip_ratio_high=0.28))[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-12)
+    config = actor_config(policy_loss=dgpo_verl.PolicyLossConfig(loss_mode="dgpo_ops.dapo",
+                                                                 method_params={"eps_high": 0.4}))
+    assert dgpo_verl.loss_options("dgpo_ops.dapo", config).method.eps_high == 0.4
 
 
 def test_hydra_command_line_sets_method_params():

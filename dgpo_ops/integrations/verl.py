@@ -1,7 +1,7 @@
 """dgpo-ops inside verl: the method table as verl policy losses, and the fused kernels as verl's fused
 log-prob backend.
 
-Importing this module registers every method of the table as the verl policy loss ``dgpo_ops.<method>``
+Importing this module registers every method and alias of the table as the verl policy loss ``dgpo_ops.<name>``
 (``verl.trainer.ppo.core_algos.register_policy_loss``). verl imports it in every worker by itself: the
 package's ``verl.plugins`` entry point is loaded by ``import verl``. Choose a loss with
 ``actor_rollout_ref.actor.policy_loss.loss_mode=dgpo_ops.dgpo``; the parameters verl has no field for
@@ -29,6 +29,7 @@ import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
+from ..catalog import resolve
 from ..inputs import TokenBatch
 from ..kernels.interface import Region
 from ..linear_logprobs import linear_logprob_entropy
@@ -59,7 +60,7 @@ class PolicyLossConfig(VerlPolicyLossConfig):
             raise ValueError(f"{POLICY_LOSS}.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                              f"got {self.importance_sampling_level!r}")
         if self.loss_mode in LOSS_MODES:
-            check_method_params(LOSS_MODES[self.loss_mode], self.method_params)
+            check_method_params(resolve(LOSS_MODES[self.loss_mode])[0], self.method_params)
         elif self.method_params:
             raise ValueError(f"{POLICY_LOSS}.method_params is read by the losses dgpo_ops.* only; loss_mode is "
                              f"{self.loss_mode!r}")
@@ -134,7 +135,7 @@ def _policy_loss_fn(mode: str):
 
 
 def register() -> list[str]:
-    """Register ``dgpo_ops.<method>`` for every method (again: the same functions) and return the names.
+    """Register ``dgpo_ops.<name>`` for every method and alias (again: the same functions); return the names.
     A name verl already has for another function is refused, never replaced."""
     for mode in LOSS_MODES:
         existing = POLICY_LOSS_REGISTRY.get(mode)

@@ -2,8 +2,10 @@
 without importing verl (``dgpo_ops.integrations.verl`` registers them; the README's verl table comes
 from here).
 
-* Every method of ``methods.METHODS`` is the verl policy loss ``dgpo_ops.<method>``: verl has its own
-  ``cispo``, ``gspo`` and ``sapo``, so the prefix keeps every name apart from verl's, now and later.
+* Every method and alias of the table (``catalog.POLICY_LOSSES``) is the verl policy loss
+  ``dgpo_ops.<name>``: verl has its own ``cispo``, ``gspo`` and ``sapo``, so the prefix keeps every name
+  apart from verl's, now and later. An alias's parameters (dapo's ``eps_high=0.28``) win over verl's
+  fields, as ``method_params`` does, since verl's fields always hold a value.
 * A parameter comes from ``policy_loss.method_params.<name>`` when set there, else from the field of
   verl's actor config that means the same (``ParamSpec.verl_field``: ``clip_ratio_low/high``,
   ``clip_ratio_c``, ``tau_pos/neg``), else it keeps the table's default.
@@ -19,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..catalog import POLICY_LOSSES, resolve
 from ..catalog import method_params as table_params
-from ..methods import METHODS, ParamSpec
+from ..methods import ALIASES, METHODS, ParamSpec
 from ..options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
 
 PREFIX = "dgpo_ops."
@@ -32,14 +35,13 @@ POLICY_LOSS_TARGET = "dgpo_ops.integrations.verl.PolicyLossConfig"
 VERL_FALLBACKS = {"clip_ratio_low": "clip_ratio", "clip_ratio_high": "clip_ratio"}
 
 
-def loss_mode(method: str) -> str:
-    """verl's ``policy_loss.loss_mode`` name of a method of the table."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
-    return PREFIX + method
+def loss_mode(name: str) -> str:
+    """verl's ``policy_loss.loss_mode`` name of a method or alias of the table."""
+    resolve(name)  # unknown names raise
+    return PREFIX + name
 
 
-LOSS_MODES: dict[str, str] = {loss_mode(method): method for method in METHODS}
+LOSS_MODES: dict[str, str] = {loss_mode(name): name for name in POLICY_LOSSES}
 
 
 @dataclass(frozen=True)
@@ -148,11 +150,14 @@ def check_method_params(method: str, given) -> dict:
             for name, value in given.items()}
 
 
-def method_params(method: str, config) -> dict:
-    """The parameters of ``method`` from verl's actor ``config``: ``policy_loss.method_params`` first,
-    then the verl field that means the same, else the table's default (left out here)."""
+def method_params(name: str, config) -> dict:
+    """The parameters of the method or alias ``name`` from verl's actor ``config``: ``policy_loss.method_params``
+    first, then the alias's presets, then the verl field that means the same, else the table's default (left
+    out here)."""
+    method, presets = resolve(name)
     policy_loss = read_field(config, "policy_loss")
-    given = check_method_params(method, read_field(policy_loss, "method_params", POLICY_LOSS, default=None) or {})
+    given = {**presets, **check_method_params(
+        method, read_field(policy_loss, "method_params", POLICY_LOSS, default=None) or {})}
     values = {}
     for name, p in ((p.name, p) for p in table_params(method)):
         if name in given:
@@ -171,13 +176,13 @@ def loss_options(mode: str, config) -> LossOptions:
     """The loss options of verl's ``loss_mode`` ``dgpo_ops.<method>`` under ``config``."""
     if mode not in LOSS_MODES:
         raise ValueError(f"{POLICY_LOSS}.loss_mode: unknown dgpo-ops loss {mode!r}; known: {', '.join(LOSS_MODES)}")
-    method = LOSS_MODES[mode]
+    name = LOSS_MODES[mode]
     policy_loss = read_field(config, "policy_loss")
     level = read_field(policy_loss, "importance_sampling_level", POLICY_LOSS, default="token")
     if level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"{POLICY_LOSS}.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                          f"got {level!r}")
-    return LossOptions.build(method, importance_sampling_level=level, **method_params(method, config))
+    return LossOptions.build(resolve(name)[0], importance_sampling_level=level, **method_params(name, config))
 
 
 def _format(value) -> str:
@@ -198,6 +203,10 @@ def verl_table_markdown() -> str:
         own = [f"`{p.name}={_format(p.default)}`" for p in params if p.spec.verl_field is None]
         lines.append(f"| `{loss_mode(method)}` | {spec.paper} | {'<br>'.join(verl) or '-'} | "
                      f"{', '.join(own) or '-'} |")
+    for name, alias in ALIASES.items():
+        presets = ", ".join(f"`{k}={_format(v)}`" for k, v in alias.params.items())
+        lines.append(f"| `{loss_mode(name)}` | {alias.summary}: `{loss_mode(alias.method)}` with {presets} (over "
+                     f"verl's field) | as `{loss_mode(alias.method)}` | as `{loss_mode(alias.method)}` |")
     return "\n".join(lines) + "\n"
 
 
