@@ -40,13 +40,23 @@ OptionalTensor = torch.Tensor | None
 # ----------------------------------------------------------------------------- options across the boundary
 
 
-@torch.compiler.assume_constant_result
 def options_spec(options: LossOptions, projection=None) -> str:
-    """``options`` (and the linear op's ``ProjectionOptions``) as a JSON string; a trace-time constant."""
+    """``options`` (and the linear op's ``ProjectionOptions``) as a JSON string; a trace-time constant.
+
+    The projection options reach the constant function as their field values, read in the trace: an object
+    made while dynamo traces is only a shell outside it (the fields it set are the trace's, so the constant
+    function would read the class defaults: softcap None, logit scale 1)."""
+    fields = None if projection is None else tuple(
+        (f.name, getattr(projection, f.name)) for f in dataclasses.fields(projection))
+    return _options_spec(options, fields)
+
+
+@torch.compiler.assume_constant_result
+def _options_spec(options: LossOptions, projection_fields) -> str:
     spec = {name: getattr(options, name) for name in LossOptions.__dataclass_fields__ if name != "method"}
     spec["method"] = {"name": options.method.name, "params": dataclasses.asdict(options.method)}
-    if projection is not None:
-        spec["projection"] = dataclasses.asdict(projection)
+    if projection_fields is not None:
+        spec["projection"] = dict(projection_fields)
     return json.dumps(spec, sort_keys=True)
 
 

@@ -43,7 +43,7 @@ from .inputs import LossBatch, per_token_dtype, token_inputs
 from .kernels.interface import Plane
 from .kernels.row_io import RowWorkspace
 from .metrics import LossMetrics
-from .options import LossOptions
+from .options import LossOptions, trace_constant
 from .output import PolicyLossOutput
 from .token_pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, prepare_call, run_prologue
 from .validation import defer, refuse_double_backward
@@ -439,6 +439,8 @@ def fused_linear_dgpo_loss(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
         importance_sampling_level=importance_sampling_level, backend=backend, validation=validation, **method_params,
     )
+    if torch.compiler.is_compiling():  # a trace-time constant, as the loss options (options.trace_constant)
+        logit_scale, softcap = trace_constant(logit_scale), trace_constant(softcap)
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
                                            logits_on_chip=logits_on_chip)
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)

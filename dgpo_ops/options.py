@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -64,8 +65,19 @@ class LossOptions:
         if torch.compiler.is_compiling():
             # Built at trace time; the traced code reads the object from a module dict by a constant
             # key, so the compiler sees a guarded global object, not one created in the graph.
-            return COMPILED_OPTIONS[_build_constant(method, tuple(sorted(kwargs.items())))]
+            items = tuple((name, trace_constant(value)) for name, value in kwargs.items())
+            return COMPILED_OPTIONS[_build_constant(method, items)]
         return _build_eager(method, kwargs)
+
+
+def trace_constant(value):
+    """``value`` as a Python constant while ``torch.compile`` traces. A float option that changed between
+    compiled calls reaches the next trace symbolic (dynamo makes such a float dynamic to spare recompiles),
+    and the options are a trace-time constant, validated once: so the float is specialised here, with a
+    guard on its value, and each new value compiles the graph again (``torch._dynamo.config.
+    recompile_limit`` applies). Dynamo specialises the key of ``itertools.groupby`` to a constant; outside a
+    trace this is the value itself."""
+    return next(itertools.groupby((value,)))[0]
 
 
 def _build_eager(method, kwargs) -> LossOptions:

@@ -170,3 +170,45 @@ def test_opcheck_every_custom_op():
     for op, args in cases:
         results = torch.library.opcheck(op, args)
         assert set(results.values()) == {"SUCCESS"}, (op, results)
+
+
+# Each float option changed between two compiled calls (issue 24, item 1): dynamo makes a float that changed
+# dynamic, and the options are a trace-time constant, so the new value must recompile, not fail.
+CHANGED_FLOATS = [("temperature", 0.9, 0.7), ("beta", 0.02, 0.05), ("entropy_coef", 0.01, 0.03),
+                  ("loss_normalizer", 5.0, 7.0), ("eps_high", 0.2, 0.28)]
+
+
+def test_changing_float_options_recompile_and_equal_eager():
+    hidden, weight, inputs = linear_inputs()
+    base = dict(method="dgpo", **{name: first for name, first, _ in CHANGED_FLOATS})
+    torch._dynamo.reset()
+    compiled = torch.compile(all_three, fullgraph=True, backend="aot_eager")
+    calls = [base] + [{**base, name: second} for name, _, second in CHANGED_FLOATS]
+    for kwargs in calls:
+        eager = all_three(*leaves(hidden, weight), inputs, kwargs)
+        got = compiled(*leaves(hidden, weight), inputs, kwargs)
+        for expected_group, got_group in zip(eager, got):
+            for e, c in zip(expected_group, got_group):
+                torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-7, msg=f"{kwargs}")
+
+
+def test_changing_projection_floats_and_module_options_under_compile():
+    hidden, weight, inputs = linear_inputs()
+
+    def linear(hidden, weight, logit_scale, softcap):
+        return dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, logit_scale=logit_scale,
+                                               softcap=softcap).loss
+
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, fullgraph=True, backend="aot_eager")
+    for logit_scale, softcap in ((1.0, 30.0), (0.5, 30.0), (0.5, 20.0)):
+        torch.testing.assert_close(compiled(hidden, weight, logit_scale, softcap),
+                                   linear(hidden, weight, logit_scale, softcap), rtol=1e-6, atol=1e-7)
+    logits = (hidden @ weight.T).detach()
+    module = dgpo_ops.DGPOLoss(method="dgpo", entropy_coef=0.01)
+    compiled_module = torch.compile(module, fullgraph=True, backend="aot_eager")
+    for entropy_coef in (0.01, 0.02):
+        module.options = LossOptions.build("dgpo", entropy_coef=entropy_coef)
+        torch.testing.assert_close(compiled_module(logits, **inputs).loss,
+                                   dgpo_ops.fused_dgpo_loss(logits, **inputs, entropy_coef=entropy_coef).loss,
+                                   rtol=1e-6, atol=1e-7)
