@@ -73,8 +73,10 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         workspace, plan, precision = ctx.workspace, ctx.plan, ctx.precision
         call = plan.call
         dtype = workspace.per_token.dtype
-        coefficients = [torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device) if g is None
-                        else g.detach().reshape(-1).to(dtype).contiguous() for g in (grad_logp, grad_entropy)]
+        # No gradient for the entropies (verl without an entropy bonus): the kernel leaves the entropy term out.
+        dloss_dlogp = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device) if grad_logp is None \
+            else grad_logp.detach().reshape(-1).to(dtype).contiguous()
+        dloss_dentropy = None if grad_entropy is None else grad_entropy.detach().reshape(-1).to(dtype).contiguous()
         grads = [torch.zeros(t.shape, dtype=precision.accumulate, device=t.device) if wanted else None
                  for t, wanted in zip((hidden, weight, bias), wants)]
         grad_hidden, grad_weight, grad_bias = grads
@@ -86,7 +88,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             def gradient(start, stop, tile):
                 grad = tiles.grad[: stop - start]
                 call.kernels.backward(tile, grad, workspace, call.grid_seq_len, tiles.kernel_scale, 0.0,
-                                      dloss_dlogp=coefficients[0], dloss_dentropy=coefficients[1], token_offset=start)
+                                      dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy, token_offset=start)
                 tiles.chain_rule(tile, grad)
                 projection.accumulate_grads(grad, hidden[start:stop],
                                             None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
@@ -146,7 +148,9 @@ def linear_logprob_entropy(
     if vocab_parallel_group is not None:
         compute = autocast_dtype(hidden.device)
         operand = compute if compute in LOW_PRECISION and weight.dtype != torch.float64 else weight.dtype
-        shard = vocab_shard(vocab_parallel_group, weight.shape[0], flat_targets.shape[0], hidden.device, check=True)
+        # the group's shares and token counts compared (an all-reduce and a host read) under immediate validation
+        check = resolve_mode(options.validation, hidden.device) == "immediate"
+        shard = vocab_shard(vocab_parallel_group, weight.shape[0], flat_targets.shape[0], hidden.device, check)
         projection = Projection(1.0, None, 1.0 / options.temperature, operand)
         logp, entropy = _chunked(flat_hidden, weight, bias, flat_targets, shard, projection, options.validation)
     else:

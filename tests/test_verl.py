@@ -349,6 +349,9 @@ def test_bad_input_is_named():
     config.global_batch_info.update(dp_size=2)
     assert "global_batch_info['batch_num_tokens']" in message(config)
     assert "response_mask must have shape" in message(actor_config(), response_mask=mask[:, :-1])
+    config = actor_config()
+    config.global_batch_info.update(dp_size=0)
+    assert "dp_size" in message(config)
     with pytest.raises(ValueError, match="importance_sampling_level"):
         dgpo_verl.PolicyLossConfig(loss_mode="dgpo_ops.grpo", importance_sampling_level="seq")
     with pytest.raises(ValueError, match="read by the losses dgpo_ops"):
@@ -442,6 +445,41 @@ def test_fused_backend_with_a_split_vocabulary(tmp_path):
             expected = (logp, entropy, grad_hidden, grad_weight[rank * rows:(rank + 1) * rows])
             for name, a, b in zip(("logp", "entropy", "d hidden", "d weight rows"), got, expected):
                 torch.testing.assert_close(a, b.to(a.dtype), rtol=tol, atol=tol, msg=f"rank {rank}: {name}")
+
+
+def test_megatron_layout_and_megatron_forwards():
+    """Megatron's packed path hands hidden states (total, 1, H) with labels (1, total): tokens are tokens, as
+    in verl's kernel. A Megatron forward module loaded before the switch gets our function too."""
+    hidden, weight, labels, _ = fused_pair(torch.float32, (7,))
+    flat = dgpo_verl.linear_cross_entropy(hidden, weight, labels)
+    packed = dgpo_verl.linear_cross_entropy(hidden[:, None, :], weight, labels[None, :])
+    for a, b in zip(packed, flat):
+        torch.testing.assert_close(a, b)
+    assert "labels hold 6 tokens" in value_error_message(
+        lambda: dgpo_verl.linear_cross_entropy(hidden, weight, labels[:6]))
+    import types
+
+    stand_in = types.ModuleType(dgpo_verl.MEGATRON_FORWARDS[0])
+    stand_in.linear_cross_entropy = object()
+    sys.modules[stand_in.__name__] = stand_in
+    try:
+        dgpo_verl.use_fused_kernels()
+        assert stand_in.linear_cross_entropy is dgpo_verl.linear_cross_entropy
+    finally:
+        del sys.modules[stand_in.__name__]
+        import verl.utils.kernel.linear_cross_entropy as verl_kernel
+
+        verl_kernel.linear_cross_entropy = verl_kernel.LinearCrossEntropy.apply  # verl's own again
+
+
+@pytest.mark.parametrize(("value", "switched"), [("1", True), ("TRUE", True), ("0", False), ("FALSE", False),
+                                                 ("off", False)])
+def test_switch_values(value, switched):
+    code = ("import verl, verl.utils.kernel.linear_cross_entropy as k, dgpo_ops.integrations.verl as d\n"
+            "print(k.linear_cross_entropy is d.linear_cross_entropy)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DGPO_OPS_VERL_FUSED_KERNELS": value}).stdout
+    assert out.strip().splitlines()[-1] == str(switched)
 
 
 def test_switch_makes_verl_forward_use_dgpo_ops(tmp_path):

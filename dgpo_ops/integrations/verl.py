@@ -116,7 +116,7 @@ def _metrics(terms, logp, batch: TokenBatch) -> dict[str, float]:
     ours = policy_metrics(terms.log_ratio, terms.tokens.psi, region, torch.zeros_like(logp), None, mask)
     values = {
         "actor/pg_clipfrac": masked_mean((region == Region.LN.value) | (region == Region.HP.value)),
-        "actor/ppo_kl": masked_mean(batch.old_logps - logp),
+        "actor/ppo_kl": masked_mean((batch.old_logps - logp).clamp(-20.0, 20.0)),  # as verl's (its log-ratio clamp)
         "actor/pg_clipfrac_lower": masked_mean(region == Region.DUAL.value),
         **{f"actor/dgpo_ops/{name}": ours[name] for name in OWN_METRICS},
     }
@@ -154,21 +154,42 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     tensor-parallel vocabulary group) and labels shaped like hidden's tokens."""
     if reduction != "none":
         raise ValueError(f"dgpo-ops' verl backend gives per-token values (reduction='none'), got reduction={reduction!r}")
-    logp, entropy = linear_logprob_entropy(hidden, weight, labels, temperature=float(temperature),
+    if not torch.is_tensor(hidden) or not torch.is_tensor(labels) or hidden.dim() < 2:
+        raise ValueError("hidden must be a (..., H) tensor and labels a tensor of its tokens")
+    # As verl's kernel: tokens are tokens, whatever the layout (Megatron's packed path hands hidden states
+    # (total, 1, H) with labels (1, total)).
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if flat_labels.shape[0] != flat_hidden.shape[0]:
+        raise ValueError(f"labels hold {flat_labels.shape[0]} tokens but hidden holds {flat_hidden.shape[0]}")
+    logp, entropy = linear_logprob_entropy(flat_hidden, weight, flat_labels, temperature=float(temperature),
                                            vocab_parallel_group=dist_process_group)
-    return logp.reshape(-1), entropy.reshape(-1)
+    return logp, entropy
+
+
+# verl's Megatron forwards import linear_cross_entropy when they are imported, not when they run
+MEGATRON_FORWARDS = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
 
 
 def use_fused_kernels() -> None:
-    """Make verl's Triton fused-kernel path use ``linear_cross_entropy`` above: verl's model forwards import
-    ``linear_cross_entropy`` from ``verl.utils.kernel.linear_cross_entropy`` when they run, so replacing
-    that module's function is enough (in each process: set ``DGPO_OPS_VERL_FUSED_KERNELS=1`` in the workers'
-    environment and the plugin calls this on ``import verl``)."""
+    """Make verl's fused-kernel paths use ``linear_cross_entropy`` above. The transformers forwards (FSDP
+    engine, Triton backend) import ``linear_cross_entropy`` from ``verl.utils.kernel.linear_cross_entropy``
+    when they run, so replacing that module's function is enough for them; the Megatron forwards import it
+    when they are imported, so their names are replaced too where those modules are loaded already (after
+    this call every later import finds ours). In each worker: set ``DGPO_OPS_VERL_FUSED_KERNELS=1`` in the
+    workers' environment and the plugin calls this on ``import verl``, before any forward is imported."""
+    import sys
+
     import verl.utils.kernel.linear_cross_entropy as verl_kernel
 
     verl_kernel.linear_cross_entropy = linear_cross_entropy
+    for name in MEGATRON_FORWARDS:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "linear_cross_entropy"):
+            module.linear_cross_entropy = linear_cross_entropy
 
 
 register()
-if os.environ.get(FUSED_KERNELS_ENV, "0") not in ("", "0", "false", "False"):
+# verl's plugin loader swallows an exception raised here (it logs it at debug level), so a value that is not
+# a switch is read as off rather than raised; the README says how to check.
+if os.environ.get(FUSED_KERNELS_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
     use_fused_kernels()

@@ -89,7 +89,8 @@ def verl_token_scales(mask: torch.Tensor, loss_agg_mode: str, global_batch_info,
     ``dgpo_ops.token_scales`` counts them, as TRL does). An empty micro-batch gives 0, not verl's 0/0."""
     aggregation = check_aggregation(loss_agg_mode)
     info = dict(global_batch_info or {})
-    dp_size = info.get("dp_size") or 1
+    dp_size = info.get("dp_size")
+    dp_size = 1 if dp_size is None else dp_size
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"global_batch_info['dp_size'] must be a positive integer, got {dp_size!r}")
     scale = mask.to(dtype)
