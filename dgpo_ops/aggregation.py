@@ -12,7 +12,7 @@ import math
 import torch
 
 from .kernels.interface import Denominator, InputError
-from .validation import MESSAGES
+from .validation import FLOAT32_MAX, FLOAT32_TINY, MESSAGES
 
 # name -> (divide each token by its response length?, default denominator): the prologue kernel
 # reads the same two codes.
@@ -42,7 +42,7 @@ def check_normalizer_form(loss_normalizer) -> None:
 
 
 def check_normalizer_value(value: float) -> None:
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value) or not FLOAT32_TINY <= value <= FLOAT32_MAX:
         raise ValueError(MESSAGES[InputError.LOSS_NORMALIZER].format(normalizer=repr(value)))
 
 

@@ -46,7 +46,7 @@ from .metrics import LossMetrics
 from .options import LossOptions, trace_constant
 from .output import PolicyLossOutput
 from .token_pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, prepare_call, run_prologue
-from .validation import defer, refuse_double_backward
+from .validation import FLOAT32_MAX, FLOAT32_TINY, defer, refuse_double_backward
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
 # cuBLAS writes an fp32 product of bf16/fp16 operands directly (torch >= 2.8, CUDA).
@@ -68,12 +68,16 @@ class ProjectionOptions:
     logits_on_chip: bool = False
 
     def __post_init__(self):
+        # float32 numbers in the kernels: a normal float32, so that neither it nor its inverse is 0 or inf
         if isinstance(self.logit_scale, bool) or not isinstance(self.logit_scale, (int, float)) or not math.isfinite(
-                self.logit_scale) or self.logit_scale <= 0:
-            raise ValueError(f"logit_scale must be a finite number > 0, got {self.logit_scale!r}")
+                self.logit_scale) or not FLOAT32_TINY <= self.logit_scale <= FLOAT32_MAX:
+            raise ValueError(f"logit_scale must be a finite number > 0 in float32's normal range, got "
+                             f"{self.logit_scale!r}")
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
-                                         or not math.isfinite(self.softcap) or self.softcap <= 0):
-            raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
+                                         or not math.isfinite(self.softcap)
+                                         or not FLOAT32_TINY <= self.softcap <= FLOAT32_MAX):
+            raise ValueError(f"softcap must be None or a finite number > 0 in float32's normal range, got "
+                             f"{self.softcap!r}")
         if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1:
             raise ValueError(f"memory_budget must be a positive integer number of bytes, got {self.memory_budget!r}")
         if not isinstance(self.logits_on_chip, bool):

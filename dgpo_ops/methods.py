@@ -30,6 +30,7 @@ from .kernels.interface import (  # noqa: F401
     MethodId,
     Region,
 )
+from .validation import FLOAT32_MAX
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class ParamSpec:
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{method}: {name} must be a finite number, got {value!r}")
+        if abs(value) > FLOAT32_MAX:  # the kernels read the parameters as float32
+            raise ValueError(f"{method}: {name} must be a finite float32 number (at most {FLOAT32_MAX:.2g}), "
+                             f"got {value!r}")
         low, high = self.low, self.high
         too_low = low is not None and (value <= low if self.low_open else value < low)
         if too_low or (high is not None and value > high):

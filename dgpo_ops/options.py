@@ -12,7 +12,7 @@ import torch
 from .aggregation import check_aggregation
 from .backends import BACKENDS
 from .methods import DgpoConfig, MethodConfig, method_config
-from .validation import VALIDATION_MODES
+from .validation import FLOAT32_MAX, VALIDATION_MODES, float32_magnitude_ok
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -37,10 +37,18 @@ class LossOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)) or value < 0 or (low_open and value == 0):
                 raise ValueError(f"{name} must be a finite number {'> 0' if low_open else '>= 0'}, got {value!r}")
+        # The kernels multiply by 1 / temperature, beta and entropy_coef as float32 numbers.
+        if not float32_magnitude_ok(self.temperature) or not float32_magnitude_ok(1.0 / self.temperature):
+            raise ValueError(f"temperature must be a finite number > 0 whose inverse is finite in float32 "
+                             f"({1 / FLOAT32_MAX:.2g} <= temperature <= {FLOAT32_MAX:.2g}), got {self.temperature!r}")
+        if not float32_magnitude_ok(self.beta):
+            raise ValueError(f"beta must be a finite number >= 0 that float32 holds (at most {FLOAT32_MAX:.2g}), "
+                             f"got {self.beta!r}")
         if isinstance(self.entropy_coef, bool) or not (
             isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)
-        ):
-            raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef!r}")
+        ) or not float32_magnitude_ok(self.entropy_coef):
+            raise ValueError(f"entropy_coef must be a finite number that float32 holds (|entropy_coef| <= "
+                             f"{FLOAT32_MAX:.2g}), got {self.entropy_coef!r}")
         check_aggregation(self.aggregation)
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(

@@ -27,6 +27,16 @@ from .kernels.interface import IGNORE_INDEX, InputError, Status
 
 VALIDATION_MODES = ("auto", "immediate", "deferred")
 
+# The kernels take every scalar option as an fp32 runtime argument: a Python float outside float32's range
+# would be inf (or 0) there, so the options are checked against it where they are read.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
+
+
+def float32_magnitude_ok(value: float) -> bool:
+    """``|value|`` is at most float32's largest finite number (so it stays finite in the kernels)."""
+    return abs(value) <= FLOAT32_MAX
+
 MESSAGES = {
     InputError.TARGET_IDS: "target_ids must be in [0, {vocab}) or {ignore}; found {bad_target}",
     InputError.MASK: "mask must hold only 0 and 1 (or be boolean)",
@@ -34,7 +44,8 @@ MESSAGES = {
     InputError.OLD_LOGPS: "old_logps has non-finite values on unmasked tokens",
     InputError.REF_LOGPS: "ref_logps has non-finite values on unmasked tokens",
     InputError.ROLLOUT_WEIGHTS: "rollout_weights has non-finite values on unmasked tokens",
-    InputError.LOSS_NORMALIZER: "loss_normalizer must be a finite number > 0, got {normalizer}",
+    InputError.LOSS_NORMALIZER: "loss_normalizer must be a finite number > 0, within float32's normal range "
+                                "(1.2e-38 to 3.4e38, so that it and its inverse are finite and not 0), got {normalizer}",
 }
 
 
