@@ -6,6 +6,9 @@ import pytest
 
 pytest.importorskip("trl")
 
+from dgpo_ops.catalog import POLICY_LOSSES, resolve
+from dgpo_ops.catalog import method_params as catalog_method_params
+from dgpo_ops.methods import method_config
 from dgpo_ops.trainer import DGPOConfig
 
 
@@ -48,10 +51,22 @@ def test_dapo_carries_dapos_clip_higher_unless_epsilon_high_is_set(tmp_path):
 
 
 def test_the_chosen_method_names_policy_loss_and_trl_fields(tmp_path):
-    # cispo reads TRL's epsilon_high as its cap 1 + eps_high; left None it means epsilon (TRL), far below 1.
+    # cispo reads TRL's epsilon_high as its cap 1 + eps_high; left None it falls back to epsilon, which set to
+    # TRL's 0.2 is far below 1: the error names both fields.
     with pytest.raises(ValueError, match=r"DGPOConfig\(policy_loss='cispo', epsilon=0.2 \(-> eps_high=-0.8\)\)"):
-        make(tmp_path, policy_loss="cispo")
+        make(tmp_path, policy_loss="cispo", epsilon=0.2)
     assert make(tmp_path, policy_loss="cispo", epsilon_high=5.0).method().eps_high == 4.0
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES)
+def test_unset_fields_give_every_method_its_table_defaults(tmp_path, name):
+    """Every parameter of every method and alias is the table's default (the alias's preset) when no field
+    is set (issue 24, item 5: dcpo's eps_low is 0.16, not TRL's epsilon 0.2)."""
+    method, presets = resolve(name)
+    expected = method_config(method, **presets)
+    assert make(tmp_path, policy_loss=name).method() == expected
+    for p in catalog_method_params(method):
+        assert getattr(expected, p.name) == presets.get(p.name, p.default)
 
 
 def test_valid_configs_pass(tmp_path):

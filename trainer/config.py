@@ -58,7 +58,8 @@ def _add_method_fields(cls):
 class DGPOConfig(GRPOConfig):
     r"""
     [`~trl.GRPOConfig`] with the policy loss chosen among dgpo-ops' methods. `epsilon`, `epsilon_high`, `beta`,
-    `importance_sampling_level`, `sapo_temperature_pos/neg` and `use_bias_correction_kl` keep their TRL meaning;
+    `importance_sampling_level`, `sapo_temperature_pos/neg` and `use_bias_correction_kl` keep their TRL meaning,
+    except that `epsilon` defaults to None: each method's own default from the table (dcpo's eps_low is 0.16);
     `loss_type` keeps choosing the aggregation (and its normaliser) unless `loss_aggregation` is set.
 
     Parameters:
@@ -82,6 +83,9 @@ class DGPOConfig(GRPOConfig):
     """
 
     policy_loss: str = field(default="dgpo", metadata={"help": f"Policy loss: one of {', '.join(POLICY_LOSSES)}."})
+    # TRL's epsilon (0.2 there) with None by default: each method's own eps_low from the table unless set (dcpo's
+    # is 0.16), and epsilon_high left None falls back to it, so cispo's cap and dcpo's eps_high keep theirs too.
+    epsilon: float | None = field(default=None, metadata={"help": config_help(config_params()["epsilon"])})
     loss_aggregation: str | None = field(default=None, metadata={"help": "Aggregation; None follows loss_type."})
     advantage_estimator: str = field(default="grpo", metadata={"help": "Advantages: grpo or dcpo."})
     fused: str = field(default="linear", metadata={"help": "linear (hidden states + lm_head) or logits."})
