@@ -45,7 +45,8 @@ class CallLayout:
 
 def objective_loss(per_token_fn, token_layout: TokenLayout, vocab: int, dtype, device, loss_batch: LossBatch,
                    options: LossOptions, check: bool) -> PolicyLossOutput:
-    """The reference's objective on per-token values ``per_token_fn(target_ids (n,)) -> (logp, entropy)``
+    """The reference's objective on per-token values ``per_token_fn(target_ids (n,), scored (n,)) -> (logp,
+    entropy)`` (``scored``: the token is scored; the others' logits or hidden states are read as 0)
     (differentiable), on the grid of ``token_layout``."""
     packed = token_layout.packed
     if packed is not None:
@@ -57,7 +58,8 @@ def objective_loss(per_token_fn, token_layout: TokenLayout, vocab: int, dtype, d
                           check=check)
     grid = batch.mask.shape
     targets = batch.target_ids.reshape(-1) if packed is None else packed.unpad(batch.target_ids)
-    logp, entropy = per_token_fn(targets)
+    scored = batch.mask.reshape(-1) if packed is None else packed.unpad(batch.mask)
+    logp, entropy = per_token_fn(targets, scored)
     if packed is not None:
         logp, entropy = packed.pad(logp, 0.0), packed.pad(entropy, 0.0)
     loss, logp, entropy, metrics = masked_objective(logp.reshape(grid), entropy.reshape(grid), batch, options)
@@ -92,8 +94,8 @@ def chunked_loss_from_options(logits, loss_batch: LossBatch, options: LossOption
     shard = vocab_shard(call_layout.vocab_parallel_group, logits.shape[-1], logits.shape[:-1].numel(), logits.device,
                         check)
 
-    def per_token(targets):
-        return ChunkedLogProbEntropy.apply(logits, targets, shard, 1.0 / options.temperature)
+    def per_token(targets, scored):
+        return ChunkedLogProbEntropy.apply(logits, targets, shard, 1.0 / options.temperature, scored)
 
     return objective_loss(per_token, layout, shard.vocab, logits.dtype, logits.device, loss_batch, options, check)
 
@@ -111,7 +113,7 @@ def chunked_linear_loss_from_options(hidden, weight, bias, loss_batch: LossBatch
     projection = Projection(float(logit_scale), softcap, 1.0 / options.temperature, operand)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
 
-    def per_token(targets):
-        return ChunkedLinearLogProbEntropy.apply(flat_hidden, weight, bias, targets, shard, projection)
+    def per_token(targets, scored):
+        return ChunkedLinearLogProbEntropy.apply(flat_hidden, weight, bias, targets, shard, projection, scored)
 
     return objective_loss(per_token, layout, shard.vocab, operand, hidden.device, loss_batch, options, check)

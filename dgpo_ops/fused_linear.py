@@ -133,8 +133,12 @@ class TileProjection:
                 product += self.bias.to(product.dtype)
             out.copy_(product)
 
-    def accumulate_grads(self, grad_tile, hidden, grad_hidden, grad_weight, grad_bias):
-        """grad_hidden = G @ W, grad_weight += G^T @ H, grad_bias += sum G (fp32 accumulators)."""
+    def accumulate_grads(self, grad_tile, hidden, grad_hidden, grad_weight, grad_bias, scored=None):
+        """grad_hidden = G @ W, grad_weight += G^T @ H, grad_bias += sum G (fp32 accumulators). ``scored``
+        (the chunk's rows): the hidden states of tokens not scored are read as 0 in G^T @ H, where their zero
+        gradient rows would otherwise meet whatever a padded position holds (0 x NaN is NaN)."""
+        if grad_weight is not None and scored is not None:
+            hidden = torch.where(scored[:, None], hidden, 0.0)
         if self.tensor_cores:  # tensor-core GEMMs on operands in the compute dtype, accumulated in fp32 (as TRL)
             grad_tile = grad_tile.to(self.gemm_dtype)
             hidden = hidden.to(self.gemm_dtype)
@@ -274,7 +278,7 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
             tiles.chain_rule(tile, grad)
             projection.accumulate_grads(grad, hidden[start:stop],
                                         None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
-                                        grad_bias)
+                                        grad_bias, scored=workspace.target_index[start:stop] >= 0)
 
         def first_pass(start, stop, tile):
             kernels.forward(tile, call.inputs, workspace, tiles.kernel_scale, epilogue, token_offset=start)

@@ -92,7 +92,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
                 tiles.chain_rule(tile, grad)
                 projection.accumulate_grads(grad, hidden[start:stop],
                                             None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
-                                            grad_bias)
+                                            grad_bias, scored=workspace.target_index[start:stop] >= 0)
 
             sweep_tiles(hidden, projection, tiles, gradient)
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))), None)
@@ -114,7 +114,7 @@ def _chunked(hidden, weight, bias, targets, shard, projection, validation):
         bad = targets[invalid][0].item()
         raise ValueError(MESSAGES[InputError.TARGET_IDS].format(vocab=shard.vocab, ignore=IGNORE_INDEX, bad_target=bad))
     logp, entropy = ChunkedLinearLogProbEntropy.apply(hidden, weight, bias, torch.where(scored & ~invalid, targets, 0),
-                                                      shard, projection)
+                                                      shard, projection, scored)
     return torch.where(invalid, float("nan"), torch.where(scored, logp, 0.0)), torch.where(scored, entropy, 0.0)
 
 

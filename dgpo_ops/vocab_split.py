@@ -133,39 +133,46 @@ def _local_targets(target_ids, shard: VocabShard, columns: int):
     return local_target, (local_target >= 0) & (local_target < columns)
 
 
+def _scored_rows(values, scored, rows):
+    """``values`` (rows ``rows`` of the tokens) with the rows of tokens not scored read as 0: whatever a
+    padded position holds (NaN, inf) reaches neither a value nor a gradient."""
+    return values if scored is None else torch.where(scored[rows, None], values, 0.0)
+
+
 class ChunkedLogProbEntropy(torch.autograd.Function):
     """(log p(target), entropy) per token from logits ``(N, columns)`` or ``(B, T, columns)``, this
-    process's share of the vocabulary; ``target_ids`` flat ``(n_tokens,)``."""
+    process's share of the vocabulary; ``target_ids`` flat ``(n_tokens,)``; ``scored`` (or None: all) the
+    tokens whose logits are read."""
 
     @staticmethod
-    def forward(ctx, logits, target_ids, shard: VocabShard, inv_temperature: float):
+    def forward(ctx, logits, target_ids, shard: VocabShard, inv_temperature: float, scored=None):
         dtype = torch.promote_types(logits.dtype, torch.float32)
         n, columns = target_ids.shape[0], logits.shape[-1]
         local_max = torch.empty(n, dtype=dtype, device=logits.device)
         partial = torch.empty(3, n, dtype=dtype, device=logits.device)  # s, w, target logit at local_max
         local_target, owned = _local_targets(target_ids, shard, columns)
         for rows, block in _row_blocks(logits):
-            x = block.to(dtype) * inv_temperature
+            x = _scored_rows(block.to(dtype), scored, rows) * inv_temperature
             local_max[rows], partial[0, rows], partial[1, rows], partial[2, rows] = _row_partials(
                 x, local_target[rows], owned[rows])
         lse, target_logit, entropy = _merge(local_max, partial, shard.group)
-        ctx.save_for_backward(logits, local_target, owned, lse, entropy)
+        ctx.save_for_backward(logits, local_target, owned, lse, entropy, scored)
         ctx.inv_temperature = inv_temperature
         return target_logit - lse, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         refuse_double_backward("the chunked policy loss (vocab_parallel_group / cu_seqlens)")
-        logits, local_target, owned, lse, entropy = ctx.saved_tensors
+        logits, local_target, owned, lse, entropy, scored = ctx.saved_tensors
         grad_logp, grad_entropy = _grad_or_zeros(grad_logp, lse), _grad_or_zeros(grad_entropy, lse)
         grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # dense
         flat_grad = grad_logits.view(-1, logits.shape[-1])
         for rows, block in _row_blocks(logits):
-            x = block.to(lse.dtype) * ctx.inv_temperature
+            x = _scored_rows(block.to(lse.dtype), scored, rows) * ctx.inv_temperature
             grad = _row_grads(x, lse[rows], entropy[rows], grad_logp[rows], grad_entropy[rows], local_target[rows],
                               owned[rows])
-            flat_grad[rows] = grad * ctx.inv_temperature
-        return grad_logits, None, None, None
+            flat_grad[rows] = _scored_rows(grad, scored, rows) * ctx.inv_temperature
+        return grad_logits, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -215,7 +222,7 @@ class ChunkedLinearLogProbEntropy(torch.autograd.Function):
     The dtypes are the ``Projection``'s: autocast is off inside, as on the tile path."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target_ids, shard: VocabShard, projection: Projection):
+    def forward(ctx, hidden, weight, bias, target_ids, shard: VocabShard, projection: Projection, scored=None):
         n, columns = hidden.shape[0], weight.shape[0]
         dtype = projection.accumulate
         local_max = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -224,18 +231,18 @@ class ChunkedLinearLogProbEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             operand_weight, operand_bias = projection.rounded(weight), _rounded_or_none(projection, bias)
             for rows in _chunks(n, columns):
-                x, _ = projection.logits(hidden[rows], operand_weight, operand_bias)
+                x, _ = projection.logits(_scored_rows(hidden[rows], scored, rows), operand_weight, operand_bias)
                 local_max[rows], partial[0, rows], partial[1, rows], partial[2, rows] = _row_partials(
                     x, local_target[rows], owned[rows])
         lse, target_logit, entropy = _merge(local_max, partial, shard.group)
-        ctx.save_for_backward(hidden, weight, bias, local_target, owned, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, local_target, owned, lse, entropy, scored)
         ctx.shard, ctx.projection = shard, projection
         return target_logit - lse, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         refuse_double_backward("the chunked policy loss (vocab_parallel_group / cu_seqlens)")
-        hidden, weight, bias, local_target, owned, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, local_target, owned, lse, entropy, scored = ctx.saved_tensors
         projection = ctx.projection
         grad_logp, grad_entropy = _grad_or_zeros(grad_logp, lse), _grad_or_zeros(grad_entropy, lse)
         wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
@@ -246,13 +253,15 @@ class ChunkedLinearLogProbEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             operand_weight, operand_bias = projection.rounded(weight), _rounded_or_none(projection, bias)
             for rows in _chunks(hidden.shape[0], weight.shape[0]):
-                x, t = projection.logits(hidden[rows], operand_weight, operand_bias)
-                grad = projection.chain_rule(_row_grads(x, lse[rows], entropy[rows], grad_logp[rows],
-                                                        grad_entropy[rows], local_target[rows], owned[rows]), t)
+                hidden_rows = _scored_rows(hidden[rows], scored, rows)
+                x, t = projection.logits(hidden_rows, operand_weight, operand_bias)
+                grad = _scored_rows(projection.chain_rule(_row_grads(
+                    x, lse[rows], entropy[rows], grad_logp[rows], grad_entropy[rows], local_target[rows], owned[rows]),
+                    t), scored, rows)
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad @ operand_weight
                 if grad_weight is not None:
-                    grad_weight += grad.t() @ projection.rounded(hidden[rows])
+                    grad_weight += grad.t() @ projection.rounded(hidden_rows)
                 if grad_bias is not None:
                     grad_bias += grad.sum(0)
         if grad_hidden is not None and ctx.shard.group is not None:
@@ -260,4 +269,4 @@ class ChunkedLinearLogProbEntropy(torch.autograd.Function):
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
         grads = (grad_hidden, grad_weight, grad_bias)
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))),
-                None, None, None)
+                None, None, None, None)

@@ -117,8 +117,9 @@ def linear_grad_kernel(
             tl.atomic_add(grad_hidden_ptr + rows[:, None] * hidden_dim + ks[None, :], partial,
                           mask=inside[:, None] & (ks[None, :] < hidden_dim), sem="relaxed")
         if HAS_GRAD_WEIGHT:
+            # rows not scored read as 0: their zero gradient rows must not meet a padded position's NaN
             h_tile = tl.load(hidden_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hk,
-                             mask=inside[:, None] & (ks[None, :] < hidden_dim), other=0.0)
+                             mask=valid[:, None] & (ks[None, :] < hidden_dim), other=0.0)
             partial = tl.dot(tl.trans(grad_tile), dot_operand(h_tile, OPERAND, DOT_IN_FP32),
                              input_precision=DOT_PRECISION)
             tl.atomic_add(grad_weight_ptr + cols[:, None] * hidden_dim + ks[None, :], partial,

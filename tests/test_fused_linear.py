@@ -269,3 +269,35 @@ def test_dtensor_weights_replicated_are_used_sharded_are_refused(tmp_path):
         for name, leaf in zip(("hidden", "weight", "bias"), leaves):
             torch.testing.assert_close(got[name], leaf.grad, msg=name)
         assert got["refused"] is not None and "weight is a DTensor placed as (Shard(dim=0),)" in got["refused"]
+
+
+@pytest.mark.parametrize("path", ["triton", "torch", "on_chip", "chunked"])
+def test_non_finite_hidden_on_masked_tokens_is_ignored(path):
+    """A padded position's hidden state may hold anything (NaN, inf): as the logits op ignores non-finite
+    logits on masked tokens, the linear op gives the answer of the same call with those rows zeroed, and
+    finite gradients (issue 24, item 6). ``chunked``: the packed path (``cu_seqlens``)."""
+    (hidden, weight, bias), inputs = linear_case()
+    masked = ~inputs["mask"] | (inputs["target_ids"] == -100)
+    assert masked.any()
+    dirty = hidden.clone()
+    dirty[masked] = float("nan")
+    b, t = masked.nonzero()[0].tolist()
+    dirty[b, t] = float("inf")
+    clean = torch.where(masked[..., None], 0.0, hidden)
+    kwargs = dict(entropy_coef=0.01, bias=bias)
+    if path == "chunked":
+        B, T = masked.shape
+        kwargs.update(cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32), max_seqlen=T)
+        flat = {k: v.reshape(-1) if torch.is_tensor(v) and v.dim() == 2 else v for k, v in inputs.items()}
+        inputs = flat
+        dirty, clean = dirty.reshape(B * T, -1), clean.reshape(B * T, -1)
+    else:
+        kwargs.update(backend="triton" if path == "on_chip" else path, logits_on_chip=path == "on_chip")
+    results = []
+    for h in (dirty, clean):
+        leaves = [h.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, **kwargs)
+        results.append((out.loss, *torch.autograd.grad(out.loss, leaves)))
+    for got, expected in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected)

@@ -175,3 +175,21 @@ def test_verl_token_scales_sum_to_verl_normalisation(mode):
     expected = {"token-mean": [3 / 4, 0, 1 / 4], "token-sum": [3, 0, 1], "seq-mean-token-sum": [3 / 2, 0, 1 / 2],
                 "seq-mean-token-sum-norm": [3 / 2 / 4, 0, 1 / 2 / 4], "seq-mean-token-mean": [1 / 2, 0, 1 / 2]}[mode]
     torch.testing.assert_close(local, torch.tensor(expected, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_non_finite_hidden_of_ignored_tokens_is_ignored(backend):
+    """A -100 token's hidden state may hold NaN (a padded position): the others' values and every gradient
+    are those of the same call with that row zeroed."""
+    (hidden, weight, _), targets, grads = case()
+    targets[1, 3:] = -100
+    results = []
+    for fill in (float("nan"), 0.0):
+        h = hidden.clone()
+        h[1, 3:] = fill
+        leaves = [h.requires_grad_(True), weight.clone().requires_grad_(True)]
+        logp, entropy = linear_logprob_entropy(leaves[0], leaves[1], targets, backend=backend)
+        results.append((logp, entropy, *torch.autograd.grad((logp * grads[0] + entropy * grads[1]).sum(), leaves)))
+    for got, expected in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected)
