@@ -77,6 +77,10 @@ def projected_logits(hidden_ptr, weight_ptr, bias_ptr, rows, cols, n_tokens, voc
         t = 1.0 - 2.0 / (tl.exp(2.0 * tanh_scale * acc) + 1.0)
         x = out_scale * t
     else:
+        # The product rounded once to the compute dtype, as the model's lm_head hands its logits over and as
+        # the tile path's GEMM writes them: both paths score the same logits (old log-probs from either one
+        # give on-policy ratios of 1). One conversion per element, in registers.
+        acc = dot_operand(acc, OPERAND, DOT_IN_FP32).to(tl.float32)
         t = acc
         x = out_scale * acc
     return x, t
