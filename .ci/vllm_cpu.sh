@@ -7,22 +7,8 @@
 #
 # VLLM_CPU_VENV=DIR reuses (or creates, and keeps) the venv in DIR; by default it is made in a temporary directory
 # and removed at exit. Exits non-zero if an install or a test fails, or if the vLLM tests were skipped.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-start=$SECONDS
-PYTHON=${PYTHON:-python3}
-
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/dgpo-vllm-cpu.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
-venv=${VLLM_CPU_VENV:-$tmp/venv}
-log=$tmp/pip.log
-
-pip_quiet() {  # pip -q, without the "Location ... is ignored" lines this machine's pip config prints
-    local status=0
-    "$venv/bin/pip" -q "$@" >"$log" 2>&1 || status=$?
-    grep -v "^WARNING: Location '" "$log" || true
-    return $status
-}
+VENV_KIND=VLLM_CPU NAME=vllm_cpu
+source "$(dirname "$0")/venv_tests.sh"
 
 if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "== creating $venv"
@@ -56,13 +42,4 @@ from vllm.platforms import current_platform  # noqa: E402
 assert current_platform.is_cpu(), "vllm is not the CPU build"
 EOF
 
-echo "== tests ($((SECONDS - start)) s)"
-out=$tmp/pytest.log
-status=0
-"$venv/bin/python" -m pytest tests/test_vllm_cpu.py -q -rs -p no:cacheprovider 2>&1 | tee "$out" || status=$?
-if [[ $status -eq 0 ]] && grep -Eq "[0-9]+ skipped" "$out"; then
-    echo "vLLM tests were skipped in the vLLM venv" >&2
-    status=1
-fi
-echo "== .ci/vllm_cpu.sh: exit $status after $((SECONDS - start)) s"
-exit $status
+run_tests tests/test_vllm_cpu.py

@@ -125,9 +125,34 @@ def step_fn(competitor, inputs, setting):
     return step
 
 
-def measure_cuda(competitor, size, setting, repeats):
+def time_step(run, repeats: int, device: str) -> tuple[dict, object]:
+    """``(timings, what the first call returned)``: the first call outside the timing (it compiles: Triton,
+    torch.compile), on CUDA one more for the peak memory over what was allocated before it, then ``repeats``
+    synchronised calls. ``run`` clears the gradients it accumulates itself."""
     import torch
 
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    started = time.perf_counter()
+    first = run()
+    sync()
+    timings = {"first_call_s": time.perf_counter() - started, "extra_peak_bytes": None}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        timings["extra_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return {**timings, "seconds_median": statistics.median(times), "seconds_min": min(times)}, first
+
+
+def measure_cuda(competitor, size, setting, repeats):
     N, H, V = size
     inputs = make_inputs(N, H, V, setting, "cuda")
     step = step_fn(competitor, inputs, setting)
@@ -136,27 +161,8 @@ def measure_cuda(competitor, size, setting, repeats):
         inputs[0].grad = inputs[1].grad = None
         return step()
 
-    started = time.perf_counter()
-    loss = run()  # compiles (Triton, torch.compile in Liger) outside the timed calls
-    torch.cuda.synchronize()
-    first_call = time.perf_counter() - started
-    inputs[0].grad = inputs[1].grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    run()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    times = []
-    for _ in range(repeats):
-        inputs[0].grad = inputs[1].grad = None
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return {"seconds_median": statistics.median(times), "seconds_min": min(times), "first_call_s": first_call,
-            "extra_peak_bytes": peak, "loss": float(loss), "weight_grad_norm": float(inputs[1].grad.float().norm())}
+    timings, loss = time_step(run, repeats, "cuda")
+    return {**timings, "loss": float(loss), "weight_grad_norm": float(inputs[1].grad.float().norm())}
 
 
 def child(competitor, N, H, V, setting, repeats):

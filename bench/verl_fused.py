@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from fused_linear import time_step  # bench/: the script's own folder is on sys.path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GPU_SIZES = ["8192x1536x151936", "8192x4096x151936"]
@@ -77,30 +76,8 @@ def step_fn(competitor, inputs, setting):
 
 def measure(competitor, size, setting, repeats, device):
     inputs = make_inputs(*size, setting, device)
-    step = step_fn(competitor, inputs, setting)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    started = time.perf_counter()
-    loss = step()  # compiles outside the timed calls
-    sync()
-    first_call = time.perf_counter() - started
-    peak = None
-    if device == "cuda":
-        inputs[0].grad = inputs[1].grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return {"seconds_median": statistics.median(times), "first_call_s": first_call, "extra_peak_bytes": peak,
-            "loss": float(loss), "weight_grad_norm": float(inputs[1].grad.float().norm())}
+    timings, loss = time_step(step_fn(competitor, inputs, setting), repeats, device)  # step clears the grads
+    return {**timings, "loss": float(loss), "weight_grad_norm": float(inputs[1].grad.float().norm())}
 
 
 def write_markdown(doc, path: Path):
