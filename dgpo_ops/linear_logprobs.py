@@ -118,6 +118,9 @@ def _chunked(hidden, weight, bias, targets, shard, projection, validation):
     return torch.where(invalid, float("nan"), torch.where(scored, logp, 0.0)), torch.where(scored, entropy, 0.0)
 
 
+# Not traced by torch.compile yet: it runs eagerly inside a compiled region (a graph break; with
+# fullgraph=True, dynamo's error says so). verl does not compile the model's forward.
+@torch.compiler.disable
 def linear_logprob_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -193,3 +193,21 @@ def test_non_finite_hidden_of_ignored_tokens_is_ignored(backend):
     for got, expected in zip(*results):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, expected)
+
+
+def test_runs_inside_a_compiled_function():
+    """Inside ``torch.compile`` (without fullgraph) it runs eagerly, a graph break, with the eager values and
+    gradients."""
+    (hidden, weight, _), targets, grads = case()
+
+    def loss(h, w):
+        logp, entropy = linear_logprob_entropy(h, w, targets)
+        return (logp * grads[0] + entropy * grads[1]).sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager")):
+        leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        value = fn(*leaves)
+        results.append((value.detach(), *torch.autograd.grad(value, leaves)))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected)
