@@ -1,6 +1,7 @@
 """The fused linear + policy loss (hidden states and lm_head weight in, loss and gradients out) against
-TRL 1.16's ``ChunkedLogProbFunction`` + TRL's loss, Liger-Kernel's ``LigerFusedLinearGRPOLoss`` and the
-eager path (whole logits, ``log_softmax``, TRL's loss), side by side.
+TRL 1.16's ``ChunkedLogProbFunction`` + TRL's loss, Liger-Kernel's ``LigerFusedLinearGRPOLoss``, Apple's Cut
+Cross-Entropy (``linear_cross_entropy(..., reduction="none")`` + TRL's loss; CUDA, Ampere or newer) and the eager
+path (whole logits, ``log_softmax``, TRL's loss), side by side.
 
     python bench/fused_linear.py [--sizes NxHxV ...] [--settings ...] [--competitors ...] [--repeats 5]
 
@@ -36,6 +37,9 @@ COMPETITORS = {
     "trl": "TRL 1.16 ChunkedLogProbFunction + TRL loss",
     "liger": "Liger-Kernel LigerFusedLinearGRPOLoss (dapo)",
     "eager": "whole logits + log_softmax + TRL loss",
+    # Apple's reference design (PyPI cut-cross-entropy 25.1.1): -log p per token, TRL's loss on top. Its kernels
+    # need CUDA on Ampere or newer; elsewhere the row records why it did not run.
+    "cce": "Cut Cross-Entropy linear_cross_entropy(reduction='none') + TRL loss",
 }
 GPU_SIZES = ["8192x1536x151936", "8192x4096x151936"]
 CPU_SIZES = ["4096x1024x32768", "4096x1024x151936"]
@@ -110,6 +114,19 @@ def step_fn(competitor, inputs, setting):
             with context():
                 loss, _ = module(hidden, weight, target, mask.int(), advantages, old_per_token_logps=old_logps,
                                  num_items_in_batch=mask.sum())
+            loss.backward()
+            return loss
+    elif competitor == "cce":
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+            raise RuntimeError("Cut Cross-Entropy's kernels need a CUDA GPU of compute capability 8.0 or newer")
+        from cut_cross_entropy import linear_cross_entropy
+
+        def step():
+            with context():
+                # its kernels take both operands in one low-precision dtype: under autocast, cast as autocast would
+                operand = torch.bfloat16 if autocast else hidden.dtype
+                nll = linear_cross_entropy(hidden.to(operand), weight.to(operand), target, reduction="none")
+                loss = trl_loss(-nll.float().view(B, T), old_logps, advantages, mask)
             loss.backward()
             return loss
     elif competitor == "eager":
@@ -191,14 +208,15 @@ def machine(device: str) -> dict:
 
     from dgpo_ops.environment import describe
 
-    return describe(torch.device(device), packages=("trl", "liger-kernel"))
+    return describe(torch.device(device), packages=("trl", "liger-kernel", "cut-cross-entropy"))
 
 
 def write_markdown(doc, path: Path):
     m = doc["machine"]
     where = m.get("device_name") or f"CPU ({m['cpu_count']} cores)"
     lines = [
-        f"{where}, torch {m['torch']}, triton {m['triton']}, trl {m.get('trl')}, liger-kernel {m.get('liger_kernel')}; "
+        f"{where}, torch {m['torch']}, triton {m['triton']}, trl {m.get('trl')}, liger-kernel {m.get('liger_kernel')}"
+        f"{', cut-cross-entropy ' + m['cut_cross_entropy'] if m.get('cut_cross_entropy') else ''}; "
         f"dgpo_ops {m.get('dgpo_ops_commit')}{' + local changes' if m.get('dgpo_ops_worktree_dirty') else ''}; "
         f"`{doc['command']}`. Forward + backward of DAPO's loss from hidden states and the lm_head weight; "
         f"time: median of {doc['repeats']} calls; extra peak memory of one call.",
