@@ -116,6 +116,50 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "| grpo |" in report.stdout
 
 
+def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
+    """--eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2 completions per held-out
+    problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem counts; the console line
+    shows them and the report redraws the figure from the JSON (issue 26, item 2)."""
+    from dgpo_ops.trainer.warm_start import pass_rates
+
+    out = tmp_path / "run"
+    args = ["--method", "grpo", "--eval-pass-k", "2", "--output-dir", str(out), "--no-progress",
+            "--sft-steps", "8", "--sft-batch-size", "16", "--max-steps", "2", "--eval-every", "1",
+            "--eval-size", "6", "--train-size", "32", "--hidden-size", "64", "--layers", "1", "--heads", "2",
+            "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "10",
+            "--per_device_train_batch_size", "8", "--steps_per_generation", "1",
+            "--tokenizer", "qwen-task" if HAVE_QWEN else "chars",
+            "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
+    result = _run(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"held-out accuracy [0-9.]+ .*pass@1 [0-9.]+, pass@2 [0-9.]+ \(2 samples, t=1\)", result.stdout)
+    (run,) = json.loads((out / "run.json").read_text())["runs"]
+    assert [e["step"] for e in run["eval_curve"]] == [0, 1, 2]
+    for point in run["eval_curve"]:
+        assert 0.0 <= point["pass@1"] <= point["pass@2"] <= 1.0
+    for phase in ("before", "after"):
+        counts = run[phase]["pass_counts_each"]
+        assert len(counts) == 6 and all(0 <= c <= 2 for c in counts) and run[phase]["pass_k"] == 2
+        rates = pass_rates(counts, 2)
+        assert run[phase]["pass@1"] == pytest.approx(sum(counts) / 12)
+        assert run[phase]["pass@2"] == pytest.approx(sum(c > 0 for c in counts) / 6) == pytest.approx(rates["pass@2"])
+    redrawn = tmp_path / "again.png"
+    report = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.report", str(out / "run.json"), "--out",
+                             str(redrawn)], capture_output=True, text=True, check=False)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    from dgpo_ops.trainer.warm_start import pass_at_k
+
+    assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0 and pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
+    # 2 right of 4: P(no right one in 2 drawn) = C(2, 2) / C(4, 2) = 1/6
+    assert pass_at_k(4, 2, 2) == pytest.approx(5 / 6)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 2)
+
+
 # ----------------------------------------------------------------------------- clear errors, no tracebacks
 
 
@@ -139,11 +183,12 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
         (["--sft-fraction", "0"], "--sft-fraction must be in (0, 1], got 0.0"),
         (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
         (["--max-steps", "-5"], "--max-steps must be >= 1, got -5"),
+        (["--eval-pass-k", "-1"], "--eval-pass-k must be >= 0, got -1"),
         (["--model", "some/model", "--preset", "off-policy"], "--preset off-policy is a regime of the tiny"),
     ],
     ids=["vllm", "bf16", "compare", "hub-model", "local-model", "dataset", "unknown", "invalid", "trl-vllm",
          "reward-weights", "too-many", "no-train", "negative-eval", "worked-fraction", "sft-fraction",
-         "zero-steps", "negative-steps", "preset-with-model"],
+         "zero-steps", "negative-steps", "negative-pass-k", "preset-with-model"],
 )
 def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
     import torch

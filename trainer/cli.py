@@ -113,6 +113,9 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
                      help="where run.json, curves.png and the checkpoints go (default: ./dgpo-train-<time>)")
     run.add_argument("--eval-every", type=int, default=10, metavar="N",
                      help="greedy held-out accuracy every N RL steps, 0: before and after only (default: 10)")
+    run.add_argument("--eval-pass-k", type=int, default=0, metavar="K",
+                     help="also sample K completions per held-out problem at temperature 1 at every evaluation and "
+                          "report the unbiased pass@1 and pass@K (default: 0, greedy accuracy only)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     run.add_argument("--save-model", action="store_true", help="save each trained policy under the output dir")
 

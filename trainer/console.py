@@ -49,7 +49,15 @@ def step_line(step: int, total: int, logs: dict, last_reward: dict) -> str:
 
 
 def curve_point(step: int, result: dict) -> dict:
-    return {"step": step, **{key: result[key] for key in ("accuracy", "format", "length")}}
+    """One point of the held-out curve: greedy accuracy, format, length, and pass@k where it was measured."""
+    return {"step": step, **{key: result[key] for key in ("accuracy", "format", "length")},
+            **{key: value for key, value in result.items() if key.startswith("pass@")}}
+
+
+def pass_text(result: dict) -> str:
+    """``, pass@1 0.41, pass@8 0.78 (8 samples, t=1)`` when pass@k was measured, else nothing."""
+    rates = [f"{key} {value:.3f}" for key, value in result.items() if key.startswith("pass@")]
+    return f", {', '.join(rates)} ({result['pass_k']} samples, t=1)" if rates else ""
 
 
 def make_callback(console: Console, eval_fn, eval_every: int, total_steps: int, record: dict):
@@ -92,7 +100,8 @@ def make_callback(console: Console, eval_fn, eval_every: int, total_steps: int, 
             result = eval_fn()
             record["eval_curve"].append(curve_point(step, result))
             console.log(f"step {step:>4}/{total_steps} | held-out accuracy {result['accuracy']:.3f} "
-                        f"(format {result['format']:.3f}, length {result['length']:.1f}, greedy, n={result['n']})")
+                        f"(format {result['format']:.3f}, length {result['length']:.1f}, greedy, n={result['n']})"
+                        + pass_text(result))
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.bar is not None:

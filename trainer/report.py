@@ -149,12 +149,12 @@ def plot_runs(result: dict, path) -> pathlib.Path:
     spread = "min-max over seeds" if n_seeds > 1 else "one seed"
     panels = iter(axes.flat)
 
-    def draw(ax, per_seed, method, marker=None):
+    def draw(ax, per_seed, method, marker=None, label=None, **line):
         per_seed = [p for p in per_seed if p]
         if not per_seed:
             return
         steps, mean, low, high = _band(per_seed)
-        ax.plot(steps, mean, marker=marker, ms=3, lw=1.6, label=method, **style(method))
+        ax.plot(steps, mean, marker=marker, ms=3, lw=1.6, label=label or method, **{**style(method), **line})
         if n_seeds > 1:
             ax.fill_between(steps, low, high, color=style(method)["color"], alpha=0.12)
 
@@ -167,6 +167,19 @@ def plot_runs(result: dict, path) -> pathlib.Path:
         ax.set_title(title)
         ax.set_xlabel("RL step")
     axes.flat[0].set_ylim(-0.02, 1.02)
+
+    ax = next(panels)  # pass@k, where the run measured it (--eval-pass-k): solid pass@K, dotted pass@1
+    pass_keys = sorted({key for r in runs for e in r["eval_curve"] for key in e if key.startswith("pass@")},
+                       key=lambda key: int(key[5:]))
+    for key in pass_keys:
+        for method in methods:
+            draw(ax, [{e["step"]: e[key] for e in r["eval_curve"] if key in e} for r in runs if r["method"] == method],
+                 method, marker="o", label=f"{method} {key}", **({"linestyle": ":"} if key == "pass@1" else {}))
+    ax.set_title("held-out pass@k (sampled, temperature 1)" if pass_keys else "pass@k: not measured (--eval-pass-k)")
+    ax.set_xlabel("RL step")
+    if pass_keys:
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=7)
 
     for key, title in TRAIN_PANELS:
         ax = next(panels)

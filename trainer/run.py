@@ -25,7 +25,7 @@ from .cli import (
     TINY_RL_DEFAULTS,
     UsageError,
 )
-from .console import Console, curve_point, make_callback, summary_text
+from .console import Console, curve_point, make_callback, pass_text, summary_text
 from .report import write_outputs
 from .warm_start import evaluate_distributed
 
@@ -91,7 +91,8 @@ def check_environment(args) -> dict:
         raise UsageError("--seeds must be >= 1")
     for option, value, low in (("--max-steps", args.max_steps, 1), ("--train-size", args.train_size, 1),
                                ("--eval-size", args.eval_size, 0),
-                               ("--eval-every", args.eval_every, 0), ("--sft-steps", args.sft_steps, 0),
+                               ("--eval-every", args.eval_every, 0), ("--eval-pass-k", args.eval_pass_k, 0),
+                               ("--sft-steps", args.sft_steps, 0),
                                ("--max-digits", args.max_digits, 1)):
         if value is not None and value < low:
             raise UsageError(f"{option} must be >= {low}, got {value}")
@@ -168,7 +169,8 @@ def run_one(ctx: RunContext, method: str, seed: int, model, train_rows, eval_row
     max_new = config.max_completion_length
 
     def eval_fn():
-        return evaluate_distributed(trainer.accelerator, trainer.model_wrapped, tokenizer, eval_rows, max_new)
+        return evaluate_distributed(trainer.accelerator, trainer.model_wrapped, tokenizer, eval_rows, max_new,
+                                    pass_k=args.eval_pass_k)
 
     if before is None and eval_rows:
         before = eval_fn()
@@ -176,7 +178,7 @@ def run_one(ctx: RunContext, method: str, seed: int, model, train_rows, eval_row
         record["eval_curve"].append(curve_point(0, before))
         console.log(f"[{method} seed {seed}] held-out accuracy before RL: {before['accuracy']:.3f} "
                     f"({before.get('correct', '?')}/{before['n']}, format {before['format']:.3f}, "
-                    f"length {before['length']:.1f})")
+                    f"length {before['length']:.1f}{pass_text(before)})")
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(make_callback(console, eval_fn if eval_rows else None, args.eval_every, config.max_steps,
@@ -189,7 +191,7 @@ def run_one(ctx: RunContext, method: str, seed: int, model, train_rows, eval_row
         record["eval_curve"].append(curve_point(trainer.state.global_step, after))
         console.log(f"[{method} seed {seed}] held-out accuracy after RL: {after['accuracy']:.3f} "
                     f"({after.get('correct', '?')}/{after['n']}, format {after['format']:.3f}, "
-                    f"length {after['length']:.1f}); "
+                    f"length {after['length']:.1f}{pass_text(after)}); "
                     f"before: {before['accuracy']:.3f}")
     if args.save_model and main_process:
         trainer.save_model(str(output_dir / "model"))
@@ -285,7 +287,7 @@ def warm_start(ctx: RunContext, seed, sft_rows, eval_rows, sft_steps, max_new, b
     if bar is not None:
         bar.close()
     record = {"seed": seed, "steps": sft_steps, "history": history, "time_s": time.perf_counter() - started}
-    record["before"] = evaluate(model, tokenizer, eval_rows, max_new) if eval_rows else None
+    record["before"] = evaluate(model, tokenizer, eval_rows, max_new, pass_k=args.eval_pass_k) if eval_rows else None
     model.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
     if getattr(tokenizer, "qwen_ids", None) is not None:

@@ -77,10 +77,11 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, steps: int, batch_size
 
 
 @torch.no_grad()
-def generate_greedy(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int = 128
+def generate_greedy(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int = 128, samples: int = 0
                     ) -> tuple[list[str], list[int]]:
     """Greedy completions of plain-text or conversational prompts (left padding, stop at eos), and their
-    lengths in tokens (eos included)."""
+    lengths in tokens (eos included). ``samples`` > 0: that many completions per prompt sampled at temperature
+    1 instead (no top-k or top-p), prompt after prompt (``samples`` consecutive entries each)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -92,8 +93,9 @@ def generate_greedy(model, tokenizer, prompts: list, max_new_tokens: int, batch_
             if chunk and not isinstance(chunk[0], str):
                 chunk = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in chunk]
             enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
-                                 top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
+            sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=samples) \
+                if samples else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, **sampling, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id)
             new = out[:, enc["input_ids"].shape[1]:]
             texts += tokenizer.batch_decode(new, skip_special_tokens=True)
@@ -106,14 +108,31 @@ def generate_greedy(model, tokenizer, prompts: list, max_new_tokens: int, batch_
     return texts, lengths
 
 
-def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 128) -> dict:
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``c`` are right: ``1 - C(n-c, k) / C(n, k)``
+    (Chen et al. 2021), the chance that k samples drawn without replacement hold a right one."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_rates(counts: list[int], samples: int) -> dict:
+    """``pass@1`` and ``pass@<samples>`` over problems, from each problem's count of right samples."""
+    ks = sorted({1, samples})
+    return {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in counts) / max(1, len(counts)) for k in ks}
+
+
+def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 128, pass_k: int = 0) -> dict:
     """Greedy held-out accuracy (math-verify), format rate, mean completion length, three samples, and per
-    problem (in ``rows`` order) whether it was right and its completion length in tokens."""
+    problem (in ``rows`` order) whether it was right and its completion length in tokens. ``pass_k`` > 0: also
+    ``pass_k`` completions per problem sampled at temperature 1, each problem's count of right ones
+    (``pass_counts_each``) and the unbiased ``pass@1`` and ``pass@<pass_k>``."""
     from .rewards import accuracy_reward, format_reward
 
     if not rows:
-        return {"accuracy": float("nan"), "format": float("nan"), "length": float("nan"), "n": 0, "correct": 0,
-                "samples": [], "correct_each": [], "length_each": []}
+        empty = {"accuracy": float("nan"), "format": float("nan"), "length": float("nan"), "n": 0, "correct": 0,
+                 "samples": [], "correct_each": [], "length_each": []}
+        return {**empty, "pass_k": pass_k, "pass_counts_each": [], **pass_rates([], pass_k)} if pass_k else empty
     prompts = [r["prompt"] for r in rows]
     completions, lengths = generate_greedy(model, tokenizer, prompts, max_new_tokens, batch_size)
     answers = [r["answer"] for r in rows]
@@ -122,13 +141,20 @@ def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size
     formatted = format_reward(prompts, completions)
     samples = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": c, "answer": a, "correct": s}
                for p, c, a, s in list(zip(prompts, completions, answers, correct))[:3]]
-    return {"accuracy": sum(correct) / len(rows), "format": sum(formatted) / len(rows),
-            "length": sum(lengths) / len(rows), "n": len(rows),
-            "correct": int(sum(correct)), "samples": samples,
-            "correct_each": [int(c) for c in correct], "length_each": lengths}
+    result = {"accuracy": sum(correct) / len(rows), "format": sum(formatted) / len(rows),
+              "length": sum(lengths) / len(rows), "n": len(rows),
+              "correct": int(sum(correct)), "samples": samples,
+              "correct_each": [int(c) for c in correct], "length_each": lengths}
+    if pass_k:
+        sampled, _ = generate_greedy(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // pass_k), pass_k)
+        right = accuracy_reward([p for p in prompts for _ in range(pass_k)], sampled,
+                                answer=[a for a in answers for _ in range(pass_k)], timeout_s=EVAL_SCORING_TIMEOUT_S)
+        counts = [int(sum(right[i * pass_k:(i + 1) * pass_k])) for i in range(len(rows))]
+        result.update(pass_k=pass_k, pass_counts_each=counts, **pass_rates(counts, pass_k))
+    return result
 
 
-def evaluate_distributed(accelerator, model, tokenizer, rows, max_new_tokens) -> dict:
+def evaluate_distributed(accelerator, model, tokenizer, rows, max_new_tokens, pass_k: int = 0) -> dict:
     """Greedy held-out accuracy; with several processes each scores a shard and the counts are summed.
 
     The policy is unwrapped the way TRL unwraps it for generation (DeepSpeed ZeRO-3 parameters gathered on every
@@ -139,7 +165,7 @@ def evaluate_distributed(accelerator, model, tokenizer, rows, max_new_tokens) ->
 
     world, rank = accelerator.num_processes, accelerator.process_index
     with unwrap_model_for_generation(model, accelerator) as policy:
-        part = evaluate(policy, tokenizer, rows[rank::world], max_new_tokens)
+        part = evaluate(policy, tokenizer, rows[rank::world], max_new_tokens, pass_k=pass_k)
     if world == 1:
         return part
     parts = gather_object([part])
@@ -153,9 +179,14 @@ def merge_evaluations(parts: list[dict]) -> dict:
     formatted = sum(p["format"] * p["n"] for p in parts if p["n"])
     tokens = sum(p["length"] * p["n"] for p in parts if p["n"])
     world = len(parts)
-    each = {key: [None] * n for key in ("correct_each", "length_each")}
+    pass_k = parts[0].get("pass_k", 0)
+    keys = ("correct_each", "length_each") + (("pass_counts_each",) if pass_k else ())
+    each = {key: [None] * n for key in keys}
     for rank, part in enumerate(parts):
         for key, values in each.items():
             values[rank::world] = part[key]
-    return {"accuracy": correct / max(1, n), "format": formatted / max(1, n), "length": tokens / max(1, n), "n": n,
-            "correct": correct, "samples": parts[0]["samples"], **each}
+    merged = {"accuracy": correct / max(1, n), "format": formatted / max(1, n), "length": tokens / max(1, n), "n": n,
+              "correct": correct, "samples": parts[0]["samples"], **each}
+    if pass_k:
+        merged.update(pass_k=pass_k, **pass_rates(each["pass_counts_each"], pass_k))
+    return merged
