@@ -150,6 +150,25 @@ def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_task_preset_sets_defaults_under_explicit_options(monkeypatch):
+    """--task addition-hard: 1-3 digits, column solutions, 500 SFT steps, unless an option says otherwise."""
+    from dgpo_ops.trainer import cli
+
+    seen = {}
+
+    def capture(args, overrides):
+        seen.update(vars(args))
+        return {"complete": True}
+
+    monkeypatch.setattr("dgpo_ops.trainer.run.train_command", capture)
+    assert cli.main(["--task", "addition-hard"]) == 0
+    assert (seen["max_digits"], seen["solution_style"], seen["sft_steps"]) == (3, "column", 500)
+    assert cli.main(["--task", "addition-hard", "--sft-steps", "20"]) == 0
+    assert (seen["max_digits"], seen["sft_steps"]) == (3, 20)
+    assert cli.main([]) == 0
+    assert (seen["max_digits"], seen["solution_style"], seen["sft_steps"]) == (2, "split", None)
+
+
 def test_pass_at_k_is_the_unbiased_estimator():
     from dgpo_ops.trainer.warm_start import pass_at_k
 
@@ -184,11 +203,12 @@ def test_pass_at_k_is_the_unbiased_estimator():
         (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
         (["--max-steps", "-5"], "--max-steps must be >= 1, got -5"),
         (["--eval-pass-k", "-1"], "--eval-pass-k must be >= 0, got -1"),
+        (["--model", "some/model", "--task", "addition-hard"], "--task addition-hard is a task of the tiny default"),
         (["--model", "some/model", "--preset", "off-policy"], "--preset off-policy is a regime of the tiny"),
     ],
     ids=["vllm", "bf16", "compare", "hub-model", "local-model", "dataset", "unknown", "invalid", "trl-vllm",
          "reward-weights", "too-many", "no-train", "negative-eval", "worked-fraction", "sft-fraction",
-         "zero-steps", "negative-steps", "negative-pass-k", "preset-with-model"],
+         "zero-steps", "negative-steps", "negative-pass-k", "task-with-model", "preset-with-model"],
 )
 def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
     import torch

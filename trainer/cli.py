@@ -68,6 +68,17 @@ REGIME_PRESETS = {
     "off-policy-aggressive": {"num_iterations": 6, "learning_rate": 1e-3, "max_steps": 18},
 }
 
+# Tasks of the tiny default run (--task): defaults of the data and warm-start options, under every explicit option.
+# "addition-hard": 1-3 digit addition with column (digit by digit, carries) worked solutions and a longer warm start.
+# Probed at 1e3653a (CPU, grpo, seed 0, 60 steps, 200 held-out problems, 8 samples): greedy held-out accuracy
+# 0.12 after the warm start, 0.52 at step 10 and 0.51 at step 60, below the ceiling; pass@1 0.23 -> 0.37 (step 10)
+# -> 0.47 (step 60) and pass@8 0.58 -> 0.67, still rising at step 60, where the default task has flattened from
+# step 20. With 250 SFT steps and split solutions the same task starts at 0.02 and RL learns nothing.
+TASK_PRESETS = {
+    "addition": {},
+    "addition-hard": {"max_digits": 3, "solution_style": "column", "sft_steps": 500},
+}
+
 GPU_RL_DEFAULTS = {
     "max_steps": 500,
     "learning_rate": 1e-6,
@@ -107,6 +118,11 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
                      help="regime of the tiny default run: "
                           + "; ".join(f"{name} = " + ", ".join(f"{k} {v}" for k, v in values.items())
                                       for name, values in REGIME_PRESETS.items() if values)
+                          + " (explicit options win; default: %(default)s)")
+    run.add_argument("--task", default="addition", choices=tuple(TASK_PRESETS),
+                     help="task of the tiny default run: "
+                          + "; ".join(f"{name} = " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+                                      for name, values in TASK_PRESETS.items() if values)
                           + " (explicit options win; default: %(default)s)")
     run.add_argument("--seed", type=int, default=0, help="first training seed (default: 0)")
     run.add_argument("--output-dir", default=None,
@@ -240,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
               "pip install 'dgpo-ops[trl]'", file=sys.stderr)
         return 2
     args, extra = parser.parse_known_args(argv)
+    if TASK_PRESETS[args.task]:  # the task's values become the defaults: options given explicitly still win
+        parser.set_defaults(**TASK_PRESETS[args.task])
+        args, extra = parser.parse_known_args(argv)
     from .console import quiet_libraries
     from .run import train_command
 

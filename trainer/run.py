@@ -78,6 +78,9 @@ def check_environment(args) -> dict:
     if args.model is not None and args.preset != "default":
         raise UsageError(f"--preset {args.preset} is a regime of the tiny default run; with --model set the options "
                          "themselves")
+    if (args.model is not None or args.dataset is not None) and getattr(args, "task", "addition") != "addition":
+        raise UsageError(f"--task {args.task} is a task of the tiny default run; it does not apply with --model or "
+                         "--dataset")
     if args.model is None and args.dataset is not None:
         raise UsageError("--dataset needs --model: the tiny default model is warm-started on the built-in "
                          "arithmetic task only")
