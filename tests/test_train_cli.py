@@ -169,6 +169,28 @@ def test_task_preset_sets_defaults_under_explicit_options(monkeypatch):
     assert (seen["max_digits"], seen["solution_style"], seen["sft_steps"]) == (2, "split", None)
 
 
+def test_pass_k_sampling_is_reproducible_and_leaves_the_global_rng_alone(tmp_path):
+    """pass@k's samples come from a fixed seed in a forked RNG: two evaluations agree, and the global random
+    stream (the training's sampling) is where it would be without them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trainer_fixtures import build_model_dir, build_tokenizer
+
+    from dgpo_ops.trainer.warm_start import evaluate
+
+    model = AutoModelForCausalLM.from_pretrained(build_model_dir(tmp_path / "m"))
+    rows = [{"prompt": f"{a} + {b} = ?", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (5, 6))]
+    torch.manual_seed(7)
+    expected_next = torch.rand(3)
+    torch.manual_seed(7)
+    first = evaluate(model, build_tokenizer(), rows, max_new_tokens=4, pass_k=3)
+    assert torch.equal(torch.rand(3), expected_next)
+    second = evaluate(model, build_tokenizer(), rows, max_new_tokens=4, pass_k=3)
+    assert first["pass_counts_each"] == second["pass_counts_each"] and len(first["pass_counts_each"]) == 3
+    empty = evaluate(model, build_tokenizer(), [], max_new_tokens=4, pass_k=3)
+    assert math.isnan(empty["pass@1"]) and math.isnan(empty["pass@3"])
+
+
 def test_pass_at_k_is_the_unbiased_estimator():
     from dgpo_ops.trainer.warm_start import pass_at_k
 

@@ -17,6 +17,7 @@ import time
 import torch
 
 EVAL_SCORING_TIMEOUT_S = 600.0
+EVAL_SAMPLING_SEED = 1234  # pass@k's samples (a fixed stream, apart from training's)
 
 
 def _encode(tokenizer, texts: list) -> list[list[int]]:
@@ -77,8 +78,8 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, steps: int, batch_size
 
 
 @torch.no_grad()
-def generate_greedy(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int = 128, samples: int = 0
-                    ) -> tuple[list[str], list[int]]:
+def generate_completions(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int = 128,
+                         samples: int = 0) -> tuple[list[str], list[int]]:
     """Greedy completions of plain-text or conversational prompts (left padding, stop at eos), and their
     lengths in tokens (eos included). ``samples`` > 0: that many completions per prompt sampled at temperature
     1 instead (no top-k or top-p), prompt after prompt (``samples`` consecutive entries each)."""
@@ -119,7 +120,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def pass_rates(counts: list[int], samples: int) -> dict:
     """``pass@1`` and ``pass@<samples>`` over problems, from each problem's count of right samples."""
     ks = sorted({1, samples})
-    return {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in counts) / max(1, len(counts)) for k in ks}
+    if not counts:  # no problems: undefined, as the accuracy of none
+        return {f"pass@{k}": float("nan") for k in ks}
+    return {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in counts) / len(counts) for k in ks}
 
 
 def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 128, pass_k: int = 0) -> dict:
@@ -134,7 +137,7 @@ def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size
                  "samples": [], "correct_each": [], "length_each": []}
         return {**empty, "pass_k": pass_k, "pass_counts_each": [], **pass_rates([], pass_k)} if pass_k else empty
     prompts = [r["prompt"] for r in rows]
-    completions, lengths = generate_greedy(model, tokenizer, prompts, max_new_tokens, batch_size)
+    completions, lengths = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
     answers = [r["answer"] for r in rows]
     # A deadline far beyond any batch's scoring time: an answer scored 0 for lack of time would bias the comparison.
     correct = accuracy_reward(prompts, completions, answer=answers, timeout_s=EVAL_SCORING_TIMEOUT_S)
@@ -146,7 +149,13 @@ def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size
               "correct": int(sum(correct)), "samples": samples,
               "correct_each": [int(c) for c in correct], "length_each": lengths}
     if pass_k:
-        sampled, _ = generate_greedy(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // pass_k), pass_k)
+        # Sampled from a fixed seed in a forked RNG: the evaluation is reproducible and leaves the training's
+        # random stream (its own sampling) as it would be without --eval-pass-k.
+        device = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(EVAL_SAMPLING_SEED)
+            sampled, _ = generate_completions(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // pass_k),
+                                              pass_k)
         right = accuracy_reward([p for p in prompts for _ in range(pass_k)], sampled,
                                 answer=[a for a in answers for _ in range(pass_k)], timeout_s=EVAL_SCORING_TIMEOUT_S)
         counts = [int(sum(right[i * pass_k:(i + 1) * pass_k])) for i in range(len(rows))]
