@@ -82,6 +82,15 @@ def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
     assert set(summary) == {"dgpo", "grpo"} and all(len(s["seeds"]) == 1 for s in summary.values())
 
 
+def tiny_run_args(out) -> list[str]:
+    """The smallest run of the command that trains and evaluates (a few seconds of warm start and RL)."""
+    return ["--output-dir", str(out), "--no-progress", "--sft-steps", "8", "--sft-batch-size", "16",
+            "--train-size", "32", "--hidden-size", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+            "--num-generations", "4", "--max-completion-length", "10", "--per_device_train_batch_size", "8",
+            "--steps_per_generation", "1", "--tokenizer", "qwen-task" if HAVE_QWEN else "chars",
+            "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
+
+
 def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_path):
     """The off-policy regime for a few steps with two methods: its settings reach the config, every
     region's fraction is logged, and the report command redraws the figure from the JSON alone."""
@@ -89,13 +98,8 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
     from dgpo_ops.trainer.report import REGION_KEYS, final_table
 
     out = tmp_path / "run"
-    args = ["--preset", "off-policy", "--compare", "grpo,sapo", "--output-dir", str(out), "--no-progress",
-            "--sft-steps", "8", "--sft-batch-size", "16", "--max-steps", "4", "--eval-every", "0",
-            "--eval-size", "8", "--train-size", "32", "--hidden-size", "64", "--layers", "1", "--heads", "2",
-            "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "10",
-            "--per_device_train_batch_size", "8", "--steps_per_generation", "1",
-            "--tokenizer", "qwen-task" if HAVE_QWEN else "chars",
-            "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
+    args = ["--preset", "off-policy", "--compare", "grpo,sapo", "--max-steps", "4", "--eval-every", "0",
+            "--eval-size", "8", *tiny_run_args(out)]
     result = _run(args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((out / "run.json").read_text())
@@ -123,13 +127,8 @@ def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
     from dgpo_ops.trainer.warm_start import pass_rates
 
     out = tmp_path / "run"
-    args = ["--method", "grpo", "--eval-pass-k", "2", "--output-dir", str(out), "--no-progress",
-            "--sft-steps", "8", "--sft-batch-size", "16", "--max-steps", "2", "--eval-every", "1",
-            "--eval-size", "6", "--train-size", "32", "--hidden-size", "64", "--layers", "1", "--heads", "2",
-            "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "10",
-            "--per_device_train_batch_size", "8", "--steps_per_generation", "1",
-            "--tokenizer", "qwen-task" if HAVE_QWEN else "chars",
-            "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
+    args = ["--method", "grpo", "--eval-pass-k", "2", "--max-steps", "2", "--eval-every", "1", "--eval-size", "6",
+            *tiny_run_args(out)]
     result = _run(args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"held-out accuracy [0-9.]+ .*pass@1 [0-9.]+, pass@2 [0-9.]+ \(2 samples, t=1\)", result.stdout)
