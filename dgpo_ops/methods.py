@@ -502,9 +502,10 @@ METHODS: dict[str, MethodSpec] = {
                        "PPO (Schulman et al. 2017) as GRPO uses it (DeepSeekMath, Shao et al. 2024); dual clip: "
                        "Ye et al. 2019, arXiv:1912.09729",
                        variants=({}, {"eps_high": 0.28, "dual_clip": 3.0})),
-    "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob", "CISPO: MiniMax-M1, arXiv:2506.13585",
-                        variants=({}, {"eps_low": 0.2, "eps_high": 0.28})),
-    "dispo": MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A", "DISPO: Rawal et al. 2026, arXiv:2602.00983"),
+    "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob",
+                        "CISPO: MiniMax-M1, arXiv:2506.13585", variants=({}, {"eps_low": 0.2, "eps_high": 0.28})),
+    "dispo": MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A",
+                        "DISPO: Rawal et al. 2026, arXiv:2602.00983"),
     "gppo": MethodSpec(GppoConfig, _gppo, "gradient-preserving clip, constant boundary weight",
                        "GPPO: Klear-Reasoner (Kuaishou, 2025)"),
     "ce_gppo": MethodSpec(CeGppoConfig, _gppo, "GPPO with boundary scales beta1, beta2", "CE-GPPO (Kuaishou, 2025)"),
