@@ -187,6 +187,33 @@ class Tiles:
 
 
 @dataclass
+class TileGradients:
+    """The backward of one logits tile, shared by every tile sweep: the row backward kernel writes d loss / d
+    logits into the gradient tile (from the workspace's planes, or from per-token coefficients), the chain
+    rule makes it d loss / d y, and the GEMMs add it into the fp32 accumulators of hidden, weight and bias."""
+
+    kernels: object  # RowKernels
+    tiles: Tiles
+    projection: TileProjection
+    workspace: RowWorkspace
+    grid_seq_len: int
+    hidden: torch.Tensor
+    grad_hidden: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+    grad_bias: torch.Tensor | None
+
+    def add(self, start, stop, tile, entropy_coef: float, dloss_dlogp=None, dloss_dentropy=None):
+        grad = self.tiles.grad[: stop - start]
+        self.kernels.backward(tile, grad, self.workspace, self.grid_seq_len, self.tiles.kernel_scale, entropy_coef,
+                              dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy, token_offset=start)
+        self.tiles.chain_rule(tile, grad)
+        self.projection.accumulate_grads(grad, self.hidden[start:stop],
+                                         None if self.grad_hidden is None else self.grad_hidden[start:stop],
+                                         self.grad_weight, self.grad_bias,
+                                         scored=self.workspace.target_index[start:stop] >= 0)
+
+
+@dataclass
 class LinearPlan:
     call: CallPlan
     projection: ProjectionOptions
@@ -271,19 +298,13 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
         grad_hidden, grad_weight, grad_bias = (zeros_like(t, w) for t, w in zip((hidden, weight, bias), wants))
         epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
 
-        def gradient(start, stop, tile, dloss_dlogp=None):
-            grad = tiles.grad[: stop - start]
-            kernels.backward(tile, grad, workspace, call.grid_seq_len, tiles.kernel_scale, options.entropy_coef,
-                             dloss_dlogp=dloss_dlogp, token_offset=start)
-            tiles.chain_rule(tile, grad)
-            projection.accumulate_grads(grad, hidden[start:stop],
-                                        None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
-                                        grad_bias, scored=workspace.target_index[start:stop] >= 0)
+        gradients = TileGradients(kernels, tiles, projection, workspace, call.grid_seq_len, hidden, grad_hidden,
+                                  grad_weight, grad_bias)
 
         def first_pass(start, stop, tile):
             kernels.forward(tile, call.inputs, workspace, tiles.kernel_scale, epilogue, token_offset=start)
             if token_level and call.needs_grad and call.uses_epilogue:
-                gradient(start, stop, tile)
+                gradients.add(start, stop, tile, options.entropy_coef)
 
         sweep_tiles(hidden, projection, tiles, first_pass)
         if call.uses_epilogue:
@@ -294,8 +315,8 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
             loss, stats = result.loss, result.stats
             if call.needs_grad:
                 # The objective's coefficients are known only now: a second sweep recomputes the tiles.
-                sweep_tiles(hidden, projection, tiles,
-                       lambda start, stop, tile: gradient(start, stop, tile, dloss_dlogp=result.dloss_dlogp))
+                sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
+                    start, stop, tile, options.entropy_coef, dloss_dlogp=result.dloss_dlogp))
     if call.deferred:
         defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
     return loss, workspace.per_token, stats, grad_hidden, grad_weight, grad_bias

@@ -23,6 +23,7 @@ from .fused_linear import (
     LOW_PRECISION,
     Precision,
     ProjectionOptions,
+    TileGradients,
     TileProjection,
     Tiles,
     autocast_dtype,
@@ -79,22 +80,13 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         dloss_dentropy = None if grad_entropy is None else grad_entropy.detach().reshape(-1).to(dtype).contiguous()
         grads = [torch.zeros(t.shape, dtype=precision.accumulate, device=t.device) if wanted else None
                  for t, wanted in zip((hidden, weight, bias), wants)]
-        grad_hidden, grad_weight, grad_bias = grads
         with torch.autocast(hidden.device.type, enabled=False):
             projection = TileProjection(weight, bias, precision)
             tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, plan.projection,
                           call.options.temperature)
-
-            def gradient(start, stop, tile):
-                grad = tiles.grad[: stop - start]
-                call.kernels.backward(tile, grad, workspace, call.grid_seq_len, tiles.kernel_scale, 0.0,
-                                      dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy, token_offset=start)
-                tiles.chain_rule(tile, grad)
-                projection.accumulate_grads(grad, hidden[start:stop],
-                                            None if grad_hidden is None else grad_hidden[start:stop], grad_weight,
-                                            grad_bias, scored=workspace.target_index[start:stop] >= 0)
-
-            sweep_tiles(hidden, projection, tiles, gradient)
+            gradients = TileGradients(call.kernels, tiles, projection, workspace, call.grid_seq_len, hidden, *grads)
+            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
+                start, stop, tile, 0.0, dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy))
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))), None)
 
 
