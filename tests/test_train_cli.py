@@ -147,6 +147,13 @@ def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
                              str(redrawn)], capture_output=True, text=True, check=False)
     assert report.returncode == 0, report.stderr[-2000:]
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the final table has the sampled pass@k after RL beside greedy accuracy
+    header, _, row = report.stdout.splitlines()[:3]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert columns[2:4] == ["pass@1 after", "pass@2 after"]
+    assert float(cells[2]) == pytest.approx(run["after"]["pass@1"], abs=5e-4)
+    assert float(cells[3]) == pytest.approx(run["after"]["pass@2"], abs=5e-4)
 
 
 def test_task_preset_sets_defaults_under_explicit_options(monkeypatch):

@@ -78,6 +78,12 @@ def _series(run: dict, key: str) -> dict[int, float]:
     return out
 
 
+def pass_keys(runs: list[dict]) -> list[str]:
+    """The pass@k keys the runs' evaluations hold (``--eval-pass-k``), pass@1 first."""
+    return sorted({key for r in runs for e in r.get("eval_curve", ()) for key in e if key.startswith("pass@")},
+                  key=lambda key: int(key[5:]))
+
+
 def final_numbers(result: dict) -> list[dict]:
     """Per method: held-out accuracy after RL and the training metrics over the last steps, as
     mean, min and max over seeds."""
@@ -90,6 +96,9 @@ def final_numbers(result: dict) -> list[dict]:
         accuracies = [s["after"] for s in summary["seeds"] if s["after"] is not None]
         row["after"] = (_mean(accuracies), min(accuracies, default=None), max(accuracies, default=None))
         row["before"] = summary["before_mean"]
+        for key in pass_keys(runs):  # sampled held-out pass@k after RL, where the run measured it
+            values = [r["after"][key] for r in runs if (r.get("after") or {}).get(key) is not None]
+            row[key] = (_mean(values), min(values, default=None), max(values, default=None))
         for name, key in keys.items():
             finals = []
             for r in runs:
@@ -110,13 +119,16 @@ def final_table(result: dict) -> str:
             return "-"
         return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]" if high != low else f"{mean:.{digits}f}"
 
-    lines = ["| method | held-out before -> after | entropy | outside trust region | ln | hp | EUR | grad norm |",
-             "|---|---|---|---|---|---|---|---|"]
+    keys = pass_keys(result["runs"])
+    lines = ["| method | held-out before -> after | " + "".join(f"{key} after | " for key in keys)
+             + "entropy | outside trust region | ln | hp | EUR | grad norm |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(keys)]
     for row in final_numbers(result):
         before = "-" if row["before"] is None else f"{row['before']:.3f}"
-        lines.append(f"| {row['method']} | {before} -> {cell(row['after'])} | {cell(row['entropy'])} | "
-                     f"{cell(row['outside'])} | {cell(row['ln'])} | {cell(row['hp'])} | {cell(row['eur'])} | "
-                     f"{cell(row['grad_norm'], 2)} |")
+        lines.append(f"| {row['method']} | {before} -> {cell(row['after'])} | "
+                     + "".join(f"{cell(row[key])} | " for key in keys)
+                     + f"{cell(row['entropy'])} | {cell(row['outside'])} | {cell(row['ln'])} | {cell(row['hp'])} | "
+                     f"{cell(row['eur'])} | {cell(row['grad_norm'], 2)} |")
     return "\n".join(lines)
 
 
@@ -169,15 +181,14 @@ def plot_runs(result: dict, path) -> pathlib.Path:
     axes.flat[0].set_ylim(-0.02, 1.02)
 
     ax = next(panels)  # pass@k, where the run measured it (--eval-pass-k): solid pass@K, dotted pass@1
-    pass_keys = sorted({key for r in runs for e in r["eval_curve"] for key in e if key.startswith("pass@")},
-                       key=lambda key: int(key[5:]))
-    for key in pass_keys:
+    measured = pass_keys(runs)
+    for key in measured:
         for method in methods:
             draw(ax, [{e["step"]: e[key] for e in r["eval_curve"] if key in e} for r in runs if r["method"] == method],
                  method, marker="o", label=f"{method} {key}", **({"linestyle": ":"} if key == "pass@1" else {}))
-    ax.set_title("held-out pass@k (sampled, temperature 1)" if pass_keys else "pass@k: not measured (--eval-pass-k)")
+    ax.set_title("held-out pass@k (sampled, temperature 1)" if measured else "pass@k: not measured (--eval-pass-k)")
     ax.set_xlabel("RL step")
-    if pass_keys:
+    if measured:
         ax.set_ylim(-0.02, 1.02)
         ax.legend(fontsize=7)
 
@@ -208,10 +219,11 @@ def plot_runs(result: dict, path) -> pathlib.Path:
     ax = next(panels)
     ax.axis("off")
     rows = final_numbers(result)
-    cells = [[r["method"], _fmt3(r["after"][0]), _fmt3(r["entropy"][0]), _fmt3(r["outside"][0]), _fmt3(r["eur"][0]),
+    cells = [[r["method"], _fmt3(r["after"][0]), *(_fmt3(r[key][0]) for key in measured), _fmt3(r["entropy"][0]),
+              _fmt3(r["outside"][0]), _fmt3(r["eur"][0]),
               "-" if r["grad_norm"][0] is None else f"{r['grad_norm'][0]:.2f}"] for r in rows]
     if cells:
-        table = ax.table(cellText=cells, colLabels=["method", "after", "entropy", "outside", "EUR", "|g|"],
+        table = ax.table(cellText=cells, colLabels=["method", "after", *measured, "entropy", "outside", "EUR", "|g|"],
                          loc="center", cellLoc="center")
         table.scale(1, 1.4)
         for i, r in enumerate(rows):
@@ -242,18 +254,60 @@ def _eval_n(runs) -> str:
     return "?"
 
 
+# Arguments that may differ between runs merged into one result: which seeds ran, and where and how they logged.
+MERGE_FREE_ARGUMENTS = {"seed", "seeds", "output_dir", "no_progress"}
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result from runs of the same command on disjoint seeds (e.g. seeds run on several machines, or in
+    several sittings): the runs and warm starts of all, in seed order, the summary recomputed. Raises
+    ``ValueError`` when the commands differ in anything but the seeds, or when a seed is in two of them."""
+    first = results[0]
+    for other in results[1:]:
+        for key in ("methods", "task", "model"):
+            if other[key] != first[key]:
+                raise ValueError(f"cannot merge runs with different {key}: {first[key]!r} and {other[key]!r}")
+        differing = sorted(k for k in set(first["arguments"]) | set(other["arguments"])
+                           if k not in MERGE_FREE_ARGUMENTS and first["arguments"].get(k) != other["arguments"].get(k))
+        if differing:
+            raise ValueError(f"cannot merge runs whose arguments differ in {', '.join(differing)}")
+    seeds = [seed for r in results for seed in r["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"cannot merge: seeds {sorted(s for s in set(seeds) if seeds.count(s) > 1)} are in more "
+                         "than one run")
+    order = {method: i for i, method in enumerate(first["methods"])}
+    runs = sorted((run for r in results for run in r["runs"]), key=lambda run: (run["seed"], order[run["method"]]))
+    merged = {**first, "seeds": sorted(seeds), "runs": runs, "summary": summarize(runs),
+              "warm_start": sorted((w for r in results for w in r["warm_start"]), key=lambda w: w["seed"]),
+              "complete": all(r["complete"] for r in results),
+              "wall_time_s": sum(r["wall_time_s"] for r in results),
+              "merged_from": [{key: r.get(key) for key in ("command", "seeds", "environment", "output_dir",
+                                                           "wall_time_s", "complete")} for r in results]}
+    merged["arguments"] = {**first["arguments"], "seed": merged["seeds"][0], "seeds": len(merged["seeds"])}
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dgpo_ops.trainer.report run.json [--out curves.png]``: the figure and the final
-    numbers of a committed run, from its JSON alone."""
+    """``python -m dgpo_ops.trainer.report run.json [more.json ...] [--out curves.png] [--merged all.json]``:
+    the figure and the final numbers of a committed run, from its JSON alone; several JSONs of the same
+    command on other seeds are merged first."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(prog="python -m dgpo_ops.trainer.report", description=main.__doc__)
-    parser.add_argument("run_json")
-    parser.add_argument("--out", default=None, help="figure path (default: next to the JSON, .png)")
+    parser.add_argument("run_json", nargs="+")
+    parser.add_argument("--out", default=None, help="figure path (default: next to the (merged) JSON, .png)")
+    parser.add_argument("--merged", default=None, help="write the merge of several JSONs here")
     args = parser.parse_args(argv)
-    result = json.loads(pathlib.Path(args.run_json).read_text())
-    out = pathlib.Path(args.out) if args.out else pathlib.Path(args.run_json).with_suffix(".png")
+    results = [json.loads(pathlib.Path(path).read_text()) for path in args.run_json]
+    try:
+        result = merge_results(results) if len(results) > 1 else results[0]
+    except ValueError as e:
+        parser.error(str(e))
+    if args.merged:
+        pathlib.Path(args.merged).write_text(json.dumps(result, indent=1, default=json_default, allow_nan=False))
+    source = pathlib.Path(args.merged or args.run_json[0])
+    out = pathlib.Path(args.out) if args.out else source.with_suffix(".png")
     print(final_table(result))
     print(f"figure: {plot_runs(result, out)}")
     return 0

@@ -1,0 +1,86 @@
+"""``python -m dgpo_ops.trainer.report`` over several run JSONs: runs of one command on disjoint seeds (run in
+several sittings or on several machines) merge into one result, and anything else is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dgpo_ops.trainer.report import final_numbers, final_table, main, merge_results
+
+METHODS = ["dgpo", "grpo"]
+
+
+def fake_result(seeds, **arguments):
+    """A run.json of ``dgpo-ops train --compare dgpo,grpo`` on ``seeds``: accuracy after RL = 0.5 + seed/10
+    (+0.05 for dgpo), pass@2 0.1 above it, entropy 0.3 - seed/100."""
+    runs = []
+    for seed in seeds:
+        for method in METHODS:
+            after = 0.5 + seed / 10 + (0.05 if method == "dgpo" else 0.0)
+            runs.append({
+                "method": method, "seed": seed,
+                "before": {"accuracy": 0.2, "n": 8}, "after": {"accuracy": after, "n": 8, "pass@1": after - 0.1,
+                                                               "pass@2": after + 0.1},
+                "eval_curve": [{"step": 0, "accuracy": 0.2, "pass@1": 0.1, "pass@2": 0.3},
+                               {"step": 4, "accuracy": after, "pass@1": after - 0.1, "pass@2": after + 0.1}],
+                "log_history": [{"step": s, "entropy": 0.3 - seed / 100} for s in range(1, 5)],
+                "rl_time_s": 1.0, "sft_time_s": 0.5, "run_time_s": 2.0,
+            })
+    from dgpo_ops.trainer.report import summarize
+
+    args = {"seed": seeds[0], "seeds": len(seeds), "output_dir": f"/tmp/out-{seeds[0]}", "no_progress": True,
+            "max_steps": 4, "compare": ",".join(METHODS), **arguments}
+    return {"command": f"dgpo-ops train --seed {seeds[0]} --seeds {len(seeds)}", "arguments": args,
+            "methods": METHODS, "seeds": list(seeds), "task": "addition", "model": "tiny", "complete": True,
+            "wall_time_s": 10.0 * len(seeds), "environment": {"git_commit": "abc"}, "summary": summarize(runs),
+            "warm_start": [{"seed": s, "steps": 2} for s in seeds], "runs": runs}
+
+
+def test_merge_of_disjoint_seeds_equals_the_run_on_all_of_them():
+    whole = fake_result([0, 1, 2])
+    merged = merge_results([fake_result([2]), fake_result([0, 1])])  # any order of the parts
+    assert merged["seeds"] == [0, 1, 2]
+    assert [(r["seed"], r["method"]) for r in merged["runs"]] == [(r["seed"], r["method"]) for r in whole["runs"]]
+    assert [w["seed"] for w in merged["warm_start"]] == [0, 1, 2]
+    assert merged["summary"] == whole["summary"]
+    assert final_table(merged) == final_table(whole)
+    assert merged["arguments"]["seed"] == 0 and merged["arguments"]["seeds"] == 3
+    assert merged["wall_time_s"] == pytest.approx(30.0)
+    assert [m["seeds"] for m in merged["merged_from"]] == [[2], [0, 1]]
+    dgpo = next(row for row in final_numbers(merged) if row["method"] == "dgpo")
+    assert dgpo["seeds"] == 3
+    assert dgpo["after"] == pytest.approx((0.65, 0.55, 0.75))
+    assert dgpo["pass@2"] == pytest.approx((0.75, 0.65, 0.85))
+
+
+def test_merge_refuses_different_commands_and_shared_seeds():
+    with pytest.raises(ValueError, match="max_steps"):
+        merge_results([fake_result([0]), fake_result([1], max_steps=8)])
+    with pytest.raises(ValueError, match=r"seeds \[1\]"):
+        merge_results([fake_result([0, 1]), fake_result([1, 2])])
+    other_task = fake_result([1])
+    other_task["task"] = "addition, 1-3 digits"
+    with pytest.raises(ValueError, match="task"):
+        merge_results([fake_result([0]), other_task])
+    incomplete = fake_result([1])
+    incomplete["complete"] = False
+    assert merge_results([fake_result([0]), incomplete])["complete"] is False
+
+
+def test_report_command_writes_the_merge_and_redraws_it(tmp_path, capsys):
+    parts = []
+    for seeds in ([0], [1, 2]):
+        path = tmp_path / f"seeds{seeds[0]}.json"
+        path.write_text(json.dumps(fake_result(seeds)))
+        parts.append(str(path))
+    merged_path = tmp_path / "all.json"
+    assert main([*parts, "--merged", str(merged_path)]) == 0
+    first = capsys.readouterr().out
+    assert (tmp_path / "all.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(merged_path.read_text())["seeds"] == [0, 1, 2]
+    assert main([str(merged_path), "--out", str(tmp_path / "again.png")]) == 0  # the merge reproduces itself
+    assert capsys.readouterr().out.split("figure:")[0] == first.split("figure:")[0]
+    with pytest.raises(SystemExit):
+        main([parts[0], parts[0]])  # the same seeds twice: a usage error, not a silent double count
