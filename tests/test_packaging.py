@@ -44,3 +44,14 @@ def test_regular_install_in_a_new_venv(tmp_path):
     assert heavy == "[]"
     console = subprocess.run([str(venv / "bin" / "dgpo-ops"), "table"], capture_output=True, text=True, check=True)
     assert "dgpo" in console.stdout
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The README's two set-up commands: the test command is the one `.ci/run` runs, word for word."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme.split("## The main job")[0], re.DOTALL)
+    assert len(blocks) == 2 and blocks[0].startswith("python -m pip install") and "dgpo-ops train" in blocks[0]
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("python -m pip")]
+    assert ci == [blocks[1]]
