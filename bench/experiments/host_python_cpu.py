@@ -1,0 +1,164 @@
+"""The op's own host Python per call, measured on the CPU: a proxy for the host time of one
+``fused_dgpo_loss`` forward + backward on CUDA without a GPU (issue 25, item 1).
+
+    python bench/experiments/host_python_cpu.py [--calls 300] [--profile] [--out FILE.json]
+
+The Triton kernels are the ones CUDA runs (``backend="triton"``, the interpreter's kernel objects) but each
+launch is replaced by a no-op that only records it, and validation is ``"deferred"`` (CUDA's default), so
+what is timed (this thread's CPU time, which other processes on the machine do not inflate; the wall time
+too) is everything the host does around the launches: options, the plan, the checks from metadata,
+allocations, the autograd Function and engine, the deferred-check bookkeeping. Not timed: Triton's own
+per-launch binding (60-110 us per launch on the H100 VM, csrc_notes "Host time") and the CUDA caching
+allocator. The inputs are tiny, so torch's CPU kernels for the few O(N) ops cost next to nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import pstats  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import dgpo_ops  # noqa: E402
+from dgpo_ops.environment import describe  # noqa: E402
+
+LAUNCHES: list[str] = []
+
+
+def no_op_launches() -> None:
+    def getitem(self, grid):
+        def launch(*args, **kwargs):
+            LAUNCHES.append(self.fn.__name__)
+
+        return launch
+
+    InterpretedFunction.__getitem__ = getitem
+
+
+def python_calls(fn) -> int:
+    """Python function calls (and C functions called from Python) in one call of ``fn``: a count that no
+    other load on the machine changes."""
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    return sum(stat[1] for stat in pstats.Stats(profile).stats.values())
+
+
+def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
+    """This thread's CPU time of each host stage of the forward alone (us per call), cumulative: each
+    stage runs everything before it too, so the differences are what a stage adds."""
+    from dgpo_ops.fused import FusedPolicyLossFunction, logits_plan
+    from dgpo_ops.inputs import LossBatch
+    from dgpo_ops.kernels.row_io import RowWorkspace
+    from dgpo_ops.options import LossOptions
+
+    def options():
+        return LossOptions.build("dgpo", backend="triton", validation="deferred")
+
+    def batch():
+        return options(), LossBatch(target, adv, mask, old, None, None, None)
+
+    def plan():
+        opts, b = batch()
+        return logits_plan(logits, b, opts, needs_grad=True)
+
+    def workspace():
+        p = plan()
+        return RowWorkspace.allocate(logits.shape[:-1], p.inputs.grid[0], logits.device, torch.float32)
+
+    def autograd_forward():
+        with torch.no_grad():
+            return FusedPolicyLossFunction.apply(logits, plan())
+
+    def forward_with_graph():
+        return FusedPolicyLossFunction.apply(logits, plan())
+
+    out = {}
+    for name, fn in (("options", options), ("+ batch", batch), ("+ plan (checks, kernels, poll)", plan),
+                     ("+ workspace allocation", workspace), ("+ forward launches (no_grad)", autograd_forward),
+                     ("+ autograd graph", forward_with_graph)):
+        for _ in range(50):
+            fn()
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        out[name] = (time.thread_time() - start) / calls * 1e6
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=5, help="timed loops of --calls calls; the median is kept")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of 100 calls")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    no_op_launches()
+    torch.set_num_threads(1)
+    B, T, V = 2, 64, 256
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, T, V, generator=g).to(torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.12
+    old = -torch.rand(B, T, generator=g) * 5
+    adv = torch.randn(B, generator=g)
+
+    def fwd_bwd():
+        logits.grad = None
+        dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, backend="triton", validation="deferred").loss.backward()
+
+    def fwd_no_grad():
+        with torch.no_grad():
+            dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, backend="triton", validation="deferred")
+
+    results = {"machine": describe(torch.device("cpu")), "shape": [B, T, V]}
+    for name, fn in (("fwd_bwd_us", fwd_bwd), ("fwd_no_grad_us", fwd_no_grad)):
+        for _ in range(20):
+            fn()
+        LAUNCHES.clear()
+        fn()
+        results[name.replace("_us", "_launches")] = list(LAUNCHES)
+        loops, walls = [], []
+        for _ in range(args.repeats):
+            start, wall = time.thread_time(), time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            loops.append((time.thread_time() - start) / args.calls * 1e6)
+            walls.append((time.perf_counter() - wall) / args.calls * 1e6)
+        results[name] = statistics.median(loops)
+        results[name.replace("_us", "_loops_us")] = loops
+        results[name.replace("_us", "_wall_us")] = statistics.median(walls)
+        results[name.replace("_us", "_python_calls")] = python_calls(fn)
+        dgpo_ops.raise_deferred_errors()
+    results["stages_us"] = stage_times(logits, target, adv, mask, old, args.calls * 5)
+    print(json.dumps({k: v for k, v in results.items() if k != "machine"}, indent=1))
+    if args.profile:
+        profile = cProfile.Profile(time.thread_time)  # this thread's CPU time: other load does not show
+        profile.enable()
+        for _ in range(100):
+            fwd_bwd()
+        profile.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(45)
+        print(text.getvalue())
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
