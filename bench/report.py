@@ -266,6 +266,9 @@ def readme_section(runs, traffic: dict | None) -> str:
     out += script_tables_section("Fused linear + loss", "fused_linear")
     out += script_tables_section("Vocabulary split across processes", "vocab_parallel")
     out += script_tables_section("verl's fused log-prob backends", "verl_fused")
+    out += script_tables_section("One policy update of a model, DGPOTrainer against GRPOTrainer", "train_step")
+    out += [line for path in sorted(PLOTS_DIR.glob("train_step-*.png"))
+            for line in (f"![policy update, {path.stem[len('train_step-'):]}]({path.relative_to(REPO)})", "")]
     if traffic:
         out += [
             ("**Traffic model** (no GPU needed; [`bench/results/traffic.md`](bench/results/traffic.md)): the bf16 "

@@ -26,8 +26,9 @@ activations, what decides whether a length fits. On CUDA, unless ``--no-search``
 fits is searched in steps of 1,024 tokens (doubling until an update runs out of memory, then bisecting).
 
 Writes ``bench/results/train_step-<device>.json``, the table beside it (``.md``) and
-``bench/plots/train_step-<device>.png``; ``--readme`` also puts the table into the README. On the CPU the
-default is a small model (``--model cpu-small``); the test suite runs ``--model tiny`` as a smoke test.
+``bench/plots/train_step-<device>.png``; ``python -m bench.report`` puts the tables and plots into the README.
+On the CPU the default is a small model (``--model cpu-small``); the test suite runs ``--model tiny`` as a
+smoke test.
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
 PLOTS_DIR = REPO / "bench" / "plots"
-README = REPO / "README.md"
-README_MARKERS = ("<!-- train-step:start -->", "<!-- train-step:end -->")
 
 # Qwen2.5-1.5B's config.json (hub: Qwen/Qwen2.5-1.5B), written out so that nothing is downloaded; `cpu-small`
 # keeps its vocabulary (the logits are what the loss paths differ in) on a model the 2-core CPU can update.
@@ -410,17 +409,6 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def update_readme(table: str, image: str, readme: Path = README) -> bool:
-    text = readme.read_text()
-    start, end = README_MARKERS
-    if start not in text or end not in text:
-        return False
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{table}\n![policy update]({image})\n{end}{tail}")
-    return True
-
-
 def parameter_count(model_name: str) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -440,7 +428,6 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-search", action="store_true", help="skip the longest-completion search (CUDA)")
     parser.add_argument("--output", default=None, help="JSON path (default: bench/results/train_step-<device>.json)")
-    parser.add_argument("--readme", action="store_true", help="also write the table and plot into the README")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -484,10 +471,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(doc, indent=1) + "\n")
     table = markdown(doc)
     out.with_suffix(".md").write_text(table)
-    image = (PLOTS_DIR if args.output is None else out.parent) / f"{out.stem}.png"
-    plot(doc, image)
-    if args.readme:
-        update_readme(table, os.path.relpath(image, REPO))
+    plot(doc, (PLOTS_DIR if args.output is None else out.parent) / f"{out.stem}.png")
     print(table)
     mismatched = [(r["path"], row["completion_length"]) for r in results for row in r.get("rows", ())
                   if row.get("matches_trl") is False]

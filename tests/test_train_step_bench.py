@@ -88,16 +88,3 @@ def test_longest_fitting_finds_the_largest_multiple_of_the_step(capacity):
 def test_model_is_qwen25_15b():
     # Qwen2.5-1.5B's published parameter count (tied embeddings), from the config written out in the bench
     assert bench.parameter_count("qwen2.5-1.5b") == 1_543_714_304
-
-
-def test_readme_block_is_replaced_between_its_markers(tmp_path):
-    readme = tmp_path / "README.md"
-    start, end = bench.README_MARKERS
-    readme.write_text(f"intro\n{start}\nold table\n{end}\noutro\n")
-    assert bench.update_readme("| new |", "bench/plots/x.png", readme)
-    text = readme.read_text()
-    assert "old table" not in text and "| new |" in text and "![policy update](bench/plots/x.png)" in text
-    assert text.startswith("intro\n") and text.endswith(f"{end}\noutro\n")
-    plain = tmp_path / "PLAIN.md"
-    plain.write_text("no markers\n")
-    assert not bench.update_readme("| new |", "x.png", plain) and plain.read_text() == "no markers\n"

@@ -7,7 +7,8 @@
 # bench (pytest bench/ --benchmark-only), linear (bench/fused_linear.py), timing (gpu_check.py
 # --timing-only: back-to-back times of the logits op), host (host_overhead.py: host submit time and
 # profile), repro (the bf16 cuDNN attention repro), mainjob (20 bf16 runs of the main job, 10 at a
-# time). Logs, JSON and results go to $OUT (one tarball, results.tgz, plus session.log).
+# time), trainstep (bench/train_step.py: one policy update of Qwen2.5-1.5B's architecture per path at
+# completions of 2k, 8k and 16k), trainfit (its search for the longest completion that fits, per path). Logs, JSON and results go to $OUT (one tarball, results.tgz, plus session.log).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/r"
@@ -48,6 +49,16 @@ for stage in "$@"; do
   host)
     log host
     python3 bench/experiments/host_overhead.py --out "$OUT/r" 2>&1 | head -n 60 | tee "$OUT/r/host.log"
+    ;;
+  trainstep)
+    log trainstep
+    python3 bench/train_step.py --no-search 2>&1 | tail -n 30 | tee "$OUT/r/train_step.log"
+    cp bench/results/train_step-*.json bench/results/train_step-*.md bench/plots/train_step-*.png "$OUT/r/" 2>/dev/null
+    ;;
+  trainfit)
+    log trainfit
+    python3 bench/train_step.py --completions 2048 --repeats 1 --output "$OUT/r/train_step-fit.json" 2>&1 \
+      | tail -n 30 | tee "$OUT/r/train_fit.log"
     ;;
   repro)
     log repro
