@@ -34,6 +34,7 @@ def fake_result(seeds, **arguments):
             "max_steps": 4, "compare": ",".join(METHODS), **arguments}
     return {"command": f"dgpo-ops train --seed {seeds[0]} --seeds {len(seeds)}", "arguments": args,
             "methods": METHODS, "seeds": list(seeds), "task": "addition", "model": "tiny", "complete": True,
+            "output_dir": f"/tmp/out-{seeds[0]}",
             "wall_time_s": 10.0 * len(seeds), "environment": {"git_commit": "abc"}, "summary": summarize(runs),
             "warm_start": [{"seed": s, "steps": 2} for s in seeds], "runs": runs}
 
@@ -64,9 +65,36 @@ def test_merge_refuses_different_commands_and_shared_seeds():
     other_task["task"] = "addition, 1-3 digits"
     with pytest.raises(ValueError, match="task"):
         merge_results([fake_result([0]), other_task])
+    with pytest.raises(ValueError, match="one range"):
+        merge_results([fake_result([0]), fake_result([5])])  # not what --seed 0 --seeds 2 would run
     incomplete = fake_result([1])
     incomplete["complete"] = False
     assert merge_results([fake_result([0]), incomplete])["complete"] is False
+
+
+def test_merge_keeps_each_parts_provenance_and_only_what_they_share():
+    later = fake_result([1])
+    later["environment"] = {"git_commit": "def"}
+    merged = merge_results([fake_result([0]), later])
+    assert merged["environment"] is None and merged["command"] is None and merged["output_dir"] is None
+    assert [m["environment"]["git_commit"] for m in merged["merged_from"]] == ["abc", "def"]
+    assert [m["output_dir"] for m in merged["merged_from"]] == ["/tmp/out-0", "/tmp/out-1"]
+    assert [m["command"] for m in merged["merged_from"]] == ["dgpo-ops train --seed 0 --seeds 1",
+                                                             "dgpo-ops train --seed 1 --seeds 1"]
+    assert merge_results([fake_result([0]), fake_result([1])])["environment"] == {"git_commit": "abc"}
+
+
+def test_table_of_a_part_where_one_method_has_no_pass_at_k():
+    """A run where one method's evaluations lack pass@k (e.g. cut short) still tabulates: '-' there."""
+    result = fake_result([0])
+    for run in result["runs"]:
+        if run["method"] == "grpo":
+            run["after"] = {"accuracy": run["after"]["accuracy"], "n": 8}
+            run["eval_curve"] = [{k: v for k, v in e.items() if not k.startswith("pass@")} for e in run["eval_curve"]]
+    rows = {cells[0]: cells for line in final_table(result).splitlines()[2:]
+            if (cells := [c.strip() for c in line.strip("|").split("|")])}
+    assert rows["grpo"][2:4] == ["-", "-"]
+    assert rows["dgpo"][2:4] == ["0.450", "0.650"]
 
 
 def test_report_command_writes_the_merge_and_redraws_it(tmp_path, capsys):
@@ -83,4 +111,6 @@ def test_report_command_writes_the_merge_and_redraws_it(tmp_path, capsys):
     assert main([str(merged_path), "--out", str(tmp_path / "again.png")]) == 0  # the merge reproduces itself
     assert capsys.readouterr().out.split("figure:")[0] == first.split("figure:")[0]
     with pytest.raises(SystemExit):
-        main([parts[0], parts[0]])  # the same seeds twice: a usage error, not a silent double count
+        main([parts[0], parts[0], "--merged", str(tmp_path / "x.json")])  # the same seeds twice: a usage error
+    with pytest.raises(SystemExit):
+        main(parts)  # several parts and nowhere named for the merge: the figure would land beside a part

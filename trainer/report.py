@@ -96,7 +96,7 @@ def final_numbers(result: dict) -> list[dict]:
         accuracies = [s["after"] for s in summary["seeds"] if s["after"] is not None]
         row["after"] = (_mean(accuracies), min(accuracies, default=None), max(accuracies, default=None))
         row["before"] = summary["before_mean"]
-        for key in pass_keys(runs):  # sampled held-out pass@k after RL, where the run measured it
+        for key in pass_keys(result["runs"]):  # sampled held-out pass@k after RL, where a run measured it
             values = [r["after"][key] for r in runs if (r.get("after") or {}).get(key) is not None]
             row[key] = (_mean(values), min(values, default=None), max(values, default=None))
         for name, key in keys.items():
@@ -271,19 +271,26 @@ def merge_results(results: list[dict]) -> dict:
                            if k not in MERGE_FREE_ARGUMENTS and first["arguments"].get(k) != other["arguments"].get(k))
         if differing:
             raise ValueError(f"cannot merge runs whose arguments differ in {', '.join(differing)}")
-    seeds = [seed for r in results for seed in r["seeds"]]
+    seeds = sorted(seed for r in results for seed in r["seeds"])
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"cannot merge: seeds {sorted(s for s in set(seeds) if seeds.count(s) > 1)} are in more "
                          "than one run")
+    if seeds != list(range(seeds[0], seeds[0] + len(seeds))):  # what --seed S --seeds K would have run
+        raise ValueError(f"cannot merge: seeds {seeds} are not one range --seed S --seeds K would run")
     order = {method: i for i, method in enumerate(first["methods"])}
     runs = sorted((run for r in results for run in r["runs"]), key=lambda run: (run["seed"], order[run["method"]]))
-    merged = {**first, "seeds": sorted(seeds), "runs": runs, "summary": summarize(runs),
+    same_environment = all(r.get("environment") == first.get("environment") for r in results)
+    merged = {**first, "seeds": seeds, "runs": runs, "summary": summarize(runs),
               "warm_start": sorted((w for r in results for w in r["warm_start"]), key=lambda w: w["seed"]),
               "complete": all(r["complete"] for r in results),
               "wall_time_s": sum(r["wall_time_s"] for r in results),
+              # each part's own command, commit and packages are in merged_from; the top level keeps only
+              # what all parts share
+              "command": None, "output_dir": None, "figure": None,
+              "environment": first.get("environment") if same_environment else None,
               "merged_from": [{key: r.get(key) for key in ("command", "seeds", "environment", "output_dir",
                                                            "wall_time_s", "complete")} for r in results]}
-    merged["arguments"] = {**first["arguments"], "seed": merged["seeds"][0], "seeds": len(merged["seeds"])}
+    merged["arguments"] = {**first["arguments"], "seed": seeds[0], "seeds": len(seeds), "output_dir": None}
     return merged
 
 
@@ -299,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="figure path (default: next to the (merged) JSON, .png)")
     parser.add_argument("--merged", default=None, help="write the merge of several JSONs here")
     args = parser.parse_args(argv)
+    if len(args.run_json) > 1 and not (args.merged or args.out):
+        parser.error("several run JSONs: name the merged JSON (--merged) or the figure (--out)")
     results = [json.loads(pathlib.Path(path).read_text()) for path in args.run_json]
     try:
         result = merge_results(results) if len(results) > 1 else results[0]
