@@ -7,20 +7,22 @@ The model has Qwen2.5-1.5B's architecture (``MODELS``, built from its config wit
 downloaded), fp32 master weights under bf16 autocast (on CUDA) and activation checkpointing on. The rollouts are
 synthetic: 8 responses to one prompt of 512 tokens, completions of the given length (the longest response; the
 others end uniformly between half of it and all of it, padded as TRL pads them), one advantage per response,
-on-policy (no old log-probs: TRL 1.16's default ``num_iterations=1``). One update is what the trainer does
-per optimizer step after generation: ``_compute_loss`` (the model's forward and the loss), the backward, gradient
+old log-probs around a uniform policy's (so the ratios leave the clip range and the loss depends on the model).
+One update is what Trainer's loop does per optimizer step after generation, on the model and optimizer as
+``accelerator.prepare`` leaves them: ``_compute_loss`` (the model's forward and the loss), the backward, gradient
 clipping at 1.0 and the AdamW step (TRL's default, fused).
 
 Paths (``PATHS``): ``DGPOTrainer`` with ``fused="linear"`` (the default: hidden states and the lm_head through
 ``fused_linear_dgpo_loss``) and ``fused="logits"`` (the model's logits through ``fused_dgpo_loss``), both with
 ``policy_loss="grpo"`` so that the loss is TRL's; stock ``GRPOTrainer`` (TRL 1.16's default loss path, its chunked
 fused lm_head); and ``GRPOTrainer(use_liger_kernel=True)`` (Liger's RMSNorm/RoPE/SwiGLU kernels, TRL's loss).
-Every path starts from the same weights and batch; the first update's loss and gradient norm are recorded and
-compared with TRL's, so a path computing something else shows in the table.
+Every path starts from the same weights and batch; the first update's loss, logged entropy and gradient norms
+(total and of three parameters) are compared with TRL's, so a path computing something else shows in the table.
 
 Each path runs in its own process (one path's allocator cache or Liger's patches never reach another). Per
 completion length: one untimed update (it allocates the optimizer state and compiles), then ``--repeats`` timed
-updates (synchronised wall time); peak memory is ``torch.cuda.max_memory_allocated()`` over the timed updates
+updates (synchronised wall time), each path's result printed as it grows so that a cut-short run keeps what it
+measured; peak memory is ``torch.cuda.max_memory_allocated()`` over the timed updates
 (CUDA) or the peak resident set (``VmHWM``, CPU), both absolute: weights, gradients, optimizer state and
 activations, what decides whether a length fits. On CUDA, unless ``--no-search``, the longest completion that
 fits is searched in steps of 1,024 tokens (doubling until an update runs out of memory, then bisecting).
@@ -97,19 +99,27 @@ def unavailable(path: str, device: str) -> str | None:
     return None
 
 
-def longest_fitting(fits, step: int = SEARCH_STEP, limit: int = SEARCH_LIMIT) -> tuple[int | None, list[int]]:
+def longest_fitting(fits, step: int = SEARCH_STEP, limit: int = SEARCH_LIMIT,
+                    known_fit: int | None = None) -> tuple[int | None, list[int]]:
     """The largest multiple of ``step`` up to ``limit`` for which ``fits(length)`` holds, assuming it holds up to
     some length and never above it; ``(None, probes)`` when even ``step`` does not fit. Doubles from ``step``
-    until a length fails, then bisects between the last that fit and the first that failed."""
+    (or from ``known_fit``, a length already seen to fit, rounded down to a multiple of ``step``) until a length
+    fails, then bisects between the last that fit and the first that failed."""
+    limit = limit // step * step
     probes = []
 
     def probe(length):
         probes.append(length)
         return fits(length)
 
-    if not probe(step):
+    if limit < step:
         return None, probes
-    good, bad = step, None
+    good = min(known_fit // step * step, limit) if known_fit else 0
+    if good < step:
+        if not probe(step):
+            return None, probes
+        good = step
+    bad = None
     while bad is None:
         nxt = min(good * 2, limit)
         if nxt == good:
@@ -131,6 +141,9 @@ def longest_fitting(fits, step: int = SEARCH_STEP, limit: int = SEARCH_LIMIT) ->
 
 
 def build_trainer(path: str, model_name: str, completion_length: int, workdir: str, device: str):
+    """The trainer as ``train()`` leaves it before its first step: Liger's kernels applied, activation
+    checkpointing on, model and optimizer prepared by accelerate (under bf16 the model's forward then runs
+    in autocast and returns fp32 outputs, as in a real run)."""
     import torch
     from datasets import Dataset
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -158,20 +171,27 @@ def build_trainer(path: str, model_name: str, completion_length: int, workdir: s
         cls, args = GRPOTrainer, GRPOConfig(**common)
     trainer = cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                   train_dataset=Dataset.from_dict({"prompt": ["1+1="] * RESPONSES}), processing_class=tokenizer)
-    # What Trainer.train() does before its first step, and nothing of its loop: Liger's kernels, checkpointing.
+    # What Trainer.train() does before its first step, and nothing of its loop.
     if spec.liger:
         from transformers.integrations.liger import apply_liger_kernel
 
         apply_liger_kernel(trainer.model, trainer.args.liger_kernel_config)
+    checkpointing = dict(trainer.args.activation_checkpointing_kwargs or {})
     trainer.model.activation_checkpointing_enable(
-        activation_checkpointing_kwargs=trainer.args.activation_checkpointing_kwargs or None)
+        activation_checkpointing_kwargs={k: v for k, v in checkpointing.items() if k not in ("every_n_layers", "offload")}
+        or None, every_n_layers=checkpointing.get("every_n_layers", 1), offload=checkpointing.get("offload", False))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     trainer.create_optimizer()
+    trainer.model_wrapped, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
     return trainer
 
 
 def synthetic_rollouts(prompt_length: int, completion_length: int, vocab: int, device: str, seed: int = 0) -> dict:
+    """8 responses to one prompt; old log-probs around a uniform policy's, -log V +- 0.3, so that with a freshly
+    initialised model the ratios spread over both sides of the clip and the loss depends on the model."""
+    import math
+
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -184,23 +204,38 @@ def synthetic_rollouts(prompt_length: int, completion_length: int, vocab: int, d
         "completion_ids": torch.randint(0, vocab, (RESPONSES, completion_length), generator=g),
         "completion_mask": completion_mask,
         "advantages": torch.randn(RESPONSES, generator=g),
+        "old_per_token_logps": -math.log(vocab) + 0.3 * torch.randn(RESPONSES, completion_length, generator=g),
         "num_items_in_batch": completion_mask.sum(),
     }
     return {k: v.to(device) for k, v in inputs.items()}
 
 
-def update(trainer, inputs) -> tuple:
-    """One optimizer step on ``inputs``: (loss, pre-clip gradient norm), on the device."""
-    import torch
+# parameters whose gradient norms are compared with TRL's on the first update (the tied embedding / lm_head, the
+# final norm, the first attention projection), beside the total norm
+GRADIENT_PROBES = {"embedding": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                   "layer0_q_proj": "model.layers.0.self_attn.q_proj.weight"}
 
-    model, optimizer = trainer.model, trainer.optimizer
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16):
+
+def update(trainer, inputs, record: bool = False) -> dict | None:
+    """One optimizer step on ``inputs`` as Trainer's loop makes it: ``_compute_loss`` on the prepared model, the
+    backward, ``_clip_grad_norm``/``_get_grad_norm`` (DGPOTrainer's non-finite check included), the optimizer
+    step. With ``record``: the loss, the logged entropy and gradient norms, read on the host (not timed)."""
+    model = trainer.model_wrapped
+    with trainer.compute_loss_context_manager():
         loss = trainer._compute_loss(model, inputs)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), grad_norm
+    trainer.accelerator.backward(loss)
+    probes = None
+    if record:
+        params = dict(trainer.model.named_parameters())
+        probes = {name: float(params[param].grad.float().norm()) for name, param in GRADIENT_PROBES.items()}
+    grad_norm = trainer._clip_grad_norm(model) if trainer.args.max_grad_norm > 0 else None
+    grad_norm = trainer._get_grad_norm(model, grad_norm=grad_norm)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if not record:
+        return None
+    return {"loss": float(loss), "grad_norm": float(grad_norm), "entropy": trainer._metrics["train"]["entropy"][-1],
+            "grad_norms": probes}
 
 
 def _rss_kib(key: str) -> int | None:
@@ -238,22 +273,38 @@ def _peak_bytes(device: str) -> int | None:
     return None if hwm is None else hwm * 1024
 
 
-def measure_lengths(trainer, prompt_length, lengths, repeats, device) -> list[dict]:
+def out_of_memory(error: BaseException) -> bool:
+    """An allocation failure of the device (the caching allocator's, or cuBLAS's workspace)."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and ("out of memory" in str(error) or "ALLOC_FAILED" in str(error)))
+
+
+def _release(trainer, device: str) -> None:
+    import torch
+
+    trainer.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_lengths(trainer, prompt_length, lengths, repeats, device):
+    """One row per completion length, yielded as soon as it is measured."""
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     vocab = trainer.model.config.vocab_size
-    rows = []
     for length in lengths:
         inputs = synthetic_rollouts(prompt_length, length, vocab, device)
         tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
         row = {"completion_length": length, "prompt_length": prompt_length, "responses": RESPONSES, "tokens": tokens}
         try:
             started = time.perf_counter()
-            loss, grad_norm = update(trainer, inputs)
+            row.update(update(trainer, inputs, record=True))
             sync()
             row["first_update_s"] = time.perf_counter() - started
-            row["loss"], row["grad_norm"] = float(loss), float(grad_norm)
             _reset_peak(device)
             times = []
             for _ in range(repeats):
@@ -264,15 +315,13 @@ def measure_lengths(trainer, prompt_length, lengths, repeats, device) -> list[di
                 times.append(time.perf_counter() - started)
             row.update(seconds=times, seconds_median=statistics.median(times), peak_bytes=_peak_bytes(device))
             row["tokens_per_s"] = tokens / row["seconds_median"]
-        except torch.OutOfMemoryError as e:
-            row["error"] = f"out of memory: {str(e).splitlines()[0]}"
-        trainer.optimizer.zero_grad(set_to_none=True)
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            if not out_of_memory(e):
+                raise
+            row["error"] = f"out of memory: {str(e).splitlines()[0][:200]}"
         del inputs
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        rows.append(row)
-    return rows
+        _release(trainer, device)
+        yield row
 
 
 def fits_in_memory(trainer, prompt_length, device):
@@ -286,32 +335,55 @@ def fits_in_memory(trainer, prompt_length, device):
             update(trainer, inputs)
             torch.cuda.synchronize()
             ok = True
-        except torch.OutOfMemoryError:
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            if not out_of_memory(e):
+                raise
             ok = False
-        trainer.optimizer.zero_grad(set_to_none=True)
         del inputs
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release(trainer, device)
         return ok
 
     return fits
 
 
 def child(path: str, model_name: str, prompt_length: int, lengths: list[int], repeats: int, search: bool) -> dict:
+    """Measure one path; prints the result so far as one JSON line after every length and every search probe,
+    so that a crash or the command's time limit loses only what was still running."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = {"path": path}
+
+    def emit():
+        print(json.dumps(result), flush=True)
+
     reason = unavailable(path, device)
     if reason:
-        return {"path": path, "skipped": reason}
+        result["skipped"] = reason
+        emit()
+        return result
     with tempfile.TemporaryDirectory() as workdir:
         trainer = build_trainer(path, model_name, max(lengths), workdir, device)
-        result = {"path": path, "rows": measure_lengths(trainer, prompt_length, lengths, repeats, device)}
+        result.update(attn_implementation=trainer.model.config._attn_implementation, rows=[])
+        for row in measure_lengths(trainer, prompt_length, lengths, repeats, device):
+            result["rows"].append(row)
+            emit()
         if search and device == "cuda":
-            longest, probes = longest_fitting(fits_in_memory(trainer, prompt_length, device))
-            result.update(longest_completion=longest, search_probes=probes)
+            fits = fits_in_memory(trainer, prompt_length, device)
+            result["search_probes"] = []
+
+            def logged(length):
+                ok = fits(length)
+                result["search_probes"].append([length, ok])
+                emit()
+                return ok
+
+            known = max((r["completion_length"] for r in result["rows"] if "seconds_median" in r), default=None)
+            result["longest_completion"], _ = longest_fitting(logged, known_fit=known)
+            emit()
         elif search:
             result["longest_completion_skipped"] = "searched on CUDA only: the CPU has no device memory to run out of"
+            emit()
     return result
 
 
@@ -320,60 +392,84 @@ def child(path: str, model_name: str, prompt_length: int, lengths: list[int], re
 
 def run_path(path, model_name, prompt_length, lengths, repeats, search, timeout=3600.0) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # After an out-of-memory probe, fragmentation must not decide the next probe (and long-sequence runs set it).
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cmd = [sys.executable, "-m", "bench.train_step", "--child", path, "--model", model_name,
            "--prompt-length", str(prompt_length), "--completions", ",".join(map(str, lengths)),
            "--repeats", str(repeats)] + ([] if search else ["--no-search"])
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"path": path, "error": f"exited {proc.returncode}: {' | '.join(tail)}"}
-    return json.loads(lines[-1])
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr, code = f"timed out after {timeout:.0f} s", "timeout"
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {"path": path}
+    if code != 0:  # what it measured before it died is kept
+        tail = (stderr or stdout).strip().splitlines()[-3:]
+        result["error"] = f"exited {code}: {' | '.join(tail)}"
+    return result
+
+
+COMPARED = ("loss", "grad_norm", "entropy")
 
 
 def check_against_trl(results: list[dict], rtol: float) -> None:
-    """Each path's first-update loss and gradient norm against TRL's at every length: ``loss_vs_trl`` and
-    ``grad_norm_vs_trl`` (relative differences) and ``matches_trl`` on each row."""
+    """Each path's first update at every length against TRL's: the loss, the total gradient norm, the logged
+    entropy and the gradient norms of ``GRADIENT_PROBES``; ``vs_trl`` holds the relative differences and
+    ``matches_trl`` whether all are within ``rtol`` (None where TRL's row is missing: nothing was checked)."""
     trl = {row["completion_length"]: row for r in results if r["path"] == "trl" for row in r.get("rows", ())}
     for result in results:
         for row in result.get("rows", ()):
             ref = trl.get(row["completion_length"])
-            if ref is None or "loss" not in row or "loss" not in ref:
+            if "loss" not in row:
                 continue
-            row["loss_vs_trl"] = abs(row["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
-            row["grad_norm_vs_trl"] = abs(row["grad_norm"] - ref["grad_norm"]) / max(abs(ref["grad_norm"]), 1e-12)
-            row["matches_trl"] = row["loss_vs_trl"] <= rtol and row["grad_norm_vs_trl"] <= rtol
+            if ref is None or "loss" not in ref:
+                row["matches_trl"] = None
+                continue
+            pairs = [(row[k], ref[k]) for k in COMPARED] + [(row["grad_norms"][k], ref["grad_norms"][k])
+                                                             for k in GRADIENT_PROBES]
+            names = list(COMPARED) + [f"grad_norm.{k}" for k in GRADIENT_PROBES]
+            row["vs_trl"] = {name: abs(a - b) / max(abs(b), 1e-12) for name, (a, b) in zip(names, pairs)}
+            row["matches_trl"] = max(row["vs_trl"].values()) <= rtol
 
 
 def _gb(value) -> str:
     return "-" if value is None else f"{value / 1e9:.2f}"
 
 
+def _largest(row: dict) -> str:
+    return "-" if "vs_trl" not in row else f"{max(row['vs_trl'].values()):.1e}"
+
+
 def markdown(doc: dict) -> str:
     m = doc["machine"]
     where = m.get("device_name") or f"CPU ({m['cpu_count']} cores)"
+    attention = sorted({r["attn_implementation"] for r in doc["results"] if r.get("attn_implementation")})
     lines = [
         f"{where}, torch {m['torch']}, trl {m.get('trl')}, transformers {m.get('transformers')}, liger-kernel "
         f"{m.get('liger_kernel')}; dgpo_ops {m.get('dgpo_ops_commit')}"
-        f"{' + local changes' if m.get('dgpo_ops_worktree_dirty') else ''}; `{doc['command']}`. Model "
-        f"{doc['model']} ({doc['parameters'] / 1e6:.1f} M parameters, vocabulary {doc['vocab_size']:,}), "
-        f"{RESPONSES} responses, prompt {doc['prompt_length']} tokens, {'bf16 autocast' if doc['bf16'] else 'fp32'}, "
-        f"activation checkpointing; one update = loss forward, backward, clip, AdamW step; median of "
-        f"{doc['repeats']} updates; peak memory absolute ({doc['memory_method']}).",
+        f"{' + local changes' if m.get('dgpo_ops_worktree_dirty') else ''}; `{doc['command']}`"
+        f"{'' if doc.get('complete', True) else ' (incomplete: cut short)'}. Model {doc['model']} "
+        f"({doc['parameters'] / 1e6:.1f} M parameters, vocabulary {doc['vocab_size']:,}, attention "
+        f"{'/'.join(attention) or '?'}), {RESPONSES} responses, prompt {doc['prompt_length']} tokens, "
+        f"{'bf16 autocast over fp32 weights' if doc['bf16'] else 'fp32'}, activation checkpointing; one update = "
+        f"forward and loss, backward, clip, AdamW step; median of {doc['repeats']} updates; peak memory absolute "
+        f"({doc['memory_method']}); vs TRL: the largest relative difference of the first update's loss, entropy "
+        "and gradient norms to GRPOTrainer's.",
         "",
-        "| completion | path | update (s) | tokens/s | peak (GB) | loss vs TRL | grad norm vs TRL |",
-        "|---|---|---|---|---|---|---|",
+        "| completion | path | update (s) | tokens/s | peak (GB) | vs TRL |",
+        "|---|---|---|---|---|---|",
     ]
     for length in doc["completion_lengths"]:
         for result in doc["results"]:
             row = next((r for r in result.get("rows", ()) if r["completion_length"] == length), None)
             if row is None or "seconds_median" not in row:
-                why = result.get("skipped") or result.get("error") or (row or {}).get("error", "not run")
-                lines.append(f"| {length:,} | {result['path']} | - | - | - | {why} | |")
+                why = (row or {}).get("error") or result.get("skipped") or result.get("error") or "not run"
+                lines.append(f"| {length:,} | {result['path']} | - | - | - | {why} |")
                 continue
             lines.append(f"| {length:,} | {result['path']} | {row['seconds_median']:.3f} | "
-                         f"{row['tokens_per_s']:,.0f} | {_gb(row['peak_bytes'])} | "
-                         f"{row.get('loss_vs_trl', float('nan')):.1e} | {row.get('grad_norm_vs_trl', float('nan')):.1e} |")
+                         f"{row['tokens_per_s']:,.0f} | {_gb(row['peak_bytes'])} | {_largest(row)} |")
     fits = [f"{r['path']} {r['longest_completion']:,}" if r.get("longest_completion") else f"{r['path']} none"
             for r in doc["results"] if "longest_completion" in r]
     if fits:
@@ -438,7 +534,7 @@ def main(argv=None) -> int:
     prompt_length = args.prompt_length or SHAPES[model_name][0]
     lengths = [int(x) for x in args.completions.split(",")] if args.completions else list(SHAPES[model_name][1])
     if args.child:
-        print(json.dumps(child(args.child, model_name, prompt_length, lengths, args.repeats, not args.no_search)))
+        child(args.child, model_name, prompt_length, lengths, args.repeats, not args.no_search)
         return 0
 
     from dgpo_ops.environment import describe
@@ -447,15 +543,6 @@ def main(argv=None) -> int:
     bad = [p for p in paths if p not in PATHS]
     if bad:
         parser.error(f"unknown path(s) {bad}; choose from {list(PATHS)}")
-    results = []
-    for path in paths:
-        started = time.perf_counter()
-        result = run_path(path, model_name, prompt_length, lengths, args.repeats, not args.no_search)
-        result["wall_s"] = round(time.perf_counter() - started, 1)
-        print(json.dumps(result), flush=True)
-        results.append(result)
-    # fp32 on the CPU: the paths sum in other orders (1e-4); bf16 autocast on CUDA rounds differently (2e-2)
-    check_against_trl(results, rtol=2e-2 if device == "cuda" else 1e-4)
     doc = {
         "command": "python bench/train_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": describe(torch.device(device), packages=("trl", "transformers", "liger-kernel")),
@@ -463,18 +550,33 @@ def main(argv=None) -> int:
         "vocab_size": MODELS[model_name]["vocab_size"], "prompt_length": prompt_length,
         "completion_lengths": lengths, "repeats": args.repeats, "bf16": device == "cuda",
         "memory_method": "torch.cuda.max_memory_allocated" if device == "cuda" else "VmHWM after clear_refs",
-        "paths": {p: PATHS[p].description for p in paths}, "results": results,
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        "paths": {p: PATHS[p].description for p in paths}, "results": [], "complete": False,
     }
     tag = doc["machine"].get("device_name", "cpu").lower().replace(" ", "-") if device == "cuda" else "cpu"
     out = Path(args.output) if args.output else RESULTS_DIR / f"train_step-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    # fp32 on the CPU: the paths sum in other orders (1e-4); bf16 autocast on CUDA rounds differently (2e-2)
+    rtol = 2e-2 if device == "cuda" else 1e-4
+    for path in paths:
+        started = time.perf_counter()
+        result = run_path(path, model_name, prompt_length, lengths, args.repeats, not args.no_search)
+        result["wall_s"] = round(time.perf_counter() - started, 1)
+        print(json.dumps(result), flush=True)
+        doc["results"].append(result)
+        check_against_trl(doc["results"], rtol)
+        out.write_text(json.dumps(doc, indent=1) + "\n")  # after every path: a cut-short run keeps what it measured
+    doc["complete"] = True
     out.write_text(json.dumps(doc, indent=1) + "\n")
     table = markdown(doc)
     out.with_suffix(".md").write_text(table)
     plot(doc, (PLOTS_DIR if args.output is None else out.parent) / f"{out.stem}.png")
     print(table)
-    mismatched = [(r["path"], row["completion_length"]) for r in results for row in r.get("rows", ())
-                  if row.get("matches_trl") is False]
+    rows = [(r["path"], row["completion_length"], row.get("matches_trl")) for r in doc["results"]
+            for row in r.get("rows", ()) if "loss" in row]
+    if any(ok is None for *_, ok in rows):
+        print("TRL's path did not run: the first updates were not checked against it", file=sys.stderr)
+    mismatched = [(path, length) for path, length, ok in rows if ok is False]
     if mismatched:
         print(f"paths whose first update differs from TRL's: {mismatched}", file=sys.stderr)
         return 1
