@@ -114,3 +114,26 @@ def test_report_command_writes_the_merge_and_redraws_it(tmp_path, capsys):
         main([parts[0], parts[0], "--merged", str(tmp_path / "x.json")])  # the same seeds twice: a usage error
     with pytest.raises(SystemExit):
         main(parts)  # several parts and nowhere named for the merge: the figure would land beside a part
+
+
+def test_horizon_tables_average_over_seeds_with_their_range():
+    """docs/train/horizon_tables.py: evaluation curves at chosen steps and windowed training metrics, as the mean
+    over seeds with the min-max."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "train" / "horizon_tables.py"
+    spec = importlib.util.spec_from_file_location("horizon_tables", path)
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    result = fake_result([0, 1, 2])
+    accuracy = tables.eval_table(result, "accuracy", [0, 4]).splitlines()
+    assert accuracy[0] == "| accuracy at step | dgpo | grpo |"
+    assert accuracy[3] == "| 4 | 0.650 [0.550, 0.750] | 0.600 [0.500, 0.700] |"
+    passes = tables.eval_table(result, "pass@2", [4]).splitlines()
+    assert passes[2] == "| 4 | 0.750 [0.650, 0.850] | 0.700 [0.600, 0.800] |"
+    entropy = tables.window_table(result, "entropy", "entropy", 2, 4).splitlines()
+    assert entropy[2:] == ["| 1-2 | 0.290 [0.280, 0.300] | 0.290 [0.280, 0.300] |",
+                           "| 3-4 | 0.290 [0.280, 0.300] | 0.290 [0.280, 0.300] |"]
+    clipped = tables.window_table(result, "clipped", "clipped", 4, 4).splitlines()
+    assert clipped[2] == "| 1-4 | - | - |"  # the fake runs log no regions: no number is made up
