@@ -121,16 +121,19 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
 
 
 def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
-    """--eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2 completions per held-out
-    problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem counts; the console line
-    shows them and the report redraws the figure from the JSON (issue 26, item 2)."""
+    """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
+    completions per held-out problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem
+    counts; the console line shows them and the report redraws the figure from the JSON (issue 26)."""
     from dgpo_ops.trainer.warm_start import pass_rates
 
     out = tmp_path / "run"
-    args = ["--method", "grpo", "--eval-pass-k", "2", "--max-steps", "2", "--eval-every", "1", "--eval-size", "6",
-            *tiny_run_args(out)]
+    args = ["--task", "addition-hard", "--method", "grpo", "--eval-pass-k", "2", "--max-steps", "2", "--eval-every",
+            "1", "--eval-size", "6", *tiny_run_args(out)]
     result = _run(args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((out / "run.json").read_text())
+    assert record["task"].startswith("addition, 1-3 digits")  # the harder task's preset, under --sft-steps 8
+    assert record["warm_start"][0]["steps"] == 8
     assert re.search(r"held-out accuracy [0-9.]+ .*pass@1 [0-9.]+, pass@2 [0-9.]+ \(2 samples, t=1\)", result.stdout)
     (run,) = json.loads((out / "run.json").read_text())["runs"]
     assert [e["step"] for e in run["eval_curve"]] == [0, 1, 2]

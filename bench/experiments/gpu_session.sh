@@ -8,7 +8,8 @@
 # --timing-only: back-to-back times of the logits op), host (host_overhead.py: host submit time and
 # profile), repro (the bf16 cuDNN attention repro), mainjob (20 bf16 runs of the main job, 10 at a
 # time), trainstep (bench/train_step.py: one policy update of Qwen2.5-1.5B's architecture per path at
-# completions of 2k, 8k and 16k), trainfit (its search for the longest completion that fits, per path). Logs, JSON and results go to $OUT (one tarball, results.tgz, plus session.log).
+# completions of 2k, 8k and 16k), trainfit (its search for the longest completion that fits, per path).
+# Logs, JSON and results go to $OUT (one tarball, results.tgz, plus session.log).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/r"
