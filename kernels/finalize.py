@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import codes
+from .interface import next_power_of_2
 
 MAX_BLOCK = 2048  # tokens per step of the reduction loop
 FINALIZE_WARPS = 8
@@ -66,7 +67,7 @@ def reduce_loss_and_metrics(per_token_ptr, target_index_ptr, seq_scale_ptr, stat
 
 
 def finalize_block(n_tokens: int) -> int:
-    return min(MAX_BLOCK, triton.next_power_of_2(max(n_tokens, 16)))
+    return min(MAX_BLOCK, next_power_of_2(max(n_tokens, 16)))
 
 
 @triton.jit

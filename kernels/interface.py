@@ -19,6 +19,20 @@ LOGP_FLOOR = -1.0e6
 IGNORE_INDEX = -100  # target id of a token that is not scored (TRL's and torch's convention)
 
 
+# Host-side launch arithmetic. triton.next_power_of_2 and triton.cdiv are ConstexprFunction objects
+# (Triton >= 3.5) whose calls unwrap constexprs first: several microseconds each, on every launch.
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 that is >= ``n``, and 0 for 0, as ``triton.next_power_of_2``."""
+    if n < 0:
+        raise ValueError(f"next_power_of_2 needs n >= 0, got {n}")
+    return 1 << (n - 1).bit_length() if n else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers, as ``triton.cdiv``."""
+    return -(-a // b)
+
+
 class Region(enum.IntEnum):
     """Region code of a token (docs/math.md, "Regions"); DUAL replaces HN/LP where a dual clip fires."""
 

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import codes
+from .interface import cdiv
 from .linear_logits import LINEAR_GRAD_SHAPE, bias_stride, check_hidden_strides, dot_operand, projected_logits
 from .logits_grad import _one_minus_exp
 
@@ -146,7 +147,7 @@ def linear_grads(hidden, weight, bias, workspace, grid_seq_len: int, projection,
     def pointer(tensor):
         return anchor if tensor is None else tensor
 
-    linear_grad_kernel[(triton.cdiv(n_tokens, shape.block_n), triton.cdiv(vocab, shape.block_v))](
+    linear_grad_kernel[(cdiv(n_tokens, shape.block_n), cdiv(vocab, shape.block_v))](
         hidden, weight, pointer(bias), workspace.target_index, workspace.per_token, pointer(dloss_dlogp),
         workspace.seq_scale, pointer(grad_hidden), pointer(grad_weight), pointer(grad_bias),
         projection.tanh_scale, projection.out_scale, float(entropy_coef), n_tokens, grid_seq_len, vocab, hidden_dim,

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .interface import cdiv, next_power_of_2
 from .logprob_entropy import finish_row
 from .tokens import read_targets
 
@@ -241,7 +242,7 @@ class GemmShape:
     def fitted(self, n_tokens: int, vocab: int, hidden_dim: int) -> "GemmShape":
         """Smaller tiles for small problems (at least 16, what ``tl.dot`` needs)."""
         def fit(block, size):
-            return max(16, min(block, triton.next_power_of_2(size)))
+            return max(16, min(block, next_power_of_2(size)))
 
         return GemmShape(fit(self.block_n, n_tokens), fit(self.block_v, vocab), fit(self.block_k, hidden_dim),
                          self.num_warps, self.num_stages)
@@ -290,11 +291,11 @@ def check_hidden_strides(hidden, weight) -> None:
 def vocabulary_splits(n_tokens: int, vocab: int, shape: GemmShape) -> tuple[int, int]:
     """``(splits, split_width)``: the vocabulary cut into whole tiles so that token blocks x splits
     reaches ``PROGRAMS_WANTED``; every split holds at least one column."""
-    token_blocks = triton.cdiv(n_tokens, shape.block_n)
-    vocab_tiles = triton.cdiv(vocab, shape.block_v)
-    wanted = max(1, min(vocab_tiles, triton.cdiv(PROGRAMS_WANTED, token_blocks)))
-    split_width = triton.cdiv(vocab_tiles, wanted) * shape.block_v
-    return triton.cdiv(vocab, split_width), split_width
+    token_blocks = cdiv(n_tokens, shape.block_n)
+    vocab_tiles = cdiv(vocab, shape.block_v)
+    wanted = max(1, min(vocab_tiles, cdiv(PROGRAMS_WANTED, token_blocks)))
+    split_width = cdiv(vocab_tiles, wanted) * shape.block_v
+    return cdiv(vocab, split_width), split_width
 
 
 def linear_logprob_entropy(hidden, weight, bias, batch, workspace, projection: OnChipProjection, epilogue=None) -> None:
@@ -317,7 +318,7 @@ def linear_logprob_entropy(hidden, weight, bias, batch, workspace, projection: O
         return (0, 0) if tensor is None else batch.strides(tensor)
 
     grid_seq_len = batch.grid[1]
-    linear_partials_kernel[(triton.cdiv(n_tokens, shape.block_n), splits)](
+    linear_partials_kernel[(cdiv(n_tokens, shape.block_n), splits)](
         hidden, weight, pointer(bias), batch.target_ids, pointer(batch.mask), partials,
         projection.tanh_scale, projection.out_scale, n_tokens, grid_seq_len, vocab, hidden_dim, split_width,
         *hidden.stride(), *weight.stride(), bias_stride(bias), *strides(batch.target_ids), *strides(batch.mask),
@@ -341,6 +342,6 @@ def linear_logprob_entropy(hidden, weight, bias, batch, workspace, projection: O
         HAS_KL=has_kl,
         KL_TIMES_RATIO=has_kl and epilogue.kl_ratio_correction,
         HAS_ROLLOUT_WEIGHTS=epilogue is not None and batch.rollout_weights is not None,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        BLOCK_S=max(2, next_power_of_2(splits)),
         num_warps=1,
     )

@@ -17,10 +17,9 @@ import triton
 import triton.language as tl
 
 from . import codes
+from .interface import next_power_of_2
 from .method_table import token_terms
 from .tokens import read_targets
-
-
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,7 @@ def finish_row(per_token_ptr, token, n_tokens, b, t, valid, row_max, sum_exp, su
 
 
 def default_block_v(vocab: int, shape: LaunchShape) -> int:
-    return min(triton.next_power_of_2(vocab), shape.block_v)
+    return min(next_power_of_2(vocab), shape.block_v)
 
 
 def launch_shape(block_v: int, shape: LaunchShape) -> dict:

@@ -25,6 +25,7 @@ import triton.language as tl
 from . import codes
 from .finalize import FINALIZE_WARPS, finalize_block, reduce_loss_and_metrics
 from .finalize import finalize as finalize_rows
+from .interface import next_power_of_2
 from .tokens import read_targets
 
 
@@ -239,8 +240,8 @@ def token_prologue(batch, sequence_stats, seq_scale, status, vocab: int, aggrega
         NORMALIZER=int(normalizer_kind),
         PER_RESPONSE=per_response,
         DENOMINATOR=int(denominator),
-        BLOCK_T=min(1024, triton.next_power_of_2(max(seq_len, 1))),
-        BLOCK_B=min(1024, triton.next_power_of_2(max(n_seqs, 1))),
+        BLOCK_T=min(1024, next_power_of_2(max(seq_len, 1))),
+        BLOCK_B=min(1024, next_power_of_2(max(n_seqs, 1))),
         HAS_FINALIZE=workspace is not None,
         HAS_KL=has_kl,
         FINALIZE_BLOCK=finalize_block(n_seqs * seq_len) if workspace is not None else 16,  # no recompile per size

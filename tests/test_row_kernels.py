@@ -289,3 +289,19 @@ def test_cpu_path_allocates_no_vocabulary_sized_temporaries(inplace):
     backward_sizes = largest_allocations(lambda: torch.autograd.grad(holder["out"].loss, produced))
     logits_sized = [s for s in backward_sizes if s >= N * V * produced.element_size()]
     assert len(logits_sized) == (0 if inplace else 1), backward_sizes[:4]
+
+
+def test_host_launch_arithmetic_equals_tritons():
+    # The launch wrappers size grids and blocks with plain-Python twins of triton.next_power_of_2 and
+    # triton.cdiv (Triton's are ConstexprFunction objects, several microseconds a call on the host).
+    import triton
+
+    from dgpo_ops.kernels.interface import cdiv, next_power_of_2
+
+    for n in [*range(0, 5000), 65_535, 65_536, 65_537, 151_936, 262_144, 2**31 - 1, 2**31]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in [*range(0, 600), 151_936, 2**31 + 5]:
+        for b in (1, 2, 3, 16, 64, 128, 1000):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    with pytest.raises(ValueError):
+        next_power_of_2(-1)
