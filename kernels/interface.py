@@ -1,9 +1,9 @@
 """What the kernels and their callers agree on: method, gate and region codes, parameter slots, the
 log-ratio clamp, aggregation codes, input-error bits, and the layout of the per-token planes and
-per-call status the kernels write.
+per-call status the kernels write; and the host's launch arithmetic (``next_power_of_2``, ``cdiv``).
 
 A leaf module: it imports nothing from ``dgpo_ops``, so the dependencies run one way
-(``dgpo_ops`` -> ``dgpo_ops.kernels``). Every value here is an ``IntEnum`` member or a float, so a
+(``dgpo_ops`` -> ``dgpo_ops.kernels``). Every constant here is an ``IntEnum`` member or a float, so a
 kernel turns it into a ``tl.constexpr`` and the host uses the same member.
 """
 
