@@ -238,17 +238,6 @@ def update(trainer, inputs, record: bool = False) -> dict | None:
             "grad_norms": probes}
 
 
-def _rss_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def _reset_peak(device: str) -> None:
     import torch
 
@@ -257,20 +246,19 @@ def _reset_peak(device: str) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-    except OSError:
-        pass
+    from bench.memory import reset_peak_rss
+
+    reset_peak_rss()
 
 
-def _peak_bytes(device: str) -> int | None:
+def _peak_bytes(device: str) -> int:
     import torch
 
     if device == "cuda":
         return torch.cuda.max_memory_allocated()
-    hwm = _rss_kib("VmHWM")
-    return None if hwm is None else hwm * 1024
+    from bench.memory import _status_kib
+
+    return _status_kib("VmHWM") * 1024
 
 
 def out_of_memory(error: BaseException) -> bool:
