@@ -525,7 +525,7 @@ def main(argv=None) -> int:
         child(args.child, model_name, prompt_length, lengths, args.repeats, not args.no_search)
         return 0
 
-    from dgpo_ops.environment import describe
+    from dgpo_ops.core.environment import describe
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = [p for p in paths if p not in PATHS]

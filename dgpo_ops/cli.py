@@ -9,7 +9,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # its own parser (TRL's options pass through); TRL is imported only here
-        from .trainer import cli as train_cli
+        from dgpo_ops.trainer import cli as train_cli
 
         return train_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="dgpo-ops", description=__doc__)
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="warm-start and RL-train a policy, report held-out accuracy (dgpo-ops train --help)")
     args = parser.parse_args(argv)
 
-    from . import atlas
+    from dgpo_ops.methods import atlas
 
     if args.command == "table":
         print(atlas.psi_table())

@@ -99,11 +99,12 @@ def wrap(model, wrapping: str, mesh, mixed_precision: bool):
 def policy_loss(model, batch: dict, method: str, on_chip: bool, backward=None):
     """The loss and the old-policy log-probs as DGPOTrainer computes them (``fused='linear'``); ``model``
     may be wrapped (DDP, FSDP2, a DeepSpeed engine: ``backward`` is then ``engine.backward``)."""
-    from dgpo_ops.fused_linear import ProjectionOptions, fused_linear_logprobs, fused_linear_loss_from_options
-    from dgpo_ops.head import add_hidden_state_output, fused_linear_on_model
-    from dgpo_ops.inputs import LossBatch
-    from dgpo_ops.options import LossOptions
-    from dgpo_ops.output import PolicyLossOutput
+    from dgpo_ops.api import fused_linear_logprobs, linear_loss_from_options
+    from dgpo_ops.ops.linear import ProjectionOptions
+    from dgpo_ops.distributed.head import add_hidden_state_output, fused_linear_on_model
+    from dgpo_ops.core.inputs import LossBatch
+    from dgpo_ops.core.options import LossOptions
+    from dgpo_ops.core.output import PolicyLossOutput
 
     method, _, route = method.partition("@")  # "dgpo@module": fused_linear_dgpo_loss(hidden, model.lm_head, ...)
     inner = getattr(model, "module", model)
@@ -115,7 +116,7 @@ def policy_loss(model, batch: dict, method: str, on_chip: bool, backward=None):
                            batch["ref_logps"] if options.beta else None)
 
     def loss_fn(hidden, weight, bias):
-        return fused_linear_loss_from_options(hidden, weight, bias, loss_batch, options, projection).tensors()
+        return linear_loss_from_options(hidden, weight, bias, loss_batch, options, projection).tensors()
 
     def logprobs_fn(hidden, weight, bias):
         return fused_linear_logprobs(hidden, weight, batch["targets"], bias=bias, logits_on_chip=on_chip,

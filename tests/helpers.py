@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dgpo_ops
-from dgpo_ops import catalog
+from dgpo_ops.methods import catalog
 
 
 def cuda_ready() -> bool:
@@ -28,7 +28,7 @@ def requires_cuda(test):
         test = mark(test)
     return test
 
-# Every method's test variants, from its row of the method table (dgpo_ops.methods.METHODS).
+# Every method's test variants, from its row of the method table (dgpo_ops.methods.table.METHODS).
 METHOD_VARIANTS = catalog.variants()
 
 

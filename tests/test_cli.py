@@ -1,7 +1,7 @@
 import pytest
 
 from dgpo_ops import cli
-from dgpo_ops.methods import GATES, METHODS
+from dgpo_ops.methods.table import GATES, METHODS
 
 
 def test_table_lists_every_method_for_both_signs(capsys):

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO stage 3 with real processes (gloo, CPU): the fused-linear loss as DGPOTrainer computes
-it (the op as the lm_head's forward, ``dgpo_ops.head``), with untied and tied embeddings, gives every
+it (the op as the lm_head's forward, ``dgpo_ops.distributed.head``), with untied and tied embeddings, gives every
 parameter the whole gradient of one process over the same global batch, and a bare partitioned weight
 is refused.
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dgpo_ops
-from dgpo_ops.validation import pending_deferred_checks
+from dgpo_ops.core.validation import pending_deferred_checks
 from helpers import logits_batch
 
 BACKENDS = ["triton", "torch"]

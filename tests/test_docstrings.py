@@ -1,11 +1,11 @@
-"""The public loss functions' docstrings come from one source (dgpo_ops.docstrings)."""
+"""The public loss functions' docstrings come from one source (dgpo_ops.core.docstrings)."""
 
 import inspect
 
 import pytest
 
 import dgpo_ops
-from dgpo_ops.docstrings import ARGUMENTS, documented
+from dgpo_ops.core.docstrings import ARGUMENTS, documented
 
 PUBLIC = [dgpo_ops.reference_loss, dgpo_ops.fused_dgpo_loss, dgpo_ops.fused_linear_dgpo_loss]
 

@@ -1,7 +1,7 @@
 """FSDP2 (and DDP) with real processes (gloo, CPU): the fused-linear loss as DGPOTrainer computes it,
 under every wrapping a training job uses, gives the gradients of one process over the same global batch.
 
-Before the op ran as the lm_head's forward (``dgpo_ops.head``), the head's own FSDP unit got a
+Before the op ran as the lm_head's forward (``dgpo_ops.distributed.head``), the head's own FSDP unit got a
 gradient 100 % off (the head's forward never ran, so FSDP never reduced it) and the tied embedding
 with the head as one unit 71 % off, with no error; these tests fail on that code."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dgpo_ops.backends import triton_is_interpreted
+from dgpo_ops.ops.backends import triton_is_interpreted
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dgpo_ops
-from dgpo_ops.metrics import METRIC_NAMES
+from dgpo_ops.core.metrics import METRIC_NAMES
 from helpers import METHOD_VARIANTS, variant_id
 
 SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default",

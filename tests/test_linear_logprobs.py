@@ -13,7 +13,7 @@ import torch
 from helpers import value_error_message
 
 from dgpo_ops.integrations import verl_params
-from dgpo_ops.linear_logprobs import linear_logprob_entropy
+from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 
 V = 45
 
@@ -130,7 +130,7 @@ def test_bad_input_is_named():
 
 def test_readme_verl_table_is_current():
     """The README's table of verl loss names is ``verl_params.verl_table_markdown()`` (``python -m
-    dgpo_ops.catalog`` rewrites it), so it lists every method of the table."""
+    dgpo_ops.integrations.verl_params`` rewrites it), so it lists every method of the table."""
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     start, end = readme.index(verl_params.START), readme.index(verl_params.END)
     assert readme[start + len(verl_params.START):end].strip() == verl_params.verl_table_markdown().strip()

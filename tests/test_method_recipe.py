@@ -1,5 +1,5 @@
 """A method is one row: every list of methods, fields, presets and variants the project keeps is derived
-from ``dgpo_ops.methods.METHODS`` / ``ALIASES`` (the recipe in csrc_notes.md, "Adding a method")."""
+from ``dgpo_ops.methods.table.METHODS`` / ``ALIASES`` (the recipe in csrc_notes.md, "Adding a method")."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from dgpo_ops.kernels.interface import MethodId
 from helpers import METHOD_VARIANTS
 
-from dgpo_ops import catalog
-from dgpo_ops.methods import ALIASES, GATES, METHODS, ParamSpec, method_config
-from dgpo_ops.styles import STYLES, style
+from dgpo_ops.methods import catalog
+from dgpo_ops.methods.table import ALIASES, GATES, METHODS, ParamSpec, method_config
+from dgpo_ops.methods.styles import STYLES, style
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -55,7 +55,7 @@ def test_every_policy_loss_and_gate_has_its_own_colour(monkeypatch):
 
 def test_the_readme_method_table_is_generated_from_the_table():
     text = README.read_text()
-    assert catalog.readme_with_method_table(text) == text, "run `python -m dgpo_ops.catalog`"
+    assert catalog.readme_with_method_table(text) == text, "run `python -m dgpo_ops.methods.catalog`"
     for name in catalog.POLICY_LOSSES:
         assert f"| `{name}` |" in text
 

@@ -11,7 +11,7 @@ from helpers import METHOD_VARIANTS, config, spanning_tokens, variant_id
 
 import dgpo_ops
 from dgpo_ops import Region, method_config, token_terms
-from dgpo_ops.methods import dcpo_bounds
+from dgpo_ops.methods.table import dcpo_bounds
 
 
 def expected_regions(cfg, log_ratio, adv, old_logp):

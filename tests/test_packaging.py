@@ -1,4 +1,5 @@
-"""Install layout: kernels/ and trainer/ install as dgpo_ops.kernels and dgpo_ops.trainer."""
+"""Install layout: everything lives in dgpo_ops/ (kernels and trainer included), so a plain checkout imports
+it as it is, an editable install points at it, and a regular install copies it whole."""
 
 from __future__ import annotations
 
@@ -20,12 +21,22 @@ def run_import_check(python: str, cwd) -> list[str]:
     return result.stdout.splitlines()
 
 
-def test_editable_install_maps_the_top_level_folders(tmp_path):
+def test_editable_install_points_at_the_package_folder(tmp_path):
     pkg, kernels, trainer, heavy = run_import_check(sys.executable, tmp_path)
     assert pathlib.Path(pkg).parent == REPO / "dgpo_ops"
-    assert pathlib.Path(kernels).parent == REPO / "kernels"
-    assert pathlib.Path(trainer).parent == REPO / "trainer"
+    assert pathlib.Path(kernels).parent == REPO / "dgpo_ops" / "kernels"
+    assert pathlib.Path(trainer).parent == REPO / "dgpo_ops" / "trainer"
     assert heavy == "[]", "importing dgpo_ops must not import TRL, transformers or vLLM"
+
+
+def test_a_plain_checkout_imports_without_an_install(tmp_path):
+    """A copy of the package folder alone (no install maps anything for it) imports whole from where it is."""
+    import shutil
+
+    shutil.copytree(REPO / "dgpo_ops", tmp_path / "dgpo_ops", ignore=shutil.ignore_patterns("__pycache__"))
+    pkg, kernels, trainer, _ = run_import_check(sys.executable, tmp_path)
+    for path in (pkg, kernels, trainer):
+        assert pathlib.Path(path).is_relative_to(tmp_path), path
 
 
 def test_regular_install_in_a_new_venv(tmp_path):

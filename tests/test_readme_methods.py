@@ -12,8 +12,8 @@ import torch
 from helpers import logits_batch
 
 import dgpo_ops
-from dgpo_ops.catalog import END, START
-from dgpo_ops.methods import ALIASES, METHODS
+from dgpo_ops.methods.catalog import END, START
+from dgpo_ops.methods.table import ALIASES, METHODS
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

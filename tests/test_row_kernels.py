@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import dgpo_ops
-from dgpo_ops.aggregation import AGGREGATIONS
-from dgpo_ops.inputs import LossBatch, normalizer_spec, token_inputs
+from dgpo_ops.core.aggregation import AGGREGATIONS
+from dgpo_ops.core.inputs import LossBatch, normalizer_spec, token_inputs
 from dgpo_ops.kernels import finalize as finalize_module
 from dgpo_ops.kernels import logits_grad as grad_module
 from dgpo_ops.kernels import logprob_entropy as forward_module
@@ -141,8 +141,8 @@ def test_finalize_matches_the_torch_metrics():
 def test_the_finalizing_prologue_equals_the_finalize_kernel(bad):
     # The logits op reduces the loss and metrics in the prologue's last program; the fused-linear op
     # launches finalize_kernel. Both must give the same bits from the same planes.
-    from dgpo_ops.fused import forward_pass, logits_plan
-    from dgpo_ops.options import LossOptions
+    from dgpo_ops.ops.logits import forward_pass, logits_plan
+    from dgpo_ops.core.options import LossOptions
 
     inputs = logits_batch(5, 9, 40, seed=11)
     if bad:
@@ -209,7 +209,7 @@ class RecordingKernel:
 def test_long_completions_launch_on_grid_axis_zero(monkeypatch):
     # 70,000 tokens in one response: past CUDA's 65,535 cap on grid axes 1 and 2.
     recorder = RecordingKernel()
-    monkeypatch.setattr(dgpo_ops.backends, "triton_is_interpreted", lambda: True)
+    monkeypatch.setattr(dgpo_ops.ops.backends, "triton_is_interpreted", lambda: True)
     for module, name in ((forward_module, "logprob_entropy_fwd_kernel"), (grad_module, "logits_grad_kernel"),
                          (prologue_module, "token_prologue_kernel"), (finalize_module, "finalize_kernel")):
         monkeypatch.setattr(module, name, recorder)

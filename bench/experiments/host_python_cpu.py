@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import dgpo_ops  # noqa: E402
-from dgpo_ops.environment import describe  # noqa: E402
+from dgpo_ops.core.environment import describe  # noqa: E402
 
 LAUNCHES: list[str] = []
 
@@ -58,10 +58,10 @@ def python_calls(fn) -> int:
 def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
     """This thread's CPU time of each host stage of the forward alone (us per call), cumulative: each
     stage runs everything before it too, so the differences are what a stage adds."""
-    from dgpo_ops.fused import FusedPolicyLossFunction, logits_plan
-    from dgpo_ops.inputs import LossBatch
+    from dgpo_ops.ops.logits import FusedPolicyLossFunction, logits_plan
+    from dgpo_ops.core.inputs import LossBatch
     from dgpo_ops.kernels.row_io import RowWorkspace
-    from dgpo_ops.options import LossOptions
+    from dgpo_ops.core.options import LossOptions
 
     def options():
         return LossOptions.build("dgpo", backend="triton", validation="deferred")

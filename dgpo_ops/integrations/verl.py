@@ -17,7 +17,7 @@ aggregation and normalisation across data-parallel ranks and micro-batches (``ve
 ``use_fused_kernels()`` (or ``DGPO_OPS_VERL_FUSED_KERNELS=1`` in the workers' environment, read when this
 module is imported) makes verl's Triton fused-kernel path (``use_fused_kernels=True``,
 ``fused_kernel_options.impl_backend=triton``) compute its per-token log-probs and entropies with
-``dgpo_ops.linear_logprobs`` instead of verl's own kernel.
+``dgpo_ops.ops.linear_logprobs`` instead of verl's own kernel.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
-from ..catalog import resolve
-from ..inputs import TokenBatch
-from ..kernels.interface import Region
-from ..linear_logprobs import linear_logprob_entropy
-from ..metrics import policy_metrics
-from ..objective import policy_objective
-from ..options import IMPORTANCE_SAMPLING_LEVELS
-from .verl_params import LOSS_MODES, POLICY_LOSS, check_method_params, loss_options, read_field, verl_token_scales
+from dgpo_ops.methods.catalog import resolve
+from dgpo_ops.core.inputs import TokenBatch
+from dgpo_ops.kernels.interface import Region
+from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
+from dgpo_ops.core.metrics import policy_metrics
+from dgpo_ops.core.objective import policy_objective
+from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS
+from dgpo_ops.integrations.verl_params import LOSS_MODES, POLICY_LOSS, check_method_params, loss_options, read_field, verl_token_scales
 
 FUSED_KERNELS_ENV = "DGPO_OPS_VERL_FUSED_KERNELS"
 # Our metrics beside verl's three; entropy and KL are verl's own (ppo_loss logs them).

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..catalog import POLICY_LOSSES, resolve
-from ..catalog import method_params as table_params
-from ..methods import ALIASES, METHODS, ParamSpec
-from ..options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
+from dgpo_ops.methods.catalog import POLICY_LOSSES, resolve
+from dgpo_ops.methods.catalog import method_params as table_params
+from dgpo_ops.methods.table import ALIASES, METHODS, ParamSpec
+from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
 
 PREFIX = "dgpo_ops."
 ACTOR = "actor_rollout_ref.actor"
@@ -212,3 +212,16 @@ def verl_table_markdown() -> str:
 
 
 START, END = "<!-- verl-methods:start -->", "<!-- verl-methods:end -->"
+
+
+def main() -> None:
+    """``python -m dgpo_ops.integrations.verl_params``: rewrite the README's verl table (the method table is
+    ``python -m dgpo_ops.methods.catalog``'s)."""
+    from dgpo_ops.methods.catalog import README, readme_with_section
+
+    README.write_text(readme_with_section(README.read_text(), START, END, verl_table_markdown()))
+    print(f"wrote the verl table of {README}")
+
+
+if __name__ == "__main__":
+    main()

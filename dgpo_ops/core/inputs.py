@@ -1,0 +1,216 @@
+"""Checks and layouts of the loss inputs, shared by every backend.
+
+Three steps, each usable alone:
+
+* ``token_inputs``: the structure (shapes, dtypes, devices) on the host, from tensor metadata only;
+  it launches nothing and never reads a value.
+* ``check_values``: the values (target ids in range, a 0/1 mask, finite per-token floats) with torch
+  ops and host reads, raising ``ValueError`` at once. On CUDA tensors this synchronises, so by
+  default it runs only on the CPU; on CUDA the prologue kernel checks the values on the device
+  instead (``dgpo_ops.core.validation``).
+* ``canonical_batch``: the contiguous fp32 ``(B, T)`` layout the torch objective works on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from dgpo_ops.core.aggregation import TOKEN_LEVEL_AGGREGATIONS, check_normalizer_form, check_normalizer_value, token_scales
+from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
+from dgpo_ops.kernels.row_io import TokenInputs
+from dgpo_ops.core.validation import MESSAGES
+
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
+
+
+class LossBatch(NamedTuple):
+    """One call's loss inputs as the caller passed them: the public functions take them as keywords,
+    everything below them takes this one object (a tuple: made on every call, it must cost nothing).
+    ``token_inputs`` checks their structure, ``check_values`` (or the prologue kernel) their values."""
+
+    target_ids: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    rollout_weights: torch.Tensor | None = None
+    loss_normalizer: float | torch.Tensor | None = None
+
+    def tensors(self) -> tuple:
+        """The tensors in the order the custom ops of ``dgpo_ops.ops.compiled`` take them (the normaliser apart)."""
+        return self.target_ids, self.advantages, self.mask, self.old_logps, self.ref_logps, self.rollout_weights
+
+
+@dataclass
+class TokenBatch:
+    """Per-token inputs on a ``(B, T)`` grid (``(1, N)`` for flat ``(N, V)`` logits), contiguous, in
+    the per-token compute dtype. Positions not scored hold 0 in every per-token tensor, so nothing
+    non-finite from a padded position can reach a loss or a gradient."""
+
+    target_ids: torch.Tensor  # int64, -100 (and masked or out-of-range ids) replaced by 0
+    mask: torch.Tensor  # bool: the token is scored
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    rollout_weights: torch.Tensor | None
+    scale: torch.Tensor  # s_t, 0 on tokens not scored
+    flat: bool  # the caller passed (N, V) logits: outputs are (N,)
+
+    def unflatten(self, per_token: torch.Tensor) -> torch.Tensor:
+        return per_token.reshape(-1) if self.flat else per_token.reshape(self.mask.shape)
+
+
+def _check_float_input(name, value, grid_shape, device, allow_per_response):
+    if value is None:
+        return None
+    if not torch.is_tensor(value):
+        raise ValueError(f"{name} must be a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but logits are on {device}")
+    if allow_per_response and value.shape == grid_shape[:1]:
+        return value.detach()
+    if value.shape != grid_shape:
+        wanted = f"{tuple(grid_shape)}" + (f" or {tuple(grid_shape[:1])}" if allow_per_response else "")
+        raise ValueError(f"{name} must have shape {wanted}, got {tuple(value.shape)}")
+    return value.detach()
+
+
+def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregation="token_mean",
+                 needs_sequences=False) -> TokenInputs:
+    """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``."""
+    target_ids, advantages, mask = batch.target_ids, batch.advantages, batch.mask
+    if len(logits_shape) not in (2, 3):
+        raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits_shape)}")
+    if logits_dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits dtype must be one of float32, bfloat16, float16 (float64 on CPU), got {logits_dtype}")
+    if logits_shape[-1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary axis")
+    flat = len(logits_shape) == 2
+    if flat and (needs_sequences or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
+        raise ValueError(
+            "flat (N, V) logits carry no response structure: use (B, T, V) logits for aggregation "
+            f"{aggregation!r} or for importance_sampling_level='sequence'"
+        )
+    token_shape = torch.Size(logits_shape[:-1])
+    grid = (1, logits_shape[0]) if flat else (logits_shape[0], logits_shape[1])
+
+    if not torch.is_tensor(target_ids) or target_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError("target_ids must be an int64 or int32 tensor")
+    if target_ids.shape != token_shape:
+        raise ValueError(f"target_ids must have shape {tuple(token_shape)}, got {tuple(target_ids.shape)}")
+    if target_ids.device != device:
+        raise ValueError(f"target_ids is on {target_ids.device} but logits are on {device}")
+    if mask is not None:
+        if not torch.is_tensor(mask) or mask.shape != token_shape:
+            shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+            raise ValueError(f"mask must have shape {tuple(token_shape)}, got {shape}")
+        if mask.device != device:
+            raise ValueError(f"mask is on {mask.device} but logits are on {device}")
+        if mask.is_complex():
+            raise ValueError(f"mask must be boolean, integer or floating point, got {mask.dtype}")
+    if advantages is None:
+        raise ValueError("advantages are required")
+    floats = {
+        name: _check_float_input(name, value, token_shape, device,
+                                 allow_per_response=(name == "advantages" and not flat))
+        for name, value in ((name, getattr(batch, name)) for name in PER_TOKEN_FLOATS)
+    }
+    return TokenInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
+                       mask=None if mask is None else mask.detach(), **floats)
+
+
+def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.Tensor | None]:
+    """How ``loss_normalizer`` reaches the kernels: absent, a checked number, or a one-element device
+    tensor read (and checked) on the device. Host numbers and CPU tensors are checked here."""
+    if loss_normalizer is None:
+        return Normalizer.ABSENT, 0.0, None
+    check_normalizer_form(loss_normalizer)
+    if torch.is_tensor(loss_normalizer):
+        if loss_normalizer.device == device:  # read on the device, by the kernels
+            return Normalizer.TENSOR, 0.0, loss_normalizer.detach().reshape(())
+        if loss_normalizer.device.type != "cpu":
+            raise ValueError(f"loss_normalizer is on {loss_normalizer.device} but logits are on {device}")
+        loss_normalizer = loss_normalizer.detach().reshape(()).item()  # a CPU tensor beside GPU logits: no device sync
+    check_normalizer_value(loss_normalizer)
+    return Normalizer.VALUE, float(loss_normalizer), None
+
+
+def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=torch.float32) -> None:
+    """Check the values now (host reads: a sync on CUDA tensors), with the errors the prologue
+    kernel would report later. Per-token floats must be finite in the per-token compute ``dtype``
+    (fp32, or fp64 for fp64 logits): an fp64 1e39 would be inf where the loss is computed."""
+    target_ids = inputs.target_ids
+    out_of_range = (target_ids != IGNORE_INDEX) & ((target_ids < 0) | (target_ids >= vocab))
+    if out_of_range.any():
+        bad = target_ids[out_of_range][0].item()
+        raise ValueError(MESSAGES[InputError.TARGET_IDS].format(vocab=vocab, ignore=IGNORE_INDEX, bad_target=bad))
+    scored = target_ids != IGNORE_INDEX
+    if inputs.mask is not None:
+        if inputs.mask.dtype != torch.bool and ((inputs.mask != 0) & (inputs.mask != 1)).any():
+            raise ValueError(MESSAGES[InputError.MASK])
+        scored = scored & (inputs.mask != 0)
+    for name in PER_TOKEN_FLOATS:
+        value = getattr(inputs, name)
+        if value is None:
+            continue
+        if value.dim() == 1 and not inputs.flat:
+            value = value[:, None].expand(scored.shape)
+        if not torch.isfinite(value[scored].to(dtype)).all():
+            raise ValueError(MESSAGES[InputError[name.upper()]])
+    kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
+    if kind == Normalizer.TENSOR:
+        check_normalizer_value(float(tensor))
+
+
+def per_token_dtype(logits_dtype) -> torch.dtype:
+    """Per-token math runs in fp32, or fp64 for fp64 logits (gradcheck)."""
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
+def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tensor, dtype) -> TokenBatch:
+    """The objective's layout from the inputs, the scored-token mask ``(B, T)`` and the scales ``(B, T)``."""
+    B, T = inputs.grid
+
+    def on_grid(value):
+        if value is None:
+            return None
+        if inputs.flat:
+            value = value.reshape(B, T)
+        elif value.dim() == 1:
+            value = value[:, None].expand(B, T)
+        return torch.where(scored, value.to(dtype), 0.0).contiguous()  # the kernels index ptr + token
+
+    target_ids = inputs.target_ids.reshape(B, T).to(torch.int64)
+    return TokenBatch(
+        target_ids=torch.where(scored, target_ids, 0).contiguous(),
+        mask=scored.contiguous(),
+        advantages=on_grid(inputs.advantages),
+        old_logps=on_grid(inputs.old_logps),
+        ref_logps=on_grid(inputs.ref_logps),
+        rollout_weights=on_grid(inputs.rollout_weights),
+        scale=scale,
+        flat=inputs.flat,
+    )
+
+
+def prepare_batch(logits_shape, logits_dtype, device, batch: LossBatch, aggregation, needs_sequences,
+                  check: bool = True) -> TokenBatch:
+    """Structure, values (checked now unless ``check`` is False: the compiled reference checks them
+    in a custom op) and the canonical layout, with torch's aggregation scales: the reference's path,
+    and the ground truth for the prologue kernel."""
+    inputs = token_inputs(logits_shape, logits_dtype, device, batch, aggregation, needs_sequences)
+    dtype = per_token_dtype(logits_dtype)
+    loss_normalizer = batch.loss_normalizer
+    if check:
+        check_values(inputs, logits_shape[-1], loss_normalizer, dtype)
+    B, T = inputs.grid
+    scored = inputs.target_ids.reshape(B, T) != IGNORE_INDEX
+    if inputs.mask is not None:
+        scored = scored & (inputs.mask.reshape(B, T) != 0)
+    return canonical_batch(inputs, scored, token_scales(scored, aggregation, loss_normalizer, dtype), dtype)

@@ -1,0 +1,87 @@
+"""The per-token policy objective on O(N) vectors: log ratio (token or sequence), the method
+table, KL, entropy bonus, rollout weights and aggregation.
+
+Every backend runs this on the per-token log-probs and entropies: the reference with autograd
+back to the logits, the fused ops with autograd back to those two vectors only (then a kernel
+expands the two per-token coefficients over the vocabulary).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dgpo_ops.core.inputs import TokenBatch
+from dgpo_ops.core.metrics import policy_metrics
+from dgpo_ops.methods.table import LOG_RATIO_CLAMP, LOGP_FLOOR, TokenTerms, straight_through_clamp, token_terms
+from dgpo_ops.core.options import LossOptions
+
+
+class ObjectiveTerms(NamedTuple):
+    loss: torch.Tensor  # scalar
+    tokens: TokenTerms  # the method's per-token L (differentiable), psi, region
+    log_ratio: torch.Tensor  # what psi was evaluated at (sequence mean under GSPO), detached
+    kl: torch.Tensor | None  # per-token k3 value, detached
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked mean over each response, broadcast back to its tokens."""
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return (torch.where(mask, values, 0.0).sum(dim=1, keepdim=True) / lengths).expand_as(values)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(d) - d - 1 of d = l_ref - l, d clamped straight-through before the exponential as the
+    policy's log ratio is (so 100 nats from the reference give a large finite value, not inf)."""
+    delta = straight_through_clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(delta) - delta - 1.0
+
+
+def check_kl_inputs(batch, options: LossOptions) -> None:
+    """``batch``: anything with ``ref_logps`` (a ``TokenBatch`` or the kernels' ``TokenInputs``)."""
+    if options.beta != 0.0 and batch.ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps")
+
+
+def policy_objective(
+    logp: torch.Tensor, entropy: torch.Tensor | None, batch: TokenBatch, options: LossOptions
+) -> ObjectiveTerms:
+    """Scalar loss from per-token log-probs ``(B, T)`` and entropies (differentiable in both)."""
+    # Floored straight-through: a target of probability 0 (log p = -inf) gives finite values, and
+    # the on-policy ratio l - l is 1, not -inf - -inf.
+    logp = straight_through_clamp(logp, LOGP_FLOOR, None)
+    old_logp = batch.old_logps if batch.old_logps is not None else logp.detach()
+    log_ratio = logp - old_logp
+    if options.sequence_level:
+        log_ratio = sequence_mean(log_ratio, batch.mask)
+    tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp)
+    per_token = tokens.loss
+    if batch.rollout_weights is not None:
+        per_token = per_token * batch.rollout_weights
+    kl = None
+    if options.beta != 0.0:
+        check_kl_inputs(batch, options)
+        kl_value = kl_k3(logp, batch.ref_logps)
+        if options.kl_ratio_correction:  # as TRL: by the (token or sequence) ratio, with its gradient
+            # (the ratio the method was evaluated at: clamped straight-through, as every exponential here)
+            kl_value = kl_value * torch.exp(straight_through_clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        per_token = per_token + options.beta * kl_value
+        kl = kl_value.detach()
+    if options.entropy_coef != 0.0:
+        per_token = per_token - options.entropy_coef * entropy
+    loss = torch.where(batch.mask, per_token, 0.0).mul(batch.scale).sum()
+    clamped = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return ObjectiveTerms(loss, tokens, clamped, kl)
+
+
+def masked_objective(logp, entropy, batch, options: LossOptions):
+    """``(loss, logp, entropy, metrics)`` from per-token log-probs and entropies on ``batch``'s grid
+    (differentiable): the reference's tail. Masked
+    positions take no part (their replacement target may even have a -inf logit): their per-token
+    values are 0."""
+    logp = torch.where(batch.mask, logp, 0.0)
+    entropy = torch.where(batch.mask, entropy, 0.0)
+    terms = policy_objective(logp, entropy, batch, options)
+    metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, batch.mask)
+    return terms.loss, logp, entropy, metrics

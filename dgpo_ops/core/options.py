@@ -1,0 +1,119 @@
+"""``LossOptions``: every non-tensor option of a loss call, in one validated dataclass."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dgpo_ops.core.aggregation import check_aggregation
+from dgpo_ops.methods.table import DgpoConfig, MethodConfig, method_config
+from dgpo_ops.core.validation import FLOAT32_MAX, VALIDATION_MODES, float32_magnitude_ok
+
+BACKENDS = ("auto", "triton", "torch")  # which kernels run (dgpo_ops.ops.backends)
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    method: MethodConfig = field(default_factory=DgpoConfig)
+    temperature: float = 1.0
+    aggregation: str = "token_mean"
+    beta: float = 0.0  # KL (k3) coefficient to the reference policy
+    kl_ratio_correction: bool = False  # multiply the KL by the importance ratio (TRL's use_bias_correction_kl)
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * H
+    importance_sampling_level: str = "token"  # "sequence" is GSPO's ratio
+    inplace: bool = False  # fused ops only: write d(loss)/d(logits) into the logits' storage
+    backend: str = "auto"  # fused ops only
+    validation: str = "auto"  # fused ops only: "immediate", "deferred" or "auto" (dgpo_ops.core.validation)
+
+    def __post_init__(self):
+        if not isinstance(self.method, MethodConfig):
+            raise ValueError(f"method must be a MethodConfig, got {type(self.method).__name__}")
+        for name, low_open in (("temperature", True), ("beta", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)) or value < 0 or (low_open and value == 0):
+                raise ValueError(f"{name} must be a finite number {'> 0' if low_open else '>= 0'}, got {value!r}")
+        # The kernels multiply by 1 / temperature, beta and entropy_coef as float32 numbers.
+        if not float32_magnitude_ok(self.temperature) or not float32_magnitude_ok(1.0 / self.temperature):
+            raise ValueError(f"temperature must be a finite number > 0 whose inverse is finite in float32 "
+                             f"({1 / FLOAT32_MAX:.2g} <= temperature <= {FLOAT32_MAX:.2g}), got {self.temperature!r}")
+        if not float32_magnitude_ok(self.beta):
+            raise ValueError(f"beta must be a finite number >= 0 that float32 holds (at most {FLOAT32_MAX:.2g}), "
+                             f"got {self.beta!r}")
+        if isinstance(self.entropy_coef, bool) or not (
+            isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)
+        ) or not float32_magnitude_ok(self.entropy_coef):
+            raise ValueError(f"entropy_coef must be a finite number that float32 holds (|entropy_coef| <= "
+                             f"{FLOAT32_MAX:.2g}), got {self.entropy_coef!r}")
+        check_aggregation(self.aggregation)
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.validation not in VALIDATION_MODES:
+            raise ValueError(f"validation must be one of {VALIDATION_MODES}, got {self.validation!r}")
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.importance_sampling_level == "sequence"
+
+    @classmethod
+    def build(cls, method="dgpo", **kwargs) -> "LossOptions":
+        """Split keyword arguments into loss options and method parameters (validated by the method).
+
+        The same arguments give the same (immutable) options: they are built and validated once.
+        Under ``torch.compile`` they are built at trace time and enter the graph as a constant."""
+        if torch.compiler.is_compiling():
+            # Built at trace time; the traced code reads the object from a module dict by a constant
+            # key, so the compiler sees a guarded global object, not one created in the graph.
+            items = tuple((name, trace_constant(value)) for name, value in kwargs.items())
+            return COMPILED_OPTIONS[_build_constant(method, items)]
+        return _build_eager(method, kwargs)
+
+
+def trace_constant(value):
+    """``value`` as a Python constant while ``torch.compile`` traces. A float option that changed between
+    compiled calls reaches the next trace symbolic (dynamo makes such a float dynamic to spare recompiles),
+    and the options are a trace-time constant, validated once: so the float is specialised here, with a
+    guard on its value, and each new value compiles the graph again (``torch._dynamo.config.
+    recompile_limit`` applies). Dynamo specialises the key of ``itertools.groupby`` to a constant; outside a
+    trace this is the value itself."""
+    return next(itertools.groupby((value,)))[0]
+
+
+def _build_eager(method, kwargs) -> LossOptions:
+    try:
+        key = tuple((name, type(value), value) for name, value in sorted(kwargs.items()))
+        return _build_cached(method, type(method), key)
+    except TypeError:  # an unhashable argument: build it uncached (validation names it)
+        return _build(LossOptions, method, kwargs)
+
+
+def _build(cls, method, kwargs) -> LossOptions:
+    option_names = cls.__dataclass_fields__.keys() - {"method"}
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
+    return cls(method=method_config(method, **kwargs), **options)
+
+
+COMPILED_OPTIONS: dict[str, LossOptions] = {}
+
+
+@torch.compiler.assume_constant_result
+def _build_constant(method, items) -> str:
+    options = _build_eager(method, dict(items))
+    key = repr(options)
+    COMPILED_OPTIONS.setdefault(key, options)
+    return key
+
+
+@functools.lru_cache(maxsize=512)
+def _build_cached(method, _method_type, key) -> LossOptions:
+    return _build(LossOptions, method, {name: value for name, _, value in key})

@@ -1,0 +1,186 @@
+"""Input errors found on the device, raised on the host without a synchronisation per call.
+
+A fused op checks its inputs' structure (shapes, dtypes, devices) on the host, always. Their
+values (target ids in range, a 0/1 mask, finite advantages and log-probs on scored tokens, a
+positive loss normalizer) are checked one of two ways, chosen by ``validation=``:
+
+* ``"immediate"``: with torch ops and host reads before anything runs; the ``ValueError`` comes
+  from the call itself. On CUDA tensors this costs a host-device synchronisation per call.
+* ``"deferred"``: by the prologue kernel on the device, which sets ``InputError`` bits in the
+  call's status vector and makes the loss and gradient NaN, so nothing downstream is quietly
+  wrong. The status is copied to pinned host memory without waiting; the ``ValueError`` naming the
+  argument is raised by the first of: any later fused-op call after the GPU has finished the bad
+  one (a non-blocking check), ``raise_deferred_errors()`` (which waits), or ``DGPOTrainer`` once
+  per logging step (after the read its logging already does).
+* ``"auto"`` (the default): immediate on the CPU, deferred on CUDA.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from dgpo_ops.kernels.interface import FLOAT32_MAX, FLOAT32_TINY, IGNORE_INDEX, InputError, Status  # noqa: F401
+
+VALIDATION_MODES = ("auto", "immediate", "deferred")
+
+
+
+def float32_magnitude_ok(value: float) -> bool:
+    """``|value|`` is at most float32's largest finite number (so it stays finite in the kernels)."""
+    return abs(value) <= FLOAT32_MAX
+
+MESSAGES = {
+    InputError.TARGET_IDS: "target_ids must be in [0, {vocab}) or {ignore}; found {bad_target}",
+    InputError.MASK: "mask must hold only 0 and 1 (or be boolean)",
+    InputError.ADVANTAGES: "advantages has non-finite values on unmasked tokens",
+    InputError.OLD_LOGPS: "old_logps has non-finite values on unmasked tokens",
+    InputError.REF_LOGPS: "ref_logps has non-finite values on unmasked tokens",
+    InputError.ROLLOUT_WEIGHTS: "rollout_weights has non-finite values on unmasked tokens",
+    InputError.LOSS_NORMALIZER: "loss_normalizer must be a finite number > 0, within float32's normal range "
+                                "(1.2e-38 to 3.4e38, so that it and its inverse are finite and not 0), got {normalizer}",
+}
+
+
+def resolve_mode(validation: str, device: torch.device) -> str:
+    if validation not in VALIDATION_MODES:
+        raise ValueError(f"validation must be one of {VALIDATION_MODES}, got {validation!r}")
+    if validation == "auto":
+        return "immediate" if device.type == "cpu" else "deferred"
+    return validation
+
+
+def error_message(status, vocab: int, normalizer: torch.Tensor | None = None, op: str = "") -> str | None:
+    """The message of the first error bit set in a host copy of a status vector (None when clean)."""
+    errors = InputError(int(status[Status.ERRORS]))
+    if not errors:
+        return None
+    bit = next(b for b in InputError if b in errors)
+    fields = dict(vocab=vocab, ignore=IGNORE_INDEX, bad_target=int(status[Status.BAD_TARGET]),
+                  normalizer=None if normalizer is None else float(normalizer))
+    where = f" (found on the device in an earlier {op} call)" if op else ""
+    return MESSAGES[bit].format(**fields) + where
+
+
+@dataclass
+class _PendingCheck:
+    status: torch.Tensor  # a host tensor (pinned for CUDA): its values are final once `done` has passed
+    done: torch.cuda.Event | None  # None: a CPU status, final already
+    vocab: int
+    normalizer: torch.Tensor | None
+    op: str
+    ring: "_PinnedRing | None" = None  # the ring whose slot holds `status`, freed once read
+    slot: int = -1
+
+    def finished(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+class _PinnedRing:
+    """Pinned host slots and their events for one device, made once and reused: queuing a call's
+    status then costs one asynchronous copy and one event record, and no allocation."""
+
+    SLOTS = 64
+
+    def __init__(self, shape, dtype):
+        self.host = torch.empty((self.SLOTS, *shape), dtype=dtype, pin_memory=True)
+        self.events = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self.busy = [False] * self.SLOTS
+        self.next = 0
+
+    def take(self) -> int:
+        """A free slot, or -1 when every slot is queued (the device is far behind)."""
+        for _ in range(self.SLOTS):
+            slot, self.next = self.next, (self.next + 1) % self.SLOTS
+            if not self.busy[slot]:
+                self.busy[slot] = True
+                return slot
+        return -1
+
+
+_pending: deque[_PendingCheck] = deque()
+_rings: dict = {}
+_lock = threading.Lock()
+
+
+def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op: str) -> None:
+    """Queue a call's device status for a later check; starts its copy to the host, never waits."""
+    if not status.is_cuda:
+        with _lock:
+            _pending.append(_PendingCheck(status, None, vocab, normalizer, op))
+        return
+    with _lock:
+        key = (status.device, tuple(status.shape), status.dtype)
+        ring = _rings.get(key)
+        if ring is None:
+            ring = _rings[key] = _PinnedRing(status.shape, status.dtype)
+        slot = ring.take()
+    if slot >= 0:
+        host, done = ring.host[slot], ring.events[slot]
+    else:  # more calls in flight than slots: a fresh pinned buffer and event (still no wait)
+        ring, host, done = None, torch.empty(status.shape, dtype=status.dtype, pin_memory=True), torch.cuda.Event()
+    host.copy_(status, non_blocking=True)  # on the status device's current stream
+    done.record(torch.cuda.current_stream(status.device))  # that stream, whichever device is current
+    with _lock:
+        _pending.append(_PendingCheck(host, done, vocab, normalizer, op, ring, slot))
+
+
+def _read_and_release(checks: list[_PendingCheck]) -> list:
+    """The finished checks' statuses as numpy copies (no aten op, no sync); their slots are freed."""
+    statuses = [check.status.numpy().copy() for check in checks]
+    with _lock:
+        for check in checks:
+            if check.ring is not None:
+                check.ring.busy[check.slot] = False
+    return statuses
+
+
+def _raise_first(checks: list[_PendingCheck]) -> None:
+    for check, status in zip(checks, _read_and_release(checks)):
+        message = error_message(status, check.vocab, check.normalizer, check.op)
+        if message is not None:
+            raise ValueError(message)
+
+
+def poll_deferred_errors() -> None:
+    """Raise the error of any finished call whose inputs were bad; never waits for the device."""
+    with _lock:
+        if not _pending:
+            return
+        finished = [check for check in _pending if check.finished()]
+        for check in finished:
+            _pending.remove(check)
+    _raise_first(finished)
+
+
+def raise_deferred_errors() -> None:
+    """Wait for every call with a deferred check, then raise the first input error among them.
+
+    ``DGPOTrainer`` calls this once per logging step; call it yourself after a loop of fused-op
+    calls whose results you read only on the device.
+    """
+    with _lock:
+        checks = list(_pending)
+        _pending.clear()
+    for check in checks:
+        if check.done is not None:
+            check.done.synchronize()
+    _raise_first(checks)
+
+
+def pending_deferred_checks() -> int:
+    with _lock:
+        return len(_pending)
+
+
+def refuse_double_backward(op: str) -> None:
+    """Called at the top of a fused op's backward. Its gradient is computed by kernels (and, for the
+    linear op, already in the forward) with no graph of its own: under ``create_graph=True`` it
+    would come back silently detached, so a gradient penalty built on it would be quietly wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op} does not support double backward (create_graph=True): its gradient has no graph. "
+            "Use dgpo_ops.reference_loss for higher-order gradients")

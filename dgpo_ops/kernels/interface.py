@@ -1,0 +1,180 @@
+"""What the kernels and their callers agree on: method, gate and region codes, parameter slots, the
+log-ratio clamp, aggregation codes, input-error bits, and the layout of the per-token planes and
+per-call status the kernels write; and the host's launch arithmetic (``next_power_of_2``, ``cdiv``).
+
+A leaf module: it imports nothing from ``dgpo_ops``, so the dependencies run one way
+(``dgpo_ops`` -> ``dgpo_ops.kernels``). Every constant here is an ``IntEnum`` member or a float, so a
+kernel turns it into a ``tl.constexpr`` and the host uses the same member.
+"""
+
+from __future__ import annotations
+
+import enum
+
+LOG_RATIO_CLAMP = 20.0  # |log r| is clamped (straight-through) before L and psi are evaluated
+# Log-ratios to the reference policy (the k3 KL) are clamped the same way before their exponential.
+# The token's log-prob enters the objective floored here (straight-through): a -inf target logit
+# (probability exactly 0) then gives a finite loss and gradient instead of -inf - -inf = nan.
+LOGP_FLOOR = -1.0e6
+# The kernels take every scalar option as an fp32 runtime argument: a Python float outside float32's
+# range would be inf (or 0) there, so options are checked against these where they are read.
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny: the smallest normal float32
+IGNORE_INDEX = -100  # target id of a token that is not scored (TRL's and torch's convention)
+
+
+# Host-side launch arithmetic. triton.next_power_of_2 and triton.cdiv are ConstexprFunction objects
+# (Triton >= 3.5) whose calls unwrap constexprs first: several microseconds each, on every launch.
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 that is >= ``n``, and 0 for 0, as ``triton.next_power_of_2``."""
+    if n < 0:
+        raise ValueError(f"next_power_of_2 needs n >= 0, got {n}")
+    return 1 << (n - 1).bit_length() if n else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers, as ``triton.cdiv``."""
+    return -(-a // b)
+
+
+class Region(enum.IntEnum):
+    """Region code of a token (docs/math.md, "Regions"); DUAL replaces HN/LP where a dual clip fires."""
+
+    M = 0
+    LN = 1
+    HP = 2
+    LP = 3
+    HN = 4
+    DUAL = 5
+
+
+class Gate(enum.IntEnum):
+    SIGMOID = 0
+    ERF = 1
+    ARCTAN = 2
+    SOFTSIGN = 3
+
+
+class MethodId(enum.IntEnum):
+    """Kernel-side method switch (a constexpr); several table rows may share one id."""
+
+    GRPO = 0
+    DCPO = 1
+    CAPPED_IS = 2  # cispo and dispo
+    GRADIENT_PRESERVING = 3  # gppo and ce_gppo
+    ASPO = 4
+    DGPO = 5
+    SAPO = 6
+
+
+class KernelParam(enum.IntEnum):
+    """Slots of the fp32 parameter vector the kernels read (runtime values: no recompile per value).
+
+    Bounds are stored, not eps: computed in double and rounded once, they equal the fp32 values
+    torch compares against, so the mirror's regions agree with the table's to the bit.
+    """
+
+    LOW_POS = 0  # trust region [low, high] for A >= 0 (every method but dispo uses these)
+    HIGH_POS = 1
+    LOW_NEG = 2  # ... and for A < 0
+    HIGH_NEG = 3
+    EPS_LOW = 4  # dcpo's raw eps for its q-dependent bounds
+    EPS_HIGH = 5
+    DUAL_CLIP = 6  # +inf when off
+    LN_WEIGHT = 7  # gppo: beta1 * low
+    HP_WEIGHT = 8  # gppo: beta2 * high
+    N = 9
+    M = 10
+    R_MAX = 11
+    TAU_POS = 12
+    TAU_NEG = 13
+
+
+NUM_KERNEL_PARAMS = len(KernelParam)
+
+
+class Denominator(enum.IntEnum):
+    """What an aggregation divides by (``dgpo_ops.core.aggregation``), unless a ``loss_normalizer`` is given."""
+
+    TOKENS = 0  # scored tokens in the batch (at least 1)
+    RESPONSES = 1  # B
+    GRID = 2  # B * T
+    ONE = 3
+
+
+class Normalizer(enum.IntEnum):
+    """How a ``loss_normalizer`` reaches the prologue kernel."""
+
+    ABSENT = 0
+    VALUE = 1  # a Python number, checked on the host
+    TENSOR = 2  # a one-element device tensor, read (and checked) on the device: no host sync
+
+
+class InputError(enum.IntFlag):
+    """Bits the prologue kernel sets for input it cannot score; ``dgpo_ops.core.validation`` names the argument."""
+
+    TARGET_IDS = 1  # a target id outside [0, V) that is not IGNORE_INDEX
+    MASK = 2  # a mask value other than 0 and 1
+    ADVANTAGES = 4  # non-finite on a scored token
+    OLD_LOGPS = 8
+    REF_LOGPS = 16
+    ROLLOUT_WEIGHTS = 32
+    LOSS_NORMALIZER = 64  # non-finite or <= 0
+
+
+class Plane(enum.IntEnum):
+    """Rows of the fp32 per-token workspace ``(NUM_PLANES, n_tokens)`` the row kernels write."""
+
+    ROW_MAX = 0  # log-sum-exp = ROW_MAX + LOG_NORM, kept apart for precision
+    LOG_NORM = 1
+    LOGP = 2
+    ENTROPY = 3
+    TOKEN_LOSS = 4  # w L + beta KL - c H, before the aggregation scale
+    DLOSS_DLOGP = 5  # its derivative in l, before the aggregation scale
+    RATIO = 6  # exp of the clamped log ratio the method was evaluated at
+    PSI = 7
+    REGION = 8  # a Region code, as a float
+    KL = 9
+
+
+NUM_PLANES = len(Plane)
+
+
+class SequenceStat(enum.IntEnum):
+    """Rows of the int64 per-response workspace ``(NUM_SEQUENCE_STATS, B)`` the prologue writes."""
+
+    TOKENS = 0  # scored tokens of the response
+    ERRORS = 1  # InputError bits
+    FIRST_BAD_TARGET = 2  # the first out-of-range target id of the response (valid with TARGET_IDS set)
+
+
+NUM_SEQUENCE_STATS = len(SequenceStat)
+
+
+class Status(enum.IntEnum):
+    """Slots of the int64 per-call status vector (the prologue's last program writes it)."""
+
+    ERRORS = 0  # InputError bits of the whole call
+    BAD_TARGET = 1  # the first out-of-range target id in row-major order
+    TOKENS = 2  # scored tokens of the whole call
+    ARRIVED = 3  # prologue programs done (the last one to arrive reduces over the responses)
+
+
+NUM_STATUS = len(Status)
+
+
+class Stat(enum.IntEnum):
+    """Slots of the fp32 per-call statistics vector: the metrics, as masked means over scored tokens."""
+
+    LN_FRACTION = 0
+    HP_FRACTION = 1
+    LP_FRACTION = 2
+    HN_FRACTION = 3
+    DUAL_CLIP_FRACTION = 4
+    RATIO_MEAN = 5
+    EUR = 6  # effective update ratio: mean of psi / r, the share of the on-policy gradient kept
+    ENTROPY_MEAN = 7
+    KL_MEAN = 8
+
+
+NUM_STATS = len(Stat)

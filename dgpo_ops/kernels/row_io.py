@@ -1,0 +1,91 @@
+"""Per-token inputs and outputs of the row kernels (and of their torch twins)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .interface import NUM_PLANES, NUM_SEQUENCE_STATS, NUM_STATS, NUM_STATUS
+
+
+@dataclass
+class TokenInputs:
+    """The per-token inputs of one call on its ``(B, T)`` grid, as the caller passed them.
+
+    Nothing is converted or copied: the kernels read each tensor with its own dtype and strides.
+    ``advantages`` may be per response (``(B,)``, read with a zero time stride). For flat ``(N, V)``
+    logits the grid is ``(1, N)`` and every tensor is ``(N,)``.
+    """
+
+    grid: tuple[int, int]
+    flat: bool
+    target_ids: torch.Tensor  # int64 or int32; IGNORE_INDEX marks a token that is not scored
+    advantages: torch.Tensor
+    mask: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    rollout_weights: torch.Tensor | None = None
+
+    def strides(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """(response stride, time stride) of a per-token or per-response tensor on the grid."""
+        if self.flat:
+            return 0, tensor.stride(0)
+        if tensor.dim() == 1:  # per response
+            return tensor.stride(0), 0
+        return tensor.stride(0), tensor.stride(1)
+
+
+@dataclass
+class EpilogueInputs:
+    """What the forward epilogue needs to evaluate a token-level method."""
+
+    method_id: int
+    gate_id: int
+    method_params: torch.Tensor  # fp32 KernelParam vector on the device
+    beta: float  # 0 leaves the KL out (ref_logps are then not read)
+    entropy_coef: float
+    kl_ratio_correction: bool = False
+
+
+@dataclass
+class RowWorkspace:
+    """What one call's kernels write: per-token planes, per-response and per-call results.
+
+    The host reads none of it on the hot path; ``status`` is read lazily (``dgpo_ops.core.validation``).
+    """
+
+    per_token: torch.Tensor  # fp32 (NUM_PLANES, *token_shape), planes named by Plane
+    target_index: torch.Tensor  # int64 (n_tokens,): the target id, or -1 for a token not scored
+    sequence_stats: torch.Tensor  # int64 (NUM_SEQUENCE_STATS, B)
+    seq_scale: torch.Tensor  # fp32 (B,): the aggregation scale of each response
+    status: torch.Tensor  # int64 (NUM_STATUS,), zeros before the prologue
+    stats: torch.Tensor  # fp32 (NUM_STATS,): the metrics
+    loss: torch.Tensor  # fp32 ()
+
+    @classmethod
+    def allocate(cls, token_shape, n_seqs: int, device, dtype=torch.float32, zero_planes=False) -> "RowWorkspace":
+        """Buffers for the tokens of ``token_shape`` (``(B, T)`` or ``(N,)``): the planes take that
+        shape too, so a plane is the per-token output as it is. ``dtype`` is fp64 only for the
+        torch twins on fp64 logits. Planes a route does not write stay uninitialised unless
+        ``zero_planes`` (a custom op hands every plane out, and its outputs must be deterministic)."""
+        floats, int64 = dict(dtype=dtype, device=device), dict(dtype=torch.int64, device=device)
+        n_tokens = math.prod(token_shape)
+        return cls(
+            per_token=(torch.zeros if zero_planes else torch.empty)((NUM_PLANES, *token_shape), **floats),
+            target_index=torch.empty((n_tokens,), **int64),
+            sequence_stats=torch.empty((NUM_SEQUENCE_STATS, n_seqs), **int64),
+            seq_scale=torch.empty((n_seqs,), **floats),
+            status=torch.zeros((NUM_STATUS,), **int64),
+            stats=torch.empty((NUM_STATS,), **floats),
+            loss=torch.empty((), **floats),
+        )
+
+    @property
+    def n_tokens(self) -> int:
+        return self.target_index.shape[0]
+
+    def planes(self) -> torch.Tensor:
+        """The per-token planes as ``(NUM_PLANES, n_tokens)`` (a view)."""
+        return self.per_token.view(NUM_PLANES, self.n_tokens)

@@ -1,0 +1,123 @@
+"""Packed (padding-free) token layouts: the tokens of ``B`` responses back to back, ``(total_tokens, ...)``,
+with boundaries ``cu_seqlens = [0, len_0, len_0 + len_1, ..., total_tokens]`` as flash-attention's
+varlen kernels and verl's remove-padding take them.
+
+Only O(tokens) vectors ever change layout: per-token inputs are laid on the padded ``(B, max_seqlen)``
+grid the aggregations, per-response advantages and GSPO's sequence ratio are defined on, and per-token
+results come back in packed order. The logits (or hidden states) are read where they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dgpo_ops.core.inputs import PER_TOKEN_FLOATS, LossBatch
+from dgpo_ops.kernels.interface import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    n_tokens: int
+    n_seqs: int
+    max_seqlen: int
+    grid_index: torch.Tensor  # int64 (n_tokens,): each packed token's flat index on the (B, max_seqlen) grid
+    invalid: torch.Tensor  # bool (): cu_seqlens does not describe the tokens (read on the device, never here)
+
+    @classmethod
+    def build(cls, cu_seqlens, n_tokens: int, device, max_seqlen: int | None = None,
+              check: bool = True) -> "PackedLayout":
+        """Checks ``cu_seqlens`` against the ``n_tokens`` packed tokens: with ``check`` (immediate
+        validation) on the host, raising ``ValueError``; always on the device into ``invalid`` (deferred
+        validation makes the loss NaN with it). Without ``max_seqlen`` the longest sequence is read on
+        the host (a synchronisation on CUDA; pass it, as to flash-attention, to avoid one)."""
+        if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32,
+                                                                                                 torch.int64):
+            raise ValueError("cu_seqlens must be a 1-D int32 or int64 tensor [0, len_0, len_0 + len_1, ..., "
+                             "total_tokens]")
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must hold at least two boundaries (one sequence), got {cu_seqlens.numel()}")
+        if cu_seqlens.device != device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the tokens are on {device}")
+        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                       or max_seqlen < 1):
+            raise ValueError(f"max_seqlen must be a positive integer, got {max_seqlen!r}")
+        cu = cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        if check:
+            if int(cu[0]) != 0 or int(cu[-1]) != n_tokens:
+                raise ValueError(f"cu_seqlens must start at 0 and end at the number of packed tokens ({n_tokens}), "
+                                 f"got {int(cu[0])} ... {int(cu[-1])}")
+            if bool((lengths < 0).any()):
+                raise ValueError("cu_seqlens must be non-decreasing")
+        if max_seqlen is None:
+            max_seqlen = max(int(lengths.max()), 1)
+        elif check and int(lengths.max()) > max_seqlen:
+            raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest sequence in cu_seqlens "
+                             f"({int(lengths.max())})")
+        invalid = (cu[0] != 0) | (cu[-1] != n_tokens) | (lengths < 0).any() | (lengths > max_seqlen).any()
+        n_seqs = lengths.numel()
+        token = torch.arange(n_tokens, device=device)
+        seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=n_seqs - 1)
+        # Tokens a bad cu_seqlens would put outside the grid go to its last cell (the loss is NaN anyway).
+        grid_index = (seq * max_seqlen + (token - cu[seq])).clamp(0, n_seqs * max_seqlen - 1)
+        return cls(n_tokens, n_seqs, max_seqlen, grid_index, invalid)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.n_seqs, self.max_seqlen
+
+    def pad(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """``(n_tokens, ...)`` -> ``(B, max_seqlen, ...)``, ``fill`` where there is no token (differentiable)."""
+        grid = values.new_full((self.n_seqs * self.max_seqlen, *values.shape[1:]), fill)
+        return grid.index_copy(0, self.grid_index, values).reshape(*self.grid, *values.shape[1:])
+
+    def unpad(self, values: torch.Tensor) -> torch.Tensor:
+        """``(B, max_seqlen, ...)`` -> ``(n_tokens, ...)`` (differentiable)."""
+        return values.reshape(-1, *values.shape[2:]).index_select(0, self.grid_index)
+
+    def padded_batch(self, batch: LossBatch) -> LossBatch:
+        """The per-token inputs on the padded grid: target ids -100 and the mask False where there is no
+        token. Advantages of shape ``(B,)`` are per sequence, as they are (also when ``B`` equals the
+        number of tokens: with every length 1 the two readings agree)."""
+        def check_token_shape(name, value, per_sequence=False):
+            if torch.is_tensor(value) and value.shape != (self.n_tokens,):
+                also = f" or ({self.n_seqs},) per sequence" if per_sequence else ""
+                raise ValueError(f"{name} must have shape ({self.n_tokens},){also} for packed tokens (cu_seqlens), "
+                                 f"got {tuple(value.shape)}")
+
+        check_token_shape("target_ids", batch.target_ids)
+        padded = {"target_ids": self.pad(batch.target_ids, IGNORE_INDEX)}
+        if batch.mask is not None:
+            check_token_shape("mask", batch.mask)
+            padded["mask"] = self.pad(batch.mask, 0)
+        for name in PER_TOKEN_FLOATS:
+            value = getattr(batch, name)
+            if value is None or not torch.is_tensor(value):
+                continue
+            if name == "advantages" and value.shape == (self.n_seqs,):
+                continue  # per sequence
+            check_token_shape(name, value, per_sequence=name == "advantages")
+            padded[name] = self.pad(value.detach(), 0.0)
+        return batch._replace(**padded)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where the tokens of one call lie: the token shape the caller passed, and the packed layout
+    (None: the tokens are on the grid as passed)."""
+
+    token_shape: torch.Size
+    packed: PackedLayout | None
+
+    @classmethod
+    def build(cls, token_shape, device, cu_seqlens, max_seqlen, check: bool = True) -> "TokenLayout":
+        if cu_seqlens is None:
+            if max_seqlen is not None:
+                raise ValueError("max_seqlen goes with cu_seqlens (packed sequences)")
+            return cls(torch.Size(token_shape), None)
+        if len(token_shape) != 1:
+            raise ValueError(f"packed tokens (cu_seqlens) are (total_tokens, V) logits or (total_tokens, H) hidden "
+                             f"states, got token shape {tuple(token_shape)}")
+        return cls(torch.Size(token_shape), PackedLayout.build(cu_seqlens, token_shape[0], device, max_seqlen, check))

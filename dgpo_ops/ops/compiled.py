@@ -1,0 +1,281 @@
+"""``torch.compile`` support: the fused ops as ``torch.library`` custom ops.
+
+Eager calls run the autograd Functions of ``ops.logits`` and ``ops.linear`` directly (no dispatcher
+round trip on the hot path). Under ``torch.compile`` the public functions route here instead: each
+op is one node of the graph with a fake (meta) implementation, so ``fullgraph=True`` traces it
+without a graph break, and its implementation runs the same kernels, validation included, when the
+compiled graph runs. Options cross the op boundary as one JSON string (a custom op takes tensors and
+scalars only), built and validated once at trace time.
+
+* ``dgpo_ops::fused_policy_loss`` / ``fused_policy_loss_backward``: the logits op. The forward returns
+  the row workspace the backward kernel reads (what the autograd Function keeps on its ctx).
+* ``dgpo_ops::fused_linear_policy_loss``: the linear op, gradients made in the forward as in eager;
+  backward scales them by the incoming gradient with torch ops the compiler sees. The autocast
+  dtype in force at trace time is an argument, since compiled code does not run under the caller's
+  autocast context.
+* ``dgpo_ops::checked_inputs``: the reference's value checks (host reads), returning 1.0, which the
+  compiled reference multiplies its loss by so that the check stays in the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import torch
+
+from dgpo_ops.ops.backends import select_kernels
+from dgpo_ops.core.inputs import LossBatch, check_values, per_token_dtype, token_inputs
+from dgpo_ops.kernels.interface import Plane
+from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.methods.table import method_config
+from dgpo_ops.core.metrics import LossMetrics
+from dgpo_ops.core.options import LossOptions
+from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.ops.linear import Precision, ProjectionOptions, autocast_dtype, linear_forward_pass, linear_plan
+from dgpo_ops.ops.logits import backward_pass, forward_pass, logits_plan
+
+OptionalTensor = torch.Tensor | None
+
+
+# ----------------------------------------------------------------------------- options across the boundary
+
+
+def options_spec(options: LossOptions, projection=None) -> str:
+    """``options`` (and the linear op's ``ProjectionOptions``) as a JSON string; a trace-time constant.
+
+    The projection options reach the constant function as their field values, read in the trace: an object
+    made while dynamo traces is only a shell outside it (the fields it set are the trace's, so the constant
+    function would read the class defaults: softcap None, logit scale 1)."""
+    fields = None if projection is None else tuple(
+        (f.name, getattr(projection, f.name)) for f in dataclasses.fields(projection))
+    return _options_spec(options, fields)
+
+
+@torch.compiler.assume_constant_result
+def _options_spec(options: LossOptions, projection_fields) -> str:
+    spec = {name: getattr(options, name) for name in LossOptions.__dataclass_fields__ if name != "method"}
+    spec["method"] = {"name": options.method.name, "params": dataclasses.asdict(options.method)}
+    if projection_fields is not None:
+        spec["projection"] = dict(projection_fields)
+    return json.dumps(spec, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def options_from_spec(spec: str) -> tuple[LossOptions, object]:
+
+    values = json.loads(spec)
+    method = values.pop("method")
+    projection = values.pop("projection", None)
+    options = LossOptions(method=method_config(method["name"], **method["params"]), **values)
+    return options, None if projection is None else ProjectionOptions(**projection)
+
+
+def _normalizer(tensor: OptionalTensor, value: float | None):
+    return tensor if tensor is not None else value
+
+
+def split_normalizer(loss_normalizer) -> tuple[OptionalTensor, float | None]:
+    """A tensor normaliser travels as a tensor, a number as a float; anything else is refused later
+    (by the op, with the eager message) unchanged."""
+    if torch.is_tensor(loss_normalizer):
+        return loss_normalizer, None
+    return None, loss_normalizer
+
+
+# ----------------------------------------------------------------------------- the logits op
+
+
+def _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
+           normalizer_value) -> LossBatch:
+    """The op's flat arguments as the eager path's one object."""
+    return LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
+                     _normalizer(normalizer, normalizer_value))
+
+
+def _logits_plan(logits, batch: LossBatch, spec, needs_grad, checked: bool):
+
+    options, _ = options_from_spec(spec)
+    return logits_plan(logits, batch, options, needs_grad, checked)
+
+
+@torch.library.custom_op("dgpo_ops::fused_policy_loss", mutates_args=())
+def fused_policy_loss_op(
+    logits: torch.Tensor, target_ids: torch.Tensor, advantages: torch.Tensor, mask: OptionalTensor,
+    old_logps: OptionalTensor, ref_logps: OptionalTensor, rollout_weights: OptionalTensor,
+    normalizer: OptionalTensor, normalizer_value: float | None, spec: str, needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """(loss, per_token, stats, target_index, sequence_stats, seq_scale, status, dloss_dlogp)."""
+
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    plan = _logits_plan(logits, batch, spec, needs_grad, checked=True)
+    workspace, loss, stats, coefficient = forward_pass(logits, plan, zero_planes=True)
+    if coefficient is None:
+        coefficient = logits.new_empty((0,), dtype=workspace.per_token.dtype)
+    # Outputs may not alias each other: the loss and stats of the epilogue route live in the workspace.
+    return (loss.clone(), workspace.per_token, stats.clone(), workspace.target_index, workspace.sequence_stats,
+            workspace.seq_scale, workspace.status, coefficient)
+
+
+@fused_policy_loss_op.register_fake
+def _(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value,
+      spec, needs_grad):
+    # The structure checks (shapes, dtypes, devices) run here, at trace time, with the eager messages.
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    plan = _logits_plan(logits, batch, spec, needs_grad, checked=False)
+    dtype = per_token_dtype(logits.dtype)
+    workspace = RowWorkspace.allocate(logits.shape[:-1], plan.inputs.grid[0], logits.device, dtype)
+    n_coefficients = workspace.n_tokens if needs_grad and not plan.uses_epilogue else 0
+    return (workspace.loss, workspace.per_token, workspace.stats, workspace.target_index, workspace.sequence_stats,
+            workspace.seq_scale, workspace.status, logits.new_empty((n_coefficients,), dtype=dtype))
+
+
+@torch.library.custom_op("dgpo_ops::fused_policy_loss_backward", mutates_args=())
+def fused_policy_loss_backward_op(
+    grad_loss: torch.Tensor, logits: torch.Tensor, per_token: torch.Tensor, target_index: torch.Tensor,
+    sequence_stats: torch.Tensor, seq_scale: torch.Tensor, status: torch.Tensor, dloss_dlogp: torch.Tensor,
+    spec: str,
+) -> torch.Tensor:
+
+    options, _ = options_from_spec(spec)
+    kernels = select_kernels(options.backend, logits)
+    uses_epilogue = kernels.has_epilogue and not options.sequence_level
+    workspace = RowWorkspace(per_token, target_index, sequence_stats, seq_scale, status,
+                             stats=per_token.new_empty(0), loss=per_token.new_empty(()))
+    return backward_pass(kernels, options, logits, torch.empty_like(logits), workspace,
+                         None if uses_epilogue else dloss_dlogp, grad_loss)
+
+
+@fused_policy_loss_backward_op.register_fake
+def _(grad_loss, logits, per_token, target_index, sequence_stats, seq_scale, status, dloss_dlogp, spec):
+    return torch.empty_like(logits)
+
+
+def _logits_setup_context(ctx, inputs, output):
+    ctx.spec = inputs[9]
+    ctx.save_for_backward(inputs[0], *output[1:2], *output[3:])
+
+
+def _logits_backward(ctx, grad_loss, *_grads_of_non_differentiable_outputs):
+    logits, per_token, target_index, sequence_stats, seq_scale, status, coefficient = ctx.saved_tensors
+    grad_logits = fused_policy_loss_backward_op(grad_loss, logits, per_token, target_index, sequence_stats,
+                                                seq_scale, status, coefficient, ctx.spec)
+    return (grad_logits,) + (None,) * 10
+
+
+fused_policy_loss_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
+
+
+def compiled_fused_loss(logits, batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
+    if options.inplace:
+        raise ValueError("inplace=True is not supported under torch.compile (a compiled graph owns its buffers): "
+                         "pass inplace=False")
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    loss, per_token, stats, *_ = fused_policy_loss_op(
+        logits, *batch.tensors(), *split_normalizer(batch.loss_normalizer), options_spec(options), needs_grad)
+    per_token, stats = per_token.detach(), stats.detach()
+    return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
+
+
+# ----------------------------------------------------------------------------- the linear op
+
+
+def _linear_plan(weight, batch: LossBatch, spec, needs_grad, checked: bool):
+
+    options, projection = options_from_spec(spec)
+    logits_shape = torch.Size((*batch.target_ids.shape, weight.shape[0]))  # the token grid of the call, then V
+    return linear_plan(logits_shape, weight, batch, options, projection, needs_grad, checked)
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    return None if name == "" else getattr(torch, name)
+
+
+@torch.library.custom_op("dgpo_ops::fused_linear_policy_loss", mutates_args=())
+def fused_linear_policy_loss_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: OptionalTensor, target_ids: torch.Tensor,
+    advantages: torch.Tensor, mask: OptionalTensor, old_logps: OptionalTensor, ref_logps: OptionalTensor,
+    rollout_weights: OptionalTensor, normalizer: OptionalTensor, normalizer_value: float | None, spec: str,
+    wants: list[bool], autocast: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, per_token, stats, grad_hidden, grad_weight, grad_bias); a gradient not wanted is empty."""
+
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    plan = _linear_plan(weight, batch, spec, any(wants), checked=True)
+    loss, per_token, stats, *grads = linear_forward_pass(hidden, weight, bias, plan, wants, _dtype(autocast),
+                                                         zero_planes=True)
+    empty = per_token.new_empty(0)
+    grads = [empty.clone() if g is None else g for g in grads]
+    return (loss.clone(), per_token, stats.clone(), *grads)
+
+
+@fused_linear_policy_loss_op.register_fake
+def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
+      normalizer_value, spec, wants, autocast):
+
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    plan = _linear_plan(weight, batch, spec, any(wants), checked=False)
+    precision = Precision.resolve(weight, plan.projection.softcap, _dtype(autocast))
+    call = plan.call
+    token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
+    workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
+                                      per_token_dtype(precision.tile))
+    grads = [torch.empty(t.shape, dtype=precision.accumulate, device=t.device) if w and t is not None
+             else workspace.stats.new_empty(0) for t, w in zip((hidden, weight, bias), wants)]
+    return (workspace.loss, workspace.per_token, workspace.stats, *grads)
+
+
+def _linear_setup_context(ctx, inputs, output):
+    hidden, weight, bias = inputs[:3]
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.wants = inputs[12]
+    ctx.save_for_backward(*output[3:])
+
+
+def _linear_backward(ctx, grad_loss, *_grads_of_other_outputs):
+    grads = [g * grad_loss if wanted else None for g, wanted in zip(ctx.saved_tensors, ctx.wants)]
+    grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
+    return (*grads,) + (None,) * 11
+
+
+fused_linear_policy_loss_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+def compiled_fused_linear_loss(flat_hidden, weight, bias, batch: LossBatch, options: LossOptions,
+                               projection) -> PolicyLossOutput:
+
+    grad_on = torch.is_grad_enabled()
+    wants = [grad_on and t is not None and t.requires_grad for t in (flat_hidden, weight, bias)]
+    cast = autocast_dtype(flat_hidden.device)
+    loss, per_token, stats, *_ = fused_linear_policy_loss_op(
+        flat_hidden, weight, bias, *batch.tensors(), *split_normalizer(batch.loss_normalizer),
+        options_spec(options, projection), wants, "" if cast is None else str(cast).split(".")[-1])
+    loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
+    per_token, stats = per_token.detach(), stats.detach()
+    return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
+
+
+# ----------------------------------------------------------------------------- the reference's value checks
+
+
+@torch.library.custom_op("dgpo_ops::checked_inputs", mutates_args=())
+def checked_inputs_op(
+    target_ids: torch.Tensor, advantages: torch.Tensor, mask: OptionalTensor, old_logps: OptionalTensor,
+    ref_logps: OptionalTensor, rollout_weights: OptionalTensor, normalizer: OptionalTensor,
+    normalizer_value: float | None, logits_shape: list[int], logits_dtype: torch.dtype, spec: str,
+) -> torch.Tensor:
+    options, _ = options_from_spec(spec)
+    device = target_ids.device
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    inputs = token_inputs(torch.Size(logits_shape), logits_dtype, device, batch, options.aggregation,
+                          options.sequence_level)
+    check_values(inputs, logits_shape[-1], batch.loss_normalizer, per_token_dtype(logits_dtype))
+    return torch.ones((), device=device, dtype=per_token_dtype(logits_dtype))
+
+
+@checked_inputs_op.register_fake
+def _(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value,
+      logits_shape, logits_dtype, spec):
+    return target_ids.new_empty((), dtype=per_token_dtype(logits_dtype))

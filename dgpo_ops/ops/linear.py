@@ -1,0 +1,406 @@
+"""``fused_linear_dgpo_loss``: the policy loss from hidden states and the lm_head weight, with the
+logits never whole, and without a host-device synchronisation on CUDA.
+
+The logits are made one token chunk at a time, as ``chunk x V`` tiles. For a token-level method
+every token's loss, and so its gradient coefficient, is known as soon as its row is reduced, so
+the gradient tile is formed from the same logits tile the forward GEMM just wrote: three GEMM
+passes (logits, dH, dW) instead of TRL's four (its backward recomputes every tile). The gradients
+are computed in the forward; backward only scales them by the incoming gradient (read on the
+device) and casts them to each input's dtype. GSPO's sequence ratio needs every token's log-prob
+first, so it recomputes the tiles in a second sweep: four GEMM passes.
+
+Precision follows the model's own ``lm_head``: the tile holds exactly the logits ``hidden @
+weight.T + bias`` the model would hand to ``fused_dgpo_loss``, in the same dtype. Under
+``torch.autocast`` the operands are cast to the autocast dtype; bf16 (fp16) operands give a bf16
+(fp16) tile, the product accumulated in fp32 and rounded once, as cuBLAS does for the model; the
+log-sum-exp and every per-token quantity are fp32. The gradient tile is written over the logits
+tile in the operands' dtype, so each logit element costs 8 bytes of HBM traffic besides the GEMMs'
+operand reads (2 written by the GEMM, 2 + 2 read by the row kernels, 2 written back) for bf16,
+16 for fp32 (csrc_notes.md). With ``softcap`` the tile is fp32 (tanh of the unrounded product).
+
+Every token goes through the GEMMs (picking the unmasked ones would need their count on the
+host); rows not scored read nothing in the row kernels and get a zero gradient. Peak extra memory:
+the tile buffers (``memory_budget`` bytes), the fp32 gradient accumulators, a copy of the weight
+in the compute dtype when it differs from the weight's (autocast over fp32 weights), and O(N)
+per-token vectors.
+
+``logits_on_chip=True`` replaces the tiles with the Triton kernels of ``dgpo_ops/kernels/linear_logits.py``
+and ``dgpo_ops/kernels/linear_grad.py``: the logits only ever in registers, operands rounded to the compute
+dtype as they are loaded (no weight copy), one more pass of products, gradients summed with atomics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dgpo_ops.core.inputs import LossBatch, per_token_dtype, token_inputs
+from dgpo_ops.kernels.interface import Plane
+from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.core.metrics import LossMetrics
+from dgpo_ops.core.options import LossOptions, trace_constant
+from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.ops.pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, prepare_call, run_prologue
+from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, defer, refuse_double_backward
+
+DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
+# cuBLAS writes an fp32 product of bf16/fp16 operands directly (torch >= 2.8, CUDA).
+_HAS_FP32_OUT_MM = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ProjectionOptions:
+    """How logits are made from the projection ``y = hidden @ weight^T + bias``:
+    ``logits = softcap * tanh(logit_scale * y / softcap)`` (or ``logit_scale * y``), then / temperature."""
+
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    # True: the Triton kernels of dgpo_ops/kernels/linear_logits.py and linear_grad.py, where the logits exist
+    # only in registers (no tile buffers, no copy of the weight in the compute dtype; one more pass of
+    # products). Not yet measured against the tile path on a GPU, so not the default.
+    logits_on_chip: bool = False
+
+    def __post_init__(self):
+        # float32 numbers in the kernels: a normal float32, so that neither it nor its inverse is 0 or inf
+        if isinstance(self.logit_scale, bool) or not isinstance(self.logit_scale, (int, float)) or not math.isfinite(
+                self.logit_scale) or not FLOAT32_TINY <= self.logit_scale <= FLOAT32_MAX:
+            raise ValueError(f"logit_scale must be a finite number > 0 in float32's normal range, got "
+                             f"{self.logit_scale!r}")
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                                         or not math.isfinite(self.softcap)
+                                         or not FLOAT32_TINY <= self.softcap <= FLOAT32_MAX):
+            raise ValueError(f"softcap must be None or a finite number > 0 in float32's normal range, got "
+                             f"{self.softcap!r}")
+        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive integer number of bytes, got {self.memory_budget!r}")
+        if not isinstance(self.logits_on_chip, bool):
+            raise ValueError(f"logits_on_chip must be True or False, got {self.logits_on_chip!r}")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of one call: GEMM operands, the logits tile, the gradient tile, accumulators."""
+
+    operand: torch.dtype  # what the GEMMs multiply: the autocast dtype under autocast, else the weight's
+    tile: torch.dtype  # the logits tile the row kernels read: the product's dtype, as the model's lm_head gives it
+    grad: torch.dtype  # the gradient tile the backward row kernel writes: the operand dtype the GEMMs read
+    accumulate: torch.dtype  # gradient accumulators
+
+    @classmethod
+    def resolve(cls, weight: torch.Tensor, softcap: float | None, autocast_dtype: torch.dtype | None) -> "Precision":
+        if weight.dtype == torch.float64:
+            return cls(torch.float64, torch.float64, torch.float64, torch.float64)
+        operand = autocast_dtype if autocast_dtype in LOW_PRECISION else weight.dtype
+        # softcap's tanh is taken on an fp32 tile (the product accumulated in fp32, not rounded first).
+        tile = operand if softcap is None else torch.float32
+        return cls(operand, tile, operand, torch.float32)
+
+
+class TileProjection:
+    """The GEMMs: logits tiles, and the fp32-accumulated gradients of hidden, weight and bias."""
+
+    def __init__(self, weight, bias, precision: Precision):
+        self.precision = precision
+        # On CUDA the GEMMs take the operands as they are (tensor cores, fp32 accumulation). A CPU
+        # matmul of bf16 rounds differently, so there the operands are rounded to the compute
+        # dtype once and multiplied in fp32: what a GPU GEMM accumulates.
+        self.tensor_cores = weight.is_cuda and precision.operand in LOW_PRECISION and _HAS_FP32_OUT_MM
+        self.gemm_dtype = precision.operand if weight.is_cuda else precision.accumulate
+        self.weight = weight.detach().to(precision.operand).to(self.gemm_dtype)
+        self.bias = None if bias is None else bias.detach().to(precision.operand)
+
+    def logits(self, hidden, out):
+        """out = hidden @ weight^T + bias, accumulated in fp32, rounded once to the tile dtype."""
+        hidden = hidden.to(self.precision.operand).to(self.gemm_dtype)
+        if self.tensor_cores and out.dtype == torch.float32:
+            out.copy_(self.bias.expand_as(out)) if self.bias is not None else out.zero_()
+            torch.addmm(out, hidden, self.weight.t(), out_dtype=torch.float32, out=out)
+        elif out.dtype == self.gemm_dtype:  # a GEMM that writes the tile dtype itself, bias in its epilogue
+            if self.bias is not None:
+                torch.addmm(self.bias.to(out.dtype), hidden, self.weight.t(), out=out)
+            else:
+                torch.mm(hidden, self.weight.t(), out=out)
+        else:  # CPU, low-precision tile: the fp32 product (and bias), rounded once
+            product = hidden @ self.weight.t()
+            if self.bias is not None:
+                product += self.bias.to(product.dtype)
+            out.copy_(product)
+
+    def accumulate_grads(self, grad_tile, hidden, grad_hidden, grad_weight, grad_bias, scored=None):
+        """grad_hidden = G @ W, grad_weight += G^T @ H, grad_bias += sum G (fp32 accumulators). ``scored``
+        (the chunk's rows): the hidden states of tokens not scored are read as 0 in G^T @ H, where their zero
+        gradient rows would otherwise meet whatever a padded position holds (0 x NaN is NaN)."""
+        if grad_weight is not None and scored is not None:
+            hidden = torch.where(scored[:, None], hidden, 0.0)
+        if self.tensor_cores:  # tensor-core GEMMs on operands in the compute dtype, accumulated in fp32 (as TRL)
+            grad_tile = grad_tile.to(self.gemm_dtype)
+            hidden = hidden.to(self.gemm_dtype)
+            if grad_hidden is not None:
+                torch.mm(grad_tile, self.weight, out_dtype=torch.float32, out=grad_hidden)
+            if grad_weight is not None:
+                torch.addmm(grad_weight, grad_tile.t(), hidden, out_dtype=torch.float32, out=grad_weight)
+        else:
+            grad_tile = grad_tile.to(self.gemm_dtype)
+            hidden = hidden.to(self.precision.operand).to(self.gemm_dtype)
+            if grad_hidden is not None:
+                grad_hidden.copy_(grad_tile @ self.weight)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_tile.t().to(grad_weight.dtype), hidden.to(grad_weight.dtype))
+        if grad_bias is not None:
+            grad_bias += grad_tile.sum(dim=0, dtype=grad_bias.dtype)
+
+
+class Tiles:
+    """The tile buffers, and the scale the row kernels apply to what they read."""
+
+    def __init__(self, n_tokens, vocab, precision: Precision, device, projection_options: ProjectionOptions,
+                 temperature: float):
+        self.softcap = projection_options.softcap
+        self.logit_scale = projection_options.logit_scale
+        separate_grad = self.softcap is not None or precision.grad != precision.tile
+        tile_bytes = torch.finfo(precision.tile).bits // 8
+        grad_bytes = torch.finfo(precision.grad).bits // 8 if separate_grad else 0
+        rows = max(1, min(n_tokens, projection_options.memory_budget // (vocab * (tile_bytes + grad_bytes))))
+        self.rows = rows if rows < 16 else rows - rows % 16
+        self.logits = torch.empty((self.rows, vocab), dtype=precision.tile, device=device)
+        self.grad = self.logits
+        if separate_grad:
+            self.grad = torch.empty((self.rows, vocab), dtype=precision.grad, device=device)
+        # With softcap the buffer holds t = tanh(logit_scale y / softcap) and the logits are softcap t.
+        self.kernel_scale = (self.softcap if self.softcap is not None else self.logit_scale) / temperature
+
+    def transform(self, tile):
+        if self.softcap is not None:
+            tile.mul_(self.logit_scale / self.softcap).tanh_()
+
+    def chain_rule(self, tile, grad):
+        """grad holds d loss / d (what the kernels read); make it d loss / d y."""
+        if self.softcap is not None:
+            grad.mul_(((1.0 - tile * tile) * (self.logit_scale / self.softcap)).to(grad.dtype))
+
+
+@dataclass
+class TileGradients:
+    """The backward of one logits tile, shared by every tile sweep: the row backward kernel writes d loss / d
+    logits into the gradient tile (from the workspace's planes, or from per-token coefficients), the chain
+    rule makes it d loss / d y, and the GEMMs add it into the fp32 accumulators of hidden, weight and bias."""
+
+    kernels: object  # RowKernels
+    tiles: Tiles
+    projection: TileProjection
+    workspace: RowWorkspace
+    grid_seq_len: int
+    hidden: torch.Tensor
+    grad_hidden: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+    grad_bias: torch.Tensor | None
+
+    def add(self, start, stop, tile, entropy_coef: float, dloss_dlogp=None, dloss_dentropy=None):
+        grad = self.tiles.grad[: stop - start]
+        self.kernels.backward(tile, grad, self.workspace, self.grid_seq_len, self.tiles.kernel_scale, entropy_coef,
+                              dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy, token_offset=start)
+        self.tiles.chain_rule(tile, grad)
+        self.projection.accumulate_grads(grad, self.hidden[start:stop],
+                                         None if self.grad_hidden is None else self.grad_hidden[start:stop],
+                                         self.grad_weight, self.grad_bias,
+                                         scored=self.workspace.target_index[start:stop] >= 0)
+
+
+@dataclass
+class LinearPlan:
+    call: CallPlan
+    projection: ProjectionOptions
+
+
+def sweep_tiles(hidden, projection, tiles, on_tile):
+    """Compute each token chunk's logits tile and hand it to ``on_tile``."""
+    for start in range(0, hidden.shape[0], tiles.rows):
+        stop = min(start + tiles.rows, hidden.shape[0])
+        tile = tiles.logits[: stop - start]
+        projection.logits(hidden[start:stop], out=tile)
+        tiles.transform(tile)
+        on_tile(start, stop, tile)
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype in force for ``device`` now (None without autocast)."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_autocast: torch.dtype | None,
+                         zero_planes: bool = False):
+    """``linear_forward_pass`` with ``logits_on_chip``: the logits only ever in the kernels' registers.
+    A token-level method: partials + rows kernels (the epilogue in the latter), the prologue's scales,
+    then one gradient kernel that recomputes each tile and multiplies its gradient into the fp32
+    accumulators. GSPO: the torch objective between the two, as on the tile path."""
+    from dgpo_ops.kernels.linear_grad import linear_grads
+    from dgpo_ops.kernels.linear_logits import OnChipProjection, linear_logprob_entropy
+
+    call, options = plan.call, plan.call.options
+    softcap, logit_scale = plan.projection.softcap, plan.projection.logit_scale
+    operand = compute_autocast if compute_autocast in LOW_PRECISION else weight.dtype
+    projection = OnChipProjection(operand, (softcap if softcap is not None else logit_scale) / options.temperature,
+                                  logit_scale / softcap if softcap is not None else 1.0, softcap is not None)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose, as on the tile path
+        token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
+        workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device, torch.float32, zero_planes)
+        run_prologue(call, workspace)
+        epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
+        linear_logprob_entropy(hidden, weight, bias, call.inputs, workspace, projection, epilogue)
+        coefficient = None
+        if call.uses_epilogue:
+            call.kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
+            loss, stats = workspace.loss, workspace.stats
+        else:
+            result = objective_route(call, workspace)
+            loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if wanted else None
+                 for t, wanted in zip((hidden, weight, bias), wants)]
+        if call.needs_grad:
+            linear_grads(hidden, weight, bias, workspace, call.grid_seq_len, projection, options.entropy_coef,
+                         *grads, dloss_dlogp=coefficient)
+    if call.deferred:
+        defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
+    return loss, workspace.per_token, stats, *grads
+
+
+def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_autocast: torch.dtype | None,
+                        zero_planes: bool = False):
+    """The sweep of one call: ``(loss, per_token, stats, grad_hidden, grad_weight, grad_bias)``, the
+    gradients fp32 (fp64) accumulators of the inputs ``wants`` names (None for the others).
+    ``compute_autocast`` is the autocast dtype the call was made under (None: none)."""
+    if plan.projection.logits_on_chip:
+        return on_chip_forward_pass(hidden, weight, bias, plan, wants, compute_autocast, zero_planes)
+    call = plan.call
+    options, kernels = call.options, call.kernels
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    precision = Precision.resolve(weight, plan.projection.softcap, compute_autocast)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
+        projection = TileProjection(weight, bias, precision)
+        tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
+        token_shape = (n_tokens,) if call.inputs.flat else call.inputs.grid
+        workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
+                                          per_token_dtype(precision.tile), zero_planes)
+        run_prologue(call, workspace)
+        token_level = not options.sequence_level
+        accumulate = precision.accumulate
+
+        def zeros_like(t, wanted):
+            return torch.zeros(t.shape, dtype=accumulate, device=t.device) if wanted else None
+
+        grad_hidden, grad_weight, grad_bias = (zeros_like(t, w) for t, w in zip((hidden, weight, bias), wants))
+        epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
+
+        gradients = TileGradients(kernels, tiles, projection, workspace, call.grid_seq_len, hidden, grad_hidden,
+                                  grad_weight, grad_bias)
+
+        def first_pass(start, stop, tile):
+            kernels.forward(tile, call.inputs, workspace, tiles.kernel_scale, epilogue, token_offset=start)
+            if token_level and call.needs_grad and call.uses_epilogue:
+                gradients.add(start, stop, tile, options.entropy_coef)
+
+        sweep_tiles(hidden, projection, tiles, first_pass)
+        if call.uses_epilogue:
+            kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
+            loss, stats = workspace.loss, workspace.stats
+        else:
+            result = objective_route(call, workspace)
+            loss, stats = result.loss, result.stats
+            if call.needs_grad:
+                # The objective's coefficients are known only now: a second sweep recomputes the tiles.
+                sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
+                    start, stop, tile, options.entropy_coef, dloss_dlogp=result.dloss_dlogp))
+    if call.deferred:
+        defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
+    return loss, workspace.per_token, stats, grad_hidden, grad_weight, grad_bias
+
+
+class FusedLinearPolicyLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, plan: LinearPlan):
+        """``hidden`` is ``(n_tokens, H)``, in the token order of the call's grid."""
+        ctx.set_materialize_grads(False)
+        wants = [plan.call.needs_grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+        loss, per_token, stats, *grads = linear_forward_pass(hidden, weight, bias, plan, wants,
+                                                             autocast_dtype(hidden.device))
+        ctx.save_for_backward(*grads)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(per_token, stats)
+        return loss, per_token, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_per_token, _grad_stats):
+        refuse_double_backward("fused_linear_dgpo_loss")
+        # On CUDA an accumulator in the input's dtype is scaled in place and handed over: no copy of
+        # the weight-sized gradient, and no host read of the incoming gradient to skip a unit scale.
+        # It can be handed over once; elsewhere (CPU, gradcheck) every backward scales a copy.
+        in_place = grad_loss is not None and grad_loss.is_cuda
+        if in_place and getattr(ctx, "handed_over", False):
+            raise RuntimeError(
+                "fused_linear_dgpo_loss on CUDA computes its gradients in the forward and hands them over, "
+                "scaled in place, in its first backward; a second backward through the same graph "
+                "(retain_graph=True) is not supported: call the op again")
+        ctx.handed_over = True
+        grads = []
+        for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
+            if grad is None or grad_loss is None:
+                grads.append(None)
+            elif dtype == grad.dtype:
+                grads.append(grad.mul_(grad_loss) if in_place else grad * grad_loss)
+            else:
+                # Scaled and cast in one pass; the incoming gradient stays on the device.
+                grads.append(torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device)))
+        return (*grads, None)
+
+
+def flatten_tokens(hidden, weight, bias):
+    if not torch.is_tensor(hidden) or hidden.dim() not in (2, 3):
+        raise ValueError("hidden must be a tensor of shape (B, T, H) or (N, H)")
+    if not torch.is_tensor(weight) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        shape = tuple(weight.shape) if torch.is_tensor(weight) else type(weight).__name__
+        raise ValueError(f"weight must have shape (V, {hidden.shape[-1]}), got {shape}")
+    if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype "
+                         "(or run under torch.autocast, which casts both)")
+    if weight.device != hidden.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+    if bias is not None and (not torch.is_tensor(bias) or bias.shape != weight.shape[:1] or bias.device != weight.device):
+        raise ValueError(f"bias must be a tensor of shape ({weight.shape[0]},) on {weight.device}")
+    logits_shape = torch.Size((*hidden.shape[:-1], weight.shape[0]))
+    return hidden.reshape(-1, hidden.shape[-1]), logits_shape
+
+
+def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,
+                needs_grad: bool, checked: bool = True) -> LinearPlan:
+    """The call's plan from metadata; ``checked`` also checks the values (False: the fake
+    implementation of the compiled op, which has no values)."""
+    inputs = token_inputs(logits_shape, weight.dtype, weight.device, batch, options.aggregation, options.sequence_level)
+    tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
+                             device=weight.device)
+    if projection_options.logits_on_chip and weight.dtype == torch.float64:
+        raise ValueError("logits_on_chip=True multiplies float32, bfloat16 or float16 weights; float64 weights "
+                         "take the tile path (logits_on_chip=False)")
+    make = prepare_call if checked else plan_call
+    call = make(inputs, options, tile_probe, weight.shape[0], batch.loss_normalizer, weight.device, needs_grad)
+    if projection_options.logits_on_chip and call.kernels.name != "triton":
+        raise ValueError("logits_on_chip=True runs Triton kernels: pass CUDA tensors, or backend='triton' with "
+                         "TRITON_INTERPRET=1 on the CPU")
+    return LinearPlan(call, projection_options)
+
+
+def linear_loss(hidden, weight, bias, batch: LossBatch, options: LossOptions,
+                projection_options: ProjectionOptions) -> PolicyLossOutput:
+    """The fused-linear op, eager, on plain (whole) ``weight`` and ``bias`` (``dgpo_ops.api`` routes the
+    head module, compiled calls and the other layouts)."""
+    flat_hidden, logits_shape = flatten_tokens(hidden, weight, bias)
+    if options.inplace:
+        raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    plan = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad)
+    loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias, plan)
+    loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
+    return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))

@@ -1,0 +1,156 @@
+"""``linear_logprob_entropy``: per-token log-probs and entropies from hidden states and the lm_head
+weight, with a backward for both outputs, for a loss the package does not compute itself (verl's policy
+losses, entropy bonus and KL term sit on top of its fused log-prob kernel: ``dgpo_ops.integrations.verl``).
+
+The logits are never whole. Forward: one sweep of ``chunk x V`` logits tiles through the row forward
+kernel (log-sum-exp, log-prob, entropy; no method epilogue). Backward: a second sweep recomputes each
+tile, the backward row kernel writes ``d loss / d logits = g (onehot - p) - h p (log p + H)`` from the
+incoming per-token gradients ``g`` of the log-probs and ``h`` of the entropies, and the tile is multiplied
+into the gradients of hidden, weight and bias (fp32 accumulators): four GEMM passes, as verl's own kernel.
+The tiles, their precision under autocast and the GEMMs are ``fused_linear_dgpo_loss``'s.
+
+A vocabulary split across a process group (``vocab_parallel_group``) takes the chunked torch path of
+``dgpo_ops.layouts.vocab`` (16 bytes per token cross the group). Tokens whose target is ``-100`` get log-prob
+and entropy 0 and no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dgpo_ops.ops.linear import (
+    DEFAULT_MEMORY_BUDGET,
+    LOW_PRECISION,
+    Precision,
+    ProjectionOptions,
+    TileGradients,
+    TileProjection,
+    Tiles,
+    autocast_dtype,
+    flatten_tokens,
+    linear_plan,
+    sweep_tiles,
+)
+from dgpo_ops.core.inputs import LossBatch, per_token_dtype
+from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Plane
+from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.core.options import LossOptions
+from dgpo_ops.ops.pipeline import run_prologue
+from dgpo_ops.core.validation import MESSAGES, defer, refuse_double_backward, resolve_mode
+from dgpo_ops.layouts.vocab import ChunkedLinearLogProbEntropy, Projection, check_unsharded, local_vocab_shard, vocab_shard
+
+
+class LinearLogProbEntropyFunction(torch.autograd.Function):
+    """``(log p(target), entropy)`` of every token of ``hidden`` ``(n, H)``; ``plan`` is a ``LinearPlan`` of
+    flat ``(n, V)`` logits (its method is not evaluated: only the row kernels and the prologue's checks run)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, plan):
+        ctx.set_materialize_grads(False)
+        call = plan.call
+        precision = Precision.resolve(weight, None, autocast_dtype(hidden.device))
+        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
+            projection = TileProjection(weight, bias, precision)
+            tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, call.options.temperature)
+            workspace = RowWorkspace.allocate((n_tokens,), 1, hidden.device, per_token_dtype(precision.tile))
+            run_prologue(call, workspace)
+            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: call.kernels.forward(
+                tile, call.inputs, workspace, tiles.kernel_scale, None, token_offset=start))
+        if call.deferred:
+            defer(workspace.status, call.vocab, call.normalizer_tensor, "linear_logprob_entropy")
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.workspace, ctx.plan, ctx.precision = workspace, plan, precision
+        return workspace.per_token[Plane.LOGP].clone(), workspace.per_token[Plane.ENTROPY].clone()
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        refuse_double_backward("linear_logprob_entropy")
+        hidden, weight, bias = ctx.saved_tensors
+        wants = ctx.needs_input_grad[:3]
+        if (grad_logp is None and grad_entropy is None) or not any(wants):
+            return None, None, None, None
+        workspace, plan, precision = ctx.workspace, ctx.plan, ctx.precision
+        call = plan.call
+        dtype = workspace.per_token.dtype
+        # No gradient for the entropies (verl without an entropy bonus): the kernel leaves the entropy term out.
+        dloss_dlogp = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device) if grad_logp is None \
+            else grad_logp.detach().reshape(-1).to(dtype).contiguous()
+        dloss_dentropy = None if grad_entropy is None else grad_entropy.detach().reshape(-1).to(dtype).contiguous()
+        grads = [torch.zeros(t.shape, dtype=precision.accumulate, device=t.device) if wanted else None
+                 for t, wanted in zip((hidden, weight, bias), wants)]
+        with torch.autocast(hidden.device.type, enabled=False):
+            projection = TileProjection(weight, bias, precision)
+            tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, plan.projection,
+                          call.options.temperature)
+            gradients = TileGradients(call.kernels, tiles, projection, workspace, call.grid_seq_len, hidden, *grads)
+            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
+                start, stop, tile, 0.0, dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy))
+        return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))), None)
+
+
+def _check_targets(hidden, target_ids):
+    if not torch.is_tensor(target_ids) or target_ids.shape != hidden.shape[:-1]:
+        shape = tuple(target_ids.shape) if torch.is_tensor(target_ids) else type(target_ids).__name__
+        raise ValueError(f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's tokens), got {shape}")
+
+
+def _chunked(hidden, weight, bias, targets, shard, projection, validation):
+    """The vocabulary-parallel path: -100 targets masked as on the kernel path; a target outside the
+    vocabulary raises at once (immediate validation) or makes its log-prob NaN (deferred), never a
+    quietly wrong number."""
+    scored = targets != IGNORE_INDEX
+    invalid = scored & ((targets < 0) | (targets >= shard.vocab))
+    if resolve_mode(validation, hidden.device) == "immediate" and invalid.any():
+        bad = targets[invalid][0].item()
+        raise ValueError(MESSAGES[InputError.TARGET_IDS].format(vocab=shard.vocab, ignore=IGNORE_INDEX, bad_target=bad))
+    logp, entropy = ChunkedLinearLogProbEntropy.apply(hidden, weight, bias, torch.where(scored & ~invalid, targets, 0),
+                                                      shard, projection, scored)
+    return torch.where(invalid, float("nan"), torch.where(scored, logp, 0.0)), torch.where(scored, entropy, 0.0)
+
+
+# Not traced by torch.compile yet: it runs eagerly inside a compiled region (a graph break; with
+# fullgraph=True, dynamo's error says so). verl does not compile the model's forward.
+@torch.compiler.disable
+def linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    vocab_parallel_group=None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    backend: str = "auto",
+    validation: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(log p(target), entropy)`` of the logits ``(hidden @ weight.T + bias) / temperature``,
+    fp32 (fp64 for fp64 inputs), shaped like ``target_ids``, differentiable in both outputs (for hidden,
+    weight and bias). Under ``torch.autocast`` the products run in the autocast dtype, as the model's own
+    lm_head would. With ``vocab_parallel_group`` ``weight`` and ``bias`` are this process's rows (equal
+    shares in rank order) and ``hidden`` and ``target_ids`` are the same on every process."""
+    # The options check temperature, backend and validation as every loss call does; the method is unused.
+    options = LossOptions.build("grpo", temperature=temperature, backend=backend, validation=validation)
+    if vocab_parallel_group is not None:
+        weight, bias = (local_vocab_shard(t, name, vocab_parallel_group) for t, name in ((weight, "weight"),
+                                                                                           (bias, "bias")))
+    else:
+        weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
+    flat_hidden, _ = flatten_tokens(hidden, weight, bias)  # shapes, dtypes and devices of hidden, weight, bias
+    _check_targets(hidden, target_ids)
+    flat_targets = target_ids.reshape(-1)
+    if vocab_parallel_group is not None:
+        compute = autocast_dtype(hidden.device)
+        operand = compute if compute in LOW_PRECISION and weight.dtype != torch.float64 else weight.dtype
+        # the group's shares and token counts compared (an all-reduce and a host read) under immediate validation
+        check = resolve_mode(options.validation, hidden.device) == "immediate"
+        shard = vocab_shard(vocab_parallel_group, weight.shape[0], flat_targets.shape[0], hidden.device, check)
+        projection = Projection(1.0, None, 1.0 / options.temperature, operand)
+        logp, entropy = _chunked(flat_hidden, weight, bias, flat_targets, shard, projection, options.validation)
+    else:
+        logits_shape = torch.Size((flat_targets.shape[0], weight.shape[0]))
+        advantages = torch.zeros(flat_targets.shape, device=hidden.device)
+        plan = linear_plan(logits_shape, weight, LossBatch(flat_targets, advantages), options,
+                           ProjectionOptions(memory_budget=memory_budget), needs_grad=False)
+        logp, entropy = LinearLogProbEntropyFunction.apply(flat_hidden, weight, bias, plan)
+    return logp.reshape(target_ids.shape), entropy.reshape(target_ids.shape)

@@ -1,0 +1,89 @@
+"""Plain-PyTorch reference: log_softmax + gather + the method table + autograd.
+
+It materialises the full (N, V) fp32 log-softmax: it is the ground truth the fused ops are
+tested against, not a path to train with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dgpo_ops.core.docstrings import documented
+from dgpo_ops.core.inputs import LossBatch, prepare_batch
+from dgpo_ops.core.objective import masked_objective
+from dgpo_ops.core.options import LossOptions
+from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.layouts.packed import TokenLayout
+from dgpo_ops.ops.compiled import checked_inputs_op, options_spec, split_normalizer
+
+
+@documented("""Policy loss of ``method`` from logits by ``log_softmax``, gather, the method table and autograd:
+the ground truth of the fused ops. It materialises ``(N, V)`` fp32 log-probs; not a path to train with.""")
+def reference_loss(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    *,
+    method="dgpo",
+    temperature: float = 1.0,
+    aggregation: str = "token_mean",
+    loss_normalizer: float | torch.Tensor | None = None,
+    beta: float = 0.0,
+    entropy_coef: float = 0.0,
+    importance_sampling_level: str = "token",
+    rollout_weights: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    **method_params,
+) -> PolicyLossOutput:
+    options = LossOptions.build(
+        method,
+        temperature=temperature,
+        aggregation=aggregation,
+        beta=beta,
+        entropy_coef=entropy_coef,
+        importance_sampling_level=importance_sampling_level,
+        **method_params,
+    )
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+    if cu_seqlens is not None or max_seqlen is not None:
+        return packed_reference_loss(logits, batch, options, cu_seqlens, max_seqlen)
+    return reference_loss_from_options(logits, batch, options)
+
+
+def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, cu_seqlens, max_seqlen):
+    """Packed ``(total_tokens, V)`` logits: the reference on the padded ``(B, max_seqlen, V)`` layout (which
+    it materialises), per-token outputs back in packed order."""
+    if not torch.is_tensor(logits):
+        raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
+    packed = TokenLayout.build(logits.shape[:-1], logits.device, cu_seqlens, max_seqlen).packed
+    out = reference_loss_from_options(packed.pad(logits, 0.0), packed.padded_batch(loss_batch), options)
+    return out._replace(logps=packed.unpad(out.logps), entropy=packed.unpad(out.entropy))
+
+
+def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
+    compiling = torch.compiler.is_compiling()
+    batch = prepare_batch(logits.shape, logits.dtype, logits.device, loss_batch, options.aggregation,
+                          options.sequence_level, check=not compiling)
+    if compiling:
+        # The value checks (host reads) as one op that returns 1.0 or raises; the logits are scaled
+        # by it so that it runs before anything reads them (an out-of-range target, say).
+        logits = logits * checked_inputs_op(*loss_batch.tensors(), *split_normalizer(loss_batch.loss_normalizer),
+                                            list(logits.shape), logits.dtype, options_spec(options))
+    grid = batch.mask.shape
+    x = logits.reshape(*grid, logits.shape[-1])
+    x = x.to(torch.promote_types(x.dtype, torch.float32)) / options.temperature
+    log_probs = torch.log_softmax(x, dim=-1)
+    logp = log_probs.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
+    probs = log_probs.exp()
+    # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf, in the value and in its gradient.
+    entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1)
+    loss, logp, entropy, metrics = masked_objective(logp, entropy, batch, options)
+
+    def per_token_output(values):  # fp32, 0 on masked tokens (where the fused kernels read nothing)
+        return batch.unflatten(values.detach().float())
+
+    return PolicyLossOutput(loss, per_token_output(logp), per_token_output(entropy), metrics)

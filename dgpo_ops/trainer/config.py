@@ -1,0 +1,183 @@
+"""``DGPOConfig``: TRL's ``GRPOConfig`` plus the policy loss of any method of the family.
+
+The method fields are not written here: each method parameter's ``ParamSpec`` (``dgpo_ops/methods.py``)
+names the config field it is read from, and every such field TRL's ``GRPOConfig`` lacks is added to
+``DGPOConfig`` with its default and help from the table (``_add_method_fields``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from dgpo_ops.core.aggregation import AGGREGATIONS
+from dgpo_ops.methods.catalog import POLICY_LOSSES, config_default, config_help, config_params, method_params, resolve
+from dgpo_ops.methods.table import METHODS, MethodConfig, method_config
+from dgpo_ops.core.options import LossOptions
+
+FUSED_MODES = ("linear", "logits")
+ADVANTAGE_ESTIMATORS = ("grpo", "dcpo")
+
+# TRL loss_type -> (aggregation, whether token_mean counts the tokens of this micro-batch only)
+TRL_LOSS_TYPE_AGGREGATION = {
+    "grpo": "seq_mean_token_mean",
+    "sapo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+    "dapo": "token_mean",
+    "cispo": "token_mean",
+}
+
+TRL_FIELDS = frozenset(f.name for f in dataclasses.fields(GRPOConfig))
+
+
+def method_field_names() -> tuple[str, ...]:
+    """The config fields method parameters are read from (TRL's and the added ones), in table order."""
+    return tuple(config_params())
+
+
+def _add_method_fields(cls):
+    """Add to ``cls`` (before ``@dataclass``) a field for every method config field TRL lacks."""
+    for name, params in config_params().items():
+        if name in TRL_FIELDS:
+            continue
+        default = config_default(params)
+        if params[0].spec.choices is not None:
+            annotation = str
+        else:
+            annotation = float | None if default is None or any(p.spec.optional for p in params) else float
+        cls.__annotations__[name] = annotation
+        setattr(cls, name, field(default=default, metadata={"help": config_help(params)}))
+    return cls
+
+
+@dataclass
+@_add_method_fields
+class DGPOConfig(GRPOConfig):
+    r"""
+    [`~trl.GRPOConfig`] with the policy loss chosen among dgpo-ops' methods. `epsilon`, `epsilon_high`, `beta`,
+    `importance_sampling_level`, `sapo_temperature_pos/neg` and `use_bias_correction_kl` keep their TRL meaning,
+    except that `epsilon` defaults to None: each method's own default from the table (dcpo's eps_low is 0.16);
+    `loss_type` keeps choosing the aggregation (and its normaliser) unless `loss_aggregation` is set.
+
+    Parameters:
+        policy_loss (`str`, defaults to `"dgpo"`): a method or alias of `dgpo_ops.methods.catalog.POLICY_LOSSES`.
+            `dapo` is grpo with DAPO's clip-higher: `epsilon_high=0.28` unless `epsilon_high` is set
+            (its token-level aggregation is TRL's `loss_type="dapo"`, the default).
+        dgpo_n, dgpo_m, dual_clip, gppo_beta1, gppo_beta2, dcpo_r_max, dispo_eps_*, sapo_gate: the methods' own
+            parameters, added from the method table (each field's help names the methods that read it, its
+            range, and what None means); README.md's method table shows which field feeds which parameter.
+        loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm or seq_sum_token_mean; None
+            follows `loss_type` (dcpo: seq_sum_token_mean).
+        advantage_estimator: `"grpo"` (TRL's group advantages) or `"dcpo"` (smooth advantage standardisation).
+        fused: `"linear"` (hidden states + lm_head, logits never whole) or `"logits"` (the model's logits).
+        fused_memory_budget: bytes of logits and gradient tiles for `fused="linear"` (a positive integer).
+        fused_logits_on_chip: `fused="linear"` through Triton kernels that keep the logits in registers (no
+            tiles, no bf16 weight copy under autocast; CUDA only; not yet measured on a GPU, so off by default).
+        max_nonfinite_steps: an optimizer step whose gradients are not finite is skipped with a warning naming the
+            step and the first such parameter; this many consecutive skips stop the run with an error.
+
+    For `cispo`, `epsilon_high` is TRL's weight cap itself (dgpo-ops' `1 + eps_high`), and there is no lower clip.
+    """
+
+    policy_loss: str = field(default="dgpo", metadata={"help": f"Policy loss: one of {', '.join(POLICY_LOSSES)}."})
+    # TRL's epsilon (0.2 there) with None by default: each method's own eps_low from the table unless set (dcpo's
+    # is 0.16), and epsilon_high left None falls back to it, so cispo's cap and dcpo's eps_high keep theirs too.
+    epsilon: float | None = field(default=None, metadata={"help": config_help(config_params()["epsilon"])})
+    loss_aggregation: str | None = field(default=None, metadata={"help": "Aggregation; None follows loss_type."})
+    advantage_estimator: str = field(default="grpo", metadata={"help": "Advantages: grpo or dcpo."})
+    fused: str = field(default="linear", metadata={"help": "linear (hidden states + lm_head) or logits."})
+    fused_memory_budget: int = field(default=512 * 2**20, metadata={"help": "Bytes of fp32 logits tiles."})
+    fused_logits_on_chip: bool = field(default=False, metadata={
+        "help": "fused='linear' with the logits only in registers (Triton, CUDA): no tiles, no weight copy."})
+    max_nonfinite_steps: int = field(default=3, metadata={
+        "help": "Optimizer steps with non-finite gradients are skipped; this many in a row stop the run."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {self.policy_loss!r}")
+        if self.fused not in FUSED_MODES:
+            raise ValueError(f"fused must be one of {FUSED_MODES}, got {self.fused!r}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}")
+        if self.loss_aggregation is not None and self.loss_aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be None or one of {', '.join(AGGREGATIONS)}")
+        if self.loss_aggregation is None and self.loss_type not in TRL_LOSS_TYPE_AGGREGATION:
+            raise ValueError(
+                f"loss_type={self.loss_type!r} has no dgpo-ops aggregation; use one of "
+                f"{', '.join(TRL_LOSS_TYPE_AGGREGATION)} or set loss_aggregation"
+            )
+        unsupported = {
+            "delta": self.delta is not None,
+            "top_entropy_quantile": self.top_entropy_quantile < 1.0,
+            "use_adaptive_entropy": bool(getattr(self, "use_adaptive_entropy", False)),
+            "use_liger_kernel": bool(self.use_liger_kernel),
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"DGPOConfig does not support {name} (the fused loss replaces that code path)")
+        if (isinstance(self.fused_memory_budget, bool) or not isinstance(self.fused_memory_budget, int)
+                or self.fused_memory_budget < 1):
+            raise ValueError(f"fused_memory_budget must be a positive integer number of bytes, got "
+                             f"{self.fused_memory_budget!r}")
+        if not isinstance(self.fused_logits_on_chip, bool):
+            raise ValueError(f"fused_logits_on_chip must be True or False, got {self.fused_logits_on_chip!r}")
+        if self.fused_logits_on_chip and self.fused != "linear":
+            raise ValueError(f"fused_logits_on_chip=True applies to fused='linear', not fused={self.fused!r}")
+        if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) or \
+                self.max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {self.max_nonfinite_steps!r}")
+        # Every method's fields, whichever method is chosen: a bad value fails here, not when a later run
+        # switches policy_loss. Fields read with an offset (cispo's cap) only mean something to their method.
+        for method in METHODS:
+            self._build_method(method, skip_offset_fields=True)
+        self.loss_options()  # the chosen method with the shared fields (epsilon, ...), now, not at the first step
+
+    def _build_method(self, name: str, skip_offset_fields: bool = False) -> MethodConfig:
+        """The method config of a method or alias from this config's fields (``ParamSpec.config_field``)."""
+        method, alias_params = resolve(name)
+        values, sources = {}, {}
+        for p in method_params(method):
+            spec = p.spec
+            if spec.config_field is None or (skip_offset_fields and spec.config_offset):
+                continue
+            field_name, value = spec.config_field, getattr(self, spec.config_field)
+            if value is None and p.name in alias_params:
+                continue  # the alias's preset
+            if value is None and spec.config_fallback is not None:
+                field_name, value = spec.config_fallback, getattr(self, spec.config_fallback)
+            if value is None:
+                continue  # the method's own default
+            values[p.name] = spec.from_config(value)
+            sources[field_name] = f"{field_name}={value!r}" + (
+                f" (-> {p.name}={values[p.name]!r})" if spec.config_offset else "")
+        try:
+            return method_config(method, **{**alias_params, **values})
+        except ValueError as error:
+            chosen = [] if skip_offset_fields else [f"policy_loss={name!r}"]
+            raise ValueError(f"DGPOConfig({', '.join([*chosen, *sources.values()])}): {error}") from None
+
+    @property
+    def aggregation(self) -> str:
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        if self.policy_loss == "dcpo":
+            return "seq_sum_token_mean"
+        return TRL_LOSS_TYPE_AGGREGATION[self.loss_type]
+
+    def method(self) -> MethodConfig:
+        return self._build_method(self.policy_loss)
+
+    def loss_options(self) -> LossOptions:
+        return LossOptions(
+            method=self.method(),
+            temperature=self.temperature,
+            aggregation=self.aggregation,
+            beta=self.beta,
+            kl_ratio_correction=bool(self.use_bias_correction_kl),
+            entropy_coef=self.entropy_coef,
+            importance_sampling_level=self.importance_sampling_level,
+        )
