@@ -1,7 +1,8 @@
 """The public functions, and the one place that routes a call:
 
 * under ``torch.compile``: one ``torch.library`` custom op per call (``dgpo_ops.ops.compiled``);
-* a vocabulary split across processes or packed sequences (``dgpo_ops.layouts``);
+* a vocabulary split across processes or packed sequences: the same eager ops, on the rows those layouts
+  describe (``dgpo_ops.layouts``);
 * the lm_head module instead of its weight: the op runs as the module's own forward, so a sharding
   engine gathers the weight and reduces its gradient (``dgpo_ops.distributed.head``);
 * otherwise the eager op (``dgpo_ops.ops.logits``, ``dgpo_ops.ops.linear``).
@@ -16,30 +17,27 @@ from dgpo_ops.core.inputs import LossBatch
 from dgpo_ops.core.options import LossOptions, trace_constant
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.distributed.head import head_forward
-from dgpo_ops.layouts.chunked import CallLayout, chunked_linear_loss_from_options, chunked_loss_from_options
+from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
 from dgpo_ops.ops.compiled import compiled_fused_linear_loss, compiled_fused_loss
-from dgpo_ops.ops.linear import (
-    DEFAULT_MEMORY_BUDGET,
-    LOW_PRECISION,
-    ProjectionOptions,
-    autocast_dtype,
-    flatten_tokens,
-    linear_loss,
-)
+from dgpo_ops.ops.linear import DEFAULT_MEMORY_BUDGET, ProjectionOptions, flatten_tokens, linear_loss
 from dgpo_ops.ops.logits import logits_loss
+
+
+def refuse_layout_under_compile(layout: CallLayout) -> None:
+    if not layout.is_default:  # the custom ops take no process group and no packed layout yet
+        raise ValueError("vocab_parallel_group and cu_seqlens are not supported under torch.compile yet")
 
 
 def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: CallLayout = CallLayout()
                       ) -> PolicyLossOutput:
     """``fused_dgpo_loss`` once its options are built."""
-    if layout.needs_chunked_path:
-        return chunked_loss_from_options(logits, batch, options, layout)
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
     if torch.compiler.is_compiling():
+        refuse_layout_under_compile(layout)
         return compiled_fused_loss(logits, batch, options)
-    return logits_loss(logits, batch, options)
+    return logits_loss(logits, batch, options, layout)
 
 
 def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: LossOptions,
@@ -57,20 +55,13 @@ def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: Lo
                         for t, name in ((weight, "weight"), (bias, "bias")))
     else:
         weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
-    if layout.needs_chunked_path:
-        flatten_tokens(hidden, weight, bias)  # the structural checks
-        if projection_options.logits_on_chip:
-            raise ValueError("logits_on_chip=True does not take vocab_parallel_group or cu_seqlens yet")
-        compute = autocast_dtype(hidden.device)
-        operand = compute if compute in LOW_PRECISION and weight.dtype != torch.float64 else weight.dtype
-        return chunked_linear_loss_from_options(hidden, weight, bias, batch, options, projection_options.logit_scale,
-                                                projection_options.softcap, operand, layout)
     if torch.compiler.is_compiling():
+        refuse_layout_under_compile(layout)
         flat_hidden, _ = flatten_tokens(hidden, weight, bias)
         if options.inplace:
             raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
         return compiled_fused_linear_loss(flat_hidden, weight, bias, batch, options, projection_options)
-    return linear_loss(hidden, weight, bias, batch, options, projection_options)
+    return linear_loss(hidden, weight, bias, batch, options, projection_options, layout)
 
 
 @documented("""Fused policy loss of ``method`` from logits: the sampled token's log-prob by an online

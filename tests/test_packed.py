@@ -1,6 +1,8 @@
 """Packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)`` hidden states with
 ``cu_seqlens`` give exactly what the padded ``(B, max_seqlen)`` layout gives, for every method variant,
-aggregation, per-response and per-token advantages, KL, entropy bonus, temperature and GSPO."""
+aggregation, per-response and per-token advantages, KL, entropy bonus, temperature and GSPO, on both kernel
+sets (the Triton kernels in the interpreter, and their torch twins); bad input under deferred validation gives
+what it gives on the padded layout: a NaN loss and gradient, then an error naming the argument."""
 
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def compare(got, want, got_grad, want_grad, rtol=1e-5, atol=1e-6, grad_tolerance
 
 @pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
 @pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=[variant_id(v) for v in METHOD_VARIANTS])
-@pytest.mark.parametrize("loss_fn", ["fused", "reference"])
+@pytest.mark.parametrize("loss_fn", ["fused-torch", "fused-triton", "reference"])
 def test_packed_logits_equal_the_padded_layout(variant, options, loss_fn):
     name, params = variant
     keywords = dict(method=name, **params, **OPTION_SETS[options])
@@ -68,23 +70,28 @@ def test_packed_logits_equal_the_padded_layout(variant, options, loss_fn):
     want.loss.backward()
     packed, cu = pack({"logits": padded_logits.detach(), **batch})
     logits = packed.pop("logits").clone().requires_grad_(True)
-    fn = dgpo_ops.fused_dgpo_loss if loss_fn == "fused" else dgpo_ops.reference_loss
-    got = fn(logits, **packed, **keywords, cu_seqlens=cu)
+    if loss_fn == "reference":
+        got = dgpo_ops.reference_loss(logits, **packed, **keywords, cu_seqlens=cu)
+    else:
+        got = dgpo_ops.fused_dgpo_loss(logits, **packed, **keywords, cu_seqlens=cu, backend=loss_fn.split("-")[1])
     got.loss.backward()
     compare(got, want, logits.grad, padded_logits.grad)
 
 
 @pytest.mark.parametrize("options", ["token_mean", "seq_mean_token_mean+kl+entropy+temperature", "gspo"])
 @pytest.mark.parametrize("projection", [dict(), dict(softcap=5.0, logit_scale=0.8)], ids=["plain", "softcap"])
-def test_packed_hidden_states_equal_the_padded_layout(options, projection):
-    keywords = dict(method="dgpo", **OPTION_SETS[options], **projection)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_hidden_states_equal_the_padded_layout(options, projection, backend):
+    keywords = dict(method="dgpo", **OPTION_SETS[options], **projection, backend=backend)
+    # The twins in float64, so that the two paths' different summation orders leave nothing to tolerate;
+    # the Triton kernels take float32 (the padded layout's own tile path is the comparison, also Triton).
+    dtype, tolerance = (torch.float64, 1e-9) if backend == "torch" else (torch.float32, 2e-5)
     batch = padded_batch(seed=3)
     if not keywords.get("beta"):
         batch.pop("ref_logps")
     batch.pop("logits")
     generator = torch.Generator().manual_seed(5)
-    # float64, so that the two paths' different summation orders leave nothing to tolerate
-    float64 = dict(generator=generator, dtype=torch.float64)
+    float64 = dict(generator=generator, dtype=dtype)
     hidden = torch.randn(len(LENGTHS), max(LENGTHS), 16, **float64).requires_grad_(True)
     weight = torch.randn(50, 16, **float64).requires_grad_(True)
     bias = torch.randn(50, **float64).requires_grad_(True)
@@ -97,9 +104,9 @@ def test_packed_hidden_states_equal_the_padded_layout(options, projection):
     got = dgpo_ops.fused_linear_dgpo_loss(packed_hidden, weight, **packed, bias=bias, **keywords, cu_seqlens=cu,
                                           max_seqlen=max(LENGTHS))
     got.loss.backward()
-    compare(got, want, packed_hidden.grad, hidden.grad, rtol=1e-9, atol=1e-9)
+    compare(got, want, packed_hidden.grad, hidden.grad, rtol=tolerance, atol=tolerance)
     for grad, want_grad in zip((weight.grad, bias.grad), want_grads):
-        torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(grad, want_grad, rtol=tolerance, atol=tolerance)
 
 
 def test_packed_bf16_logits_and_old_logprobs():
@@ -135,36 +142,109 @@ def test_packed_bad_input_names_the_argument(change, match):
         dgpo_ops.fused_dgpo_loss(**arguments)
 
 
+BAD_VALUES = {  # name -> (how to spoil the packed inputs, the argument the error names)
+    "mask_half": (lambda packed: packed["mask"].__setitem__(2, 0.5), "mask must hold only 0 and 1"),
+    "mask_two": (lambda packed: packed["mask"].__setitem__(2, 2.0), "mask must hold only 0 and 1"),
+    "target": (lambda packed: packed["target_ids"].__setitem__(3, 50), "target_ids must be in"),
+    "advantages": (lambda packed: packed["advantages"].__setitem__(1, float("inf")), "advantages has non-finite"),
+    "cu_seqlens": (lambda packed: packed.__setitem__("cu_seqlens", torch.tensor([0, 5, 4, 13, 16])),
+                   "cu_seqlens must start at 0, be non-decreasing"),
+}
+
+
+@pytest.mark.parametrize("op", ["logits", "linear"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", list(BAD_VALUES))
+def test_packed_bad_values_under_deferred_validation_give_nan_then_the_error(bad, backend, op):
+    """As on the padded layout: the loss and every gradient NaN (nothing quietly wrong), and the error that names
+    the argument raised by ``raise_deferred_errors()``."""
+    spoil, message = BAD_VALUES[bad]
+    batch = padded_batch(seed=2, per_token_adv=True)
+    batch.pop("ref_logps")
+    batch["mask"] = batch["mask"].float()
+    packed, cu = pack(batch)
+    packed["cu_seqlens"] = cu
+    spoil(packed)
+    logits = packed.pop("logits").clone().requires_grad_(True)
+    keywords = dict(aggregation="seq_mean_token_mean", validation="deferred", backend=backend, max_seqlen=7)
+    dgpo_ops.raise_deferred_errors()  # nothing left over from other tests
+    if op == "logits":
+        out = dgpo_ops.fused_dgpo_loss(logits, **packed, **keywords)
+        leaves = [logits]
+    else:
+        generator = torch.Generator().manual_seed(1)
+        hidden = torch.randn(logits.shape[0], 8, generator=generator).requires_grad_(True)
+        weight = torch.randn(50, 8, generator=generator).requires_grad_(True)
+        out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **packed, **keywords)
+        leaves = [hidden, weight]
+    grads = torch.autograd.grad(out.loss, leaves)
+    assert out.loss.isnan()
+    for grad in grads:
+        assert grad.isnan().any() and not grad.isfinite().all()
+    with pytest.raises(ValueError, match=message):
+        dgpo_ops.raise_deferred_errors()
+
+
 def test_padded_logits_with_cu_seqlens_are_refused():
     batch = padded_batch()
     with pytest.raises(ValueError, match="total_tokens"):
         dgpo_ops.fused_dgpo_loss(**batch, cu_seqlens=torch.tensor([0, 5, 6, 13, 16]))
 
 
-def test_an_empty_sequence_and_per_sequence_advantages_when_B_equals_the_token_count():
-    # cu_seqlens = [0, 0, 2]: an empty sequence, and B == total_tokens, where (B,) advantages are per sequence.
-    lengths = [0, 2]
-    batch = logits_batch(2, 2, 50, seed=8)
+def test_advantages_whose_shape_fits_sequences_and_tokens_alike_are_an_error_that_says_what_to_pass():
+    # cu_seqlens = [0, 0, 2, 3]: an empty sequence, so B == total_tokens == 3 with lengths 0, 2, 1: one advantage
+    # per sequence and one per token read differently. (B,) is refused; (B, 1) is per sequence, (1, N) per token.
+    lengths = [0, 2, 1]
+    batch = logits_batch(3, 2, 50, seed=8)
     batch["target_ids"][0] = -100
+    batch["target_ids"][2, 1] = -100
     batch.pop("ref_logps")
-    padded_logits = batch.pop("logits").requires_grad_(True)
-    want = dgpo_ops.reference_loss(padded_logits, **batch, aggregation="seq_mean_token_mean")
-    want.loss.backward()
-    packed, cu = pack({"logits": padded_logits.detach(), **batch}, lengths)
-    logits = packed.pop("logits").clone().requires_grad_(True)
-    got = dgpo_ops.fused_dgpo_loss(logits, **packed, aggregation="seq_mean_token_mean", cu_seqlens=cu)
-    got.loss.backward()
-    assert got.loss.abs() > 0
-    torch.testing.assert_close(got.loss, want.loss)
-    torch.testing.assert_close(logits.grad, unpack_rows(padded_logits.grad, lengths))
+    padded_logits = batch.pop("logits")
+    packed, cu = pack({"logits": padded_logits, **batch}, lengths)
+    logits = packed.pop("logits")
+    per_sequence = packed.pop("advantages")
+    assert per_sequence.shape == (3,) and logits.shape[0] == 3
+    with pytest.raises(ValueError, match=r"advantages of shape \(3,\) are ambiguous.*advantages\[:, None\].*"
+                                         r"advantages\[None\]"):
+        dgpo_ops.fused_dgpo_loss(logits, **packed, advantages=per_sequence, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="ambiguous"):  # the reference reads them as the op does
+        dgpo_ops.reference_loss(logits, **packed, advantages=per_sequence, cu_seqlens=cu)
+
+    def both_readings(advantages, padded_advantages):
+        want_logits = padded_logits.clone().requires_grad_(True)
+        want = dgpo_ops.reference_loss(want_logits, **batch | {"advantages": padded_advantages},
+                                       aggregation="seq_mean_token_mean")
+        want.loss.backward()
+        leaf = logits.clone().requires_grad_(True)
+        got = dgpo_ops.fused_dgpo_loss(leaf, **packed, advantages=advantages, aggregation="seq_mean_token_mean",
+                                       cu_seqlens=cu)
+        got.loss.backward()
+        assert got.loss.abs() > 0
+        torch.testing.assert_close(got.loss, want.loss)
+        torch.testing.assert_close(leaf.grad, unpack_rows(want_logits.grad, lengths))
+        return got.loss
+
+    sequence_reading = both_readings(per_sequence[:, None], per_sequence)
+    per_token = torch.tensor([0.7, -1.3, 0.4])
+    token_reading = both_readings(per_token[None], pack_values(per_token, lengths, width=2))
+    assert not torch.isclose(sequence_reading, token_reading)
+
+
+def pack_values(values, lengths, width):
+    """Per-token values in packed order laid on the padded (B, width) grid (0 where there is no token)."""
+    grid = torch.zeros(len(lengths), width)
+    start = 0
+    for b, length in enumerate(lengths):
+        grid[b, :length] = values[start:start + length]
+        start += length
+    return grid
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_packed_hidden_states_under_autocast_match_the_tile_path(softcap):
     # bf16 autocast over fp32 parameters: both paths round the operands to bf16 and accumulate in fp32, so
-    # the loss and per-token values agree to fp32 rounding; the tile path also rounds the gradient tile to
-    # bf16 before its GEMMs (as cuBLAS-fed paths do), the chunked path keeps it fp32: gradients to bf16's
-    # 2^-8. (Before autocast was turned off inside, the softcap case's log-probs were 1e-2 off.)
+    # the loss and per-token values agree to fp32 rounding; both round the gradient tile to bf16 before their GEMMs
+    # (as cuBLAS-fed paths do): gradients to bf16's 2^-8. (Before autocast was turned off inside, the softcap case's log-probs were 1e-2 off.)
     batch = padded_batch(seed=6)
     batch.pop("ref_logps")
     batch.pop("logits")

@@ -17,13 +17,15 @@ ARGUMENTS = {
                             "(``V / P`` logits columns, or ``V / P`` rows of the lm_head weight and bias); the loss, "
                             "log-probs, entropies and metrics are the whole vocabulary's, the gradient this "
                             "process's share's (the hidden state's is summed over the group). 16 bytes per token "
-                            "cross processes, never logits or weights. A chunked torch path "
-                            "(``dgpo_ops/layouts/vocab.py``); None: not split.",
+                            "cross processes, never logits or weights: the row kernels' per-row partials, merged "
+                            "by one all-reduce (``dgpo_ops/layouts/vocab.py``); None: not split.",
     "cu_seqlens": "packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)`` hidden "
                   "states with boundaries ``[0, len_0, len_0 + len_1, ..., total_tokens]`` (int32/int64, as "
                   "flash-attention and verl take them); per-token inputs ``(total_tokens,)``, advantages per token "
-                  "or per sequence ``(B,)`` (read per sequence where the shapes coincide); every aggregation and GSPO as on the padded ``(B, max_seqlen)`` "
-                  "layout. A chunked torch path (``dgpo_ops/chunked.py``); None: not packed.",
+                  "(``(total_tokens,)`` or ``(1, total_tokens)``) or per sequence (``(B,)`` or ``(B, 1)``; where "
+                  "``B`` equals the number of tokens, ``(B,)`` is an error that says which to pass); every "
+                  "aggregation and GSPO as on the padded ``(B, max_seqlen)`` layout. The row kernels read the "
+                  "packed rows where they are (``dgpo_ops/layouts/packed.py``); None: not packed.",
     "max_seqlen": "the longest packed sequence (the padded layout's width, which "
                   "``seq_mean_token_sum_norm`` divides by); None: read from ``cu_seqlens`` (a host read).",
     "bias": "the lm_head bias ``(V,)``, or None.",
@@ -54,7 +56,7 @@ ARGUMENTS = {
     "logits_on_chip": "False: cuBLAS products into logits tiles of ``memory_budget`` bytes; True: Triton kernels "
                       "that keep the logits in registers (no tiles, no weight copy under autocast, one more pass "
                       "of products, gradients summed with atomics; CUDA or the interpreter).",
-    "backend": "``auto`` (Triton on CUDA, the chunked torch path on CPU), ``triton`` (on CPU tensors only under "
+    "backend": "``auto`` (Triton on CUDA, the kernels' torch twins on CPU), ``triton`` (on CPU tensors only under "
                "``TRITON_INTERPRET=1``) or ``torch``.",
     "validation": "``auto`` (immediate on CPU, deferred on CUDA), ``immediate`` or ``deferred``: deferred checks "
                   "never synchronise; a bad value makes the loss NaN and raises at a later call or at "

@@ -42,7 +42,15 @@ MESSAGES = {
     InputError.ROLLOUT_WEIGHTS: "rollout_weights has non-finite values on unmasked tokens",
     InputError.LOSS_NORMALIZER: "loss_normalizer must be a finite number > 0, within float32's normal range "
                                 "(1.2e-38 to 3.4e38, so that it and its inverse are finite and not 0), got {normalizer}",
+    InputError.CU_SEQLENS: "cu_seqlens must start at 0, be non-decreasing, end at the number of packed tokens and "
+                           "hold no sequence longer than max_seqlen",
+    InputError.VOCAB_SHARES: "vocab_parallel_group: every process must hold an equal share of the vocabulary (in rank "
+                             "order) and the same tokens",
 }
+
+# A layout's errors first: a wrong vocabulary share or grid also makes in-range targets look out of range.
+ERROR_ORDER = (InputError.VOCAB_SHARES, InputError.CU_SEQLENS,
+               *(bit for bit in InputError if bit not in (InputError.VOCAB_SHARES, InputError.CU_SEQLENS)))
 
 
 def resolve_mode(validation: str, device: torch.device) -> str:
@@ -58,7 +66,7 @@ def error_message(status, vocab: int, normalizer: torch.Tensor | None = None, op
     errors = InputError(int(status[Status.ERRORS]))
     if not errors:
         return None
-    bit = next(b for b in InputError if b in errors)
+    bit = next(b for b in ERROR_ORDER if b in errors)
     fields = dict(vocab=vocab, ignore=IGNORE_INDEX, bad_target=int(status[Status.BAD_TARGET]),
                   normalizer=None if normalizer is None else float(normalizer))
     where = f" (found on the device in an earlier {op} call)" if op else ""

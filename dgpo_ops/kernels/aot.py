@@ -104,6 +104,8 @@ class Specialisation:
             return f"{self.kernel} {self.dtype} {operand}{grads}"
         if self.kernel == "linear_rows":
             return "linear_rows - dgpo epilogue old/kl/klr/w=1111"
+        if c["WRITES_PARTIALS"]:
+            return f"forward  {self.dtype} partials (split vocabulary)"
         if not c["HAS_EPILOGUE"]:
             return f"forward  {self.dtype} no-epilogue"
         method = next(n for n, m, g in METHOD_VARIANTS if m == c["METHOD"] and (m != MethodId.SAPO or g == c["GATE"]))
@@ -114,10 +116,10 @@ class Specialisation:
 ALL_FLAGS = (True,) * len(FORWARD_FLAGS)
 
 
-def _forward(dtype, method=MethodId.DGPO, gate=Gate.SIGMOID, epilogue=True, flags=ALL_FLAGS):
+def _forward(dtype, method=MethodId.DGPO, gate=Gate.SIGMOID, epilogue=True, flags=ALL_FLAGS, partials=False):
     # HAS_MASK on: TRL passes a completion mask; without one the kernel only loses a load.
     constexprs = dict(METHOD=int(method), GATE=int(gate), HAS_EPILOGUE=epilogue, HAS_MASK=True,
-                      BLOCK_V=FORWARD_SHAPE.block_v)
+                      WRITES_PARTIALS=partials, BLOCK_V=FORWARD_SHAPE.block_v)
     constexprs.update(zip(FORWARD_FLAGS, flags if epilogue else (False,) * len(FORWARD_FLAGS)))
     return Specialisation("forward", dtype, tuple(sorted(constexprs.items())))
 
@@ -176,7 +178,7 @@ def specialisations(full: bool = False) -> list[Specialisation]:
     specs += [_linear("linear_partials", stored) for stored in ("bf16", "fp32")] + [_linear_rows()]
     specs += [_linear("linear_grad", stored, entropy) for stored in ("bf16", "fp32") for entropy in (False, True)]
     for dtype in DTYPES:
-        specs.append(_forward(dtype, epilogue=False))
+        specs += [_forward(dtype, epilogue=False), _forward(dtype, epilogue=False, partials=True)]
         for _, method, gate in METHOD_VARIANTS:
             flag_sets = _flag_sets() if full else [ALL_FLAGS]
             specs += [_forward(dtype, method, gate, flags=flags) for flags in flag_sets]
@@ -326,7 +328,7 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="the whole method x dtype x flag product")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--notes", metavar="PATH",
-                        help="also write the report between the aot markers of this markdown file (csrc_notes.md)")
+                        help="also write the report between the aot markers of this markdown file (docs/aot_report.md)")
     args = parser.parse_args(argv)
     if not isinstance(logprob_entropy_fwd_kernel, triton.JITFunction):
         sys.exit("dgpo_ops.kernels.aot compiles real kernels: unset TRITON_INTERPRET")

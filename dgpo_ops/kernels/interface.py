@@ -120,6 +120,9 @@ class InputError(enum.IntFlag):
     REF_LOGPS = 16
     ROLLOUT_WEIGHTS = 32
     LOSS_NORMALIZER = 64  # non-finite or <= 0
+    # Found by the layouts (dgpo_ops.layouts), not by the prologue kernel:
+    CU_SEQLENS = 128  # cu_seqlens does not describe the packed tokens
+    VOCAB_SHARES = 256  # the processes of vocab_parallel_group hold unequal shares or different tokens
 
 
 class Plane(enum.IntEnum):

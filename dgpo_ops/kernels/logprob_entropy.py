@@ -9,6 +9,14 @@ index the later kernels read; a token not scored reads nothing and writes zeros.
 waits for no other kernel: the logits op launches it first. Row ``r`` of the launch is token
 ``token_offset + r`` of the call: the fused-linear op runs it on one token chunk's logits tile at a
 time.
+
+With ``WRITES_PARTIALS`` the logits are this process's columns ``[vocab_start, vocab_start + vocab)`` of a
+``vocab_total``-wide vocabulary split across processes. The program then stores the row's partials
+instead of finishing it: the max ``m``, ``S = sum exp(x - m)``, ``U = sum exp(x - m) (x - m)`` and the
+target logit where this process holds the target (0 elsewhere), in the planes ROW_MAX, LOG_NORM,
+ENTROPY and LOGP; ``dgpo_ops.layouts.vocab.merge_row_partials`` merges them over the processes into
+the planes ``finish_row`` writes. Its target index is the target's local column, or ``vocab`` (a column
+no program reads) for a target another process holds.
 """
 
 from dataclasses import dataclass
@@ -59,6 +67,8 @@ def logprob_entropy_fwd_kernel(
     grid_seq_len,
     rows_per_seq,
     vocab,
+    vocab_start,
+    vocab_total,
     stride_b,
     stride_t,
     stride_v,
@@ -82,6 +92,7 @@ def logprob_entropy_fwd_kernel(
     HAS_KL: tl.constexpr,
     KL_TIMES_RATIO: tl.constexpr,
     HAS_ROLLOUT_WEIGHTS: tl.constexpr,
+    WRITES_PARTIALS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -89,10 +100,17 @@ def logprob_entropy_fwd_kernel(
     row_ptr = logits_ptr + (row // rows_per_seq) * stride_b + (row % rows_per_seq) * stride_t
     b = token // grid_seq_len
     t = token % grid_seq_len
-    target, listed, kept, _, in_range = read_targets(target_ids_ptr, mask_ptr, b, t, True, vocab, target_stride_b,
-                                                     target_stride_t, mask_stride_b, mask_stride_t, HAS_MASK)
+    target, listed, kept, _, in_range = read_targets(target_ids_ptr, mask_ptr, b, t, True, vocab_total,
+                                                     target_stride_b, target_stride_t, mask_stride_b, mask_stride_t,
+                                                     HAS_MASK)
     valid = listed & kept & in_range
-    target = tl.where(valid, target, -1)
+    if WRITES_PARTIALS:
+        target = target - vocab_start
+        owned = valid & (target >= 0) & (target < vocab)
+        target = tl.where(valid, tl.where(owned, target, vocab), -1)
+    else:
+        owned = valid
+        target = tl.where(valid, target, -1)
     tl.store(target_index_ptr + token, target)  # what the finalize and backward kernels read
     vocab_end = tl.where(valid, vocab, 0)
 
@@ -115,11 +133,19 @@ def logprob_entropy_fwd_kernel(
         sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
         row_max = new_max
 
-    target_logit = tl.load(row_ptr + target * stride_v, mask=valid, other=0.0).to(tl.float32) * inv_temperature
-    finish_row(per_token_ptr, token, n_tokens, b, t, valid, row_max, sum_exp, sum_exp_dx, target_logit, advantages_ptr,
-               old_logps_ptr, ref_logps_ptr, rollout_weights_ptr, method_params_ptr, beta, entropy_coef, adv_stride_b,
-               adv_stride_t, old_stride_b, old_stride_t, ref_stride_b, ref_stride_t, rw_stride_b, rw_stride_t,
-               METHOD, GATE, HAS_EPILOGUE, HAS_OLD_LOGPS, HAS_KL, KL_TIMES_RATIO, HAS_ROLLOUT_WEIGHTS)
+    target_logit = tl.load(row_ptr + target * stride_v, mask=owned, other=0.0).to(tl.float32) * inv_temperature
+    if WRITES_PARTIALS:
+        token_planes_ptr = per_token_ptr + token
+        tl.store(token_planes_ptr + codes.PLANE_ROW_MAX * n_tokens, tl.where(valid, row_max, -float("inf")))
+        tl.store(token_planes_ptr + codes.PLANE_LOG_NORM * n_tokens, tl.where(valid, sum_exp, 0.0))
+        tl.store(token_planes_ptr + codes.PLANE_ENTROPY * n_tokens, tl.where(valid, sum_exp_dx, 0.0))
+        tl.store(token_planes_ptr + codes.PLANE_LOGP * n_tokens, target_logit)
+    else:
+        finish_row(per_token_ptr, token, n_tokens, b, t, valid, row_max, sum_exp, sum_exp_dx, target_logit,
+                   advantages_ptr, old_logps_ptr, ref_logps_ptr, rollout_weights_ptr, method_params_ptr, beta,
+                   entropy_coef, adv_stride_b, adv_stride_t, old_stride_b, old_stride_t, ref_stride_b, ref_stride_t,
+                   rw_stride_b, rw_stride_t, METHOD, GATE, HAS_EPILOGUE, HAS_OLD_LOGPS, HAS_KL, KL_TIMES_RATIO,
+                   HAS_ROLLOUT_WEIGHTS)
 
 
 @triton.jit
@@ -215,18 +241,23 @@ def logits_rows(logits):
 
 
 def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=None, token_offset: int = 0,
-                    block_v=None) -> None:
+                    block_v=None, vocab_split=None) -> None:
     """Launch the forward kernel on ``(B, T, V)`` or ``(N, V)`` logits (any strides); its rows are
     tokens ``token_offset ...`` of ``batch`` (a ``TokenInputs``). Writes ``workspace.per_token``.
 
     With ``epilogue`` (an ``EpilogueInputs``) the method's per-token terms are computed in the same
     program. Also writes ``workspace.target_index`` (the target id, or -1 for a token not scored).
+    With ``vocab_split`` (``(vocab_start, vocab_total)``: these logits are columns of a wider vocabulary)
+    it writes the row partials instead (no epilogue), for ``dgpo_ops.layouts.vocab.merge_row_partials``.
     """
     check_vocab_stride(logits)
     rows, rows_per_seq, stride_b, stride_t, stride_v = logits_rows(logits)
     if rows == 0:
         return
     vocab = logits.shape[-1]
+    if vocab_split is not None and epilogue is not None:
+        raise ValueError("a split vocabulary's rows are finished after the merge: no epilogue in the row forward")
+    vocab_start, vocab_total = vocab_split if vocab_split is not None else (0, vocab)
     anchor = workspace.per_token  # a valid pointer for absent inputs (their HAS_* flag is off)
 
     def pointer(tensor):
@@ -242,7 +273,8 @@ def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=N
         batch.advantages, pointer(batch.old_logps), pointer(batch.ref_logps), pointer(batch.rollout_weights),
         pointer(epilogue and epilogue.method_params),
         inv_temperature, epilogue.beta if epilogue else 0.0, epilogue.entropy_coef if epilogue else 0.0,
-        token_offset, workspace.n_tokens, batch.grid[1], rows_per_seq, vocab, stride_b, stride_t, stride_v,
+        token_offset, workspace.n_tokens, batch.grid[1], rows_per_seq, vocab, vocab_start, vocab_total,
+        stride_b, stride_t, stride_v,
         *strides(batch.target_ids), *strides(batch.mask), *strides(batch.advantages), *strides(batch.old_logps), *strides(batch.ref_logps),
         *strides(batch.rollout_weights),
         METHOD=epilogue.method_id if epilogue else 0,
@@ -253,6 +285,7 @@ def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=N
         HAS_KL=has_kl,
         KL_TIMES_RATIO=has_kl and epilogue.kl_ratio_correction,
         HAS_ROLLOUT_WEIGHTS=epilogue is not None and batch.rollout_weights is not None,
+        WRITES_PARTIALS=vocab_split is not None,
         BLOCK_V=block_v,
         **launch_shape(block_v, FORWARD_SHAPE),
     )

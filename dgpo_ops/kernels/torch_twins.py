@@ -108,15 +108,49 @@ def _compute_dtype(logits):
 
 
 def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=None, token_offset: int = 0,
-                          chunk_rows=None) -> None:
-    """Twin of ``logprob_entropy`` without the epilogue: the target index and the row planes of ``workspace``."""
+                          chunk_rows=None, vocab_split=None) -> None:
+    """Twin of ``logprob_entropy`` without the epilogue: the target index and the row planes of ``workspace``
+    (with ``vocab_split``, the row partials)."""
     if epilogue is not None:
         raise ValueError("the torch twin evaluates methods with the objective, not in an epilogue")
     n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
-    dtype = _compute_dtype(logits)
+    columns = logits.shape[-1]
+    vocab_start, vocab_total = vocab_split if vocab_split is not None else (0, columns)
+    target, _, _, valid, _ = _scored(batch, vocab_total, slice(token_offset, token_offset + n))
+    local = target - vocab_start
+    owned = valid & (local >= 0) & (local < columns)
+    workspace.target_index[token_offset:token_offset + n] = torch.where(valid, torch.where(owned, local, columns), -1)
+    if vocab_split is not None:
+        _row_partials_torch(logits, workspace, inv_temperature, token_offset, n, owned, chunk_rows)
+        return
+    _row_planes_torch(logits, workspace, inv_temperature, token_offset, n, chunk_rows)
+
+
+def _row_partials_torch(logits, workspace, inv_temperature, token_offset, n, owned, chunk_rows) -> None:
+    """The row partials of ``logprob_entropy(..., vocab_split=...)``: max m, S = sum exp(x - m),
+    U = sum exp(x - m) (x - m), and the target logit where this process holds the target."""
     planes = workspace.planes()
-    target, _, _, valid, _ = _scored(batch, logits.shape[-1], slice(token_offset, token_offset + n))
-    workspace.target_index[token_offset:token_offset + n] = torch.where(valid, target, -1)
+    dtype = _compute_dtype(logits)
+    targets = workspace.target_index[token_offset:token_offset + n]
+    for rows, (chunk,) in _row_chunks([logits], chunk_rows):
+        x = chunk.to(dtype) * inv_temperature
+        valid = targets[rows] >= 0
+        top = x.amax(dim=-1)
+        shift = torch.where(top == float("-inf"), 0.0, top)
+        centred = x - shift[:, None]
+        e = centred.exp()
+        sum_exp_dx = torch.where(e > 0, e * centred, 0.0).sum(dim=-1)  # 0 * -inf is 0 here, not NaN
+        index = targets[rows].clamp(0, x.shape[-1] - 1)[:, None]
+        target_logit = torch.where(owned[rows], x.gather(1, index)[:, 0], 0.0)
+        at = slice(token_offset + rows.start, token_offset + rows.stop)
+        for plane, values, fill in ((Plane.ROW_MAX, top, float("-inf")), (Plane.LOG_NORM, e.sum(dim=-1), 0.0),
+                                    (Plane.ENTROPY, sum_exp_dx, 0.0), (Plane.LOGP, target_logit, 0.0)):
+            planes[plane, at] = torch.where(valid, values, fill).to(planes.dtype)
+
+
+def _row_planes_torch(logits, workspace, inv_temperature, token_offset, n, chunk_rows) -> None:
+    planes = workspace.planes()
+    dtype = _compute_dtype(logits)
     targets = workspace.target_index[token_offset:token_offset + n]
     for rows, (chunk,) in _row_chunks([logits], chunk_rows):
         x = chunk.to(dtype) * inv_temperature
@@ -161,11 +195,13 @@ def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_tem
     h = torch.where(valid, h * inv_temperature, 0.0)
     has_entropy_grad = entropy_coef != 0.0 or dloss_dentropy is not None
     active = (g != 0) | (h != 0)  # tokens not scored: zeros, whatever their logits
+    columns = logits.shape[-1]
+    owned = valid & (targets < columns)  # a split vocabulary's target index is `columns` on the other processes
     for rows, (chunk, grad_chunk) in _row_chunks([logits, grad_logits], chunk_rows):
         x = chunk.to(dtype) * inv_temperature
         log_p = x.sub_(planes[Plane.ROW_MAX, rows, None]).sub_(planes[Plane.LOG_NORM, rows, None])
         p = log_p.exp()
-        index = targets[rows].clamp(min=0)[:, None]
+        index = torch.where(owned[rows], targets[rows], 0)[:, None]
         coef = g[rows, None]
         grad = -coef * p
         if has_entropy_grad:
@@ -177,6 +213,7 @@ def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_tem
             target_p = target_log_p.exp()
             target_grad = target_grad - h[rows, None] * target_p * torch.where(
                 target_p > 0, target_log_p + planes[Plane.ENTROPY, rows, None], 0.0)
-        grad.scatter_(1, index, target_grad)
+        # the target's column where this process holds it; elsewhere column 0 keeps its own value
+        grad.scatter_(1, index, torch.where(owned[rows, None], target_grad, grad.gather(1, index)))
         grad_chunk.copy_(torch.where(active[rows, None], grad, 0.0))
     return grad_logits

@@ -2,9 +2,10 @@
 with boundaries ``cu_seqlens = [0, len_0, len_0 + len_1, ..., total_tokens]`` as flash-attention's
 varlen kernels and verl's remove-padding take them.
 
-Only O(tokens) vectors ever change layout: per-token inputs are laid on the padded ``(B, max_seqlen)``
-grid the aggregations, per-response advantages and GSPO's sequence ratio are defined on, and per-token
-results come back in packed order. The logits (or hidden states) are read where they are.
+The row kernels read packed logits (or hidden states) where they are, one row per token, as flat ``(N, V)``
+rows. Only O(tokens) vectors ever change layout: the per-token inputs are laid on the padded
+``(B, max_seqlen)`` grid the prologue's counts, the aggregations, per-response advantages and GSPO's sequence
+ratio are defined on, and the per-token results stay in packed order.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dgpo_ops.core.inputs import PER_TOKEN_FLOATS, LossBatch
-from dgpo_ops.kernels.interface import IGNORE_INDEX
+from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,14 @@ class PackedLayout:
     n_seqs: int
     max_seqlen: int
     grid_index: torch.Tensor  # int64 (n_tokens,): each packed token's flat index on the (B, max_seqlen) grid
-    invalid: torch.Tensor  # bool (): cu_seqlens does not describe the tokens (read on the device, never here)
+    errors: torch.Tensor  # int64 (): InputError.CU_SEQLENS where cu_seqlens does not describe the tokens (device)
 
     @classmethod
     def build(cls, cu_seqlens, n_tokens: int, device, max_seqlen: int | None = None,
               check: bool = True) -> "PackedLayout":
         """Checks ``cu_seqlens`` against the ``n_tokens`` packed tokens: with ``check`` (immediate
-        validation) on the host, raising ``ValueError``; always on the device into ``invalid`` (deferred
-        validation makes the loss NaN with it). Without ``max_seqlen`` the longest sequence is read on
+        validation) on the host, raising ``ValueError``; always on the device into ``errors`` (deferred
+        validation makes the loss and gradient NaN with it and raises the error later). Without ``max_seqlen`` the longest sequence is read on
         the host (a synchronisation on CUDA; pass it, as to flash-attention, to avoid one)."""
         if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32,
                                                                                                  torch.int64):
@@ -57,12 +58,13 @@ class PackedLayout:
             raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest sequence in cu_seqlens "
                              f"({int(lengths.max())})")
         invalid = (cu[0] != 0) | (cu[-1] != n_tokens) | (lengths < 0).any() | (lengths > max_seqlen).any()
+        errors = torch.where(invalid, int(InputError.CU_SEQLENS), 0)
         n_seqs = lengths.numel()
         token = torch.arange(n_tokens, device=device)
         seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=n_seqs - 1)
         # Tokens a bad cu_seqlens would put outside the grid go to its last cell (the loss is NaN anyway).
         grid_index = (seq * max_seqlen + (token - cu[seq])).clamp(0, n_seqs * max_seqlen - 1)
-        return cls(n_tokens, n_seqs, max_seqlen, grid_index, invalid)
+        return cls(n_tokens, n_seqs, max_seqlen, grid_index, errors)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -77,10 +79,30 @@ class PackedLayout:
         """``(B, max_seqlen, ...)`` -> ``(n_tokens, ...)`` (differentiable)."""
         return values.reshape(-1, *values.shape[2:]).index_select(0, self.grid_index)
 
+    @property
+    def sequence_of_token(self) -> torch.Tensor:
+        """int64 ``(n_tokens,)``: the sequence each packed token belongs to."""
+        return self.grid_index // self.max_seqlen
+
+    def advantages_per_sequence(self, advantages) -> bool:
+        """Whether ``advantages`` hold one value per sequence: shape ``(B, 1)``, or ``(B,)`` where that
+        is not also the number of tokens. Shape ``(n,)`` with ``n`` sequences over ``n`` tokens (empty
+        sequences allow it with lengths other than 1) has two readings that differ: an error."""
+        if not torch.is_tensor(advantages):
+            return False
+        if advantages.shape == (self.n_seqs, 1):
+            return True
+        if advantages.shape == (self.n_seqs,) and self.n_seqs == self.n_tokens:
+            raise ValueError(
+                f"advantages of shape ({self.n_seqs},) are ambiguous: cu_seqlens holds {self.n_seqs} sequences over "
+                f"{self.n_tokens} packed tokens. Pass advantages[:, None] (shape ({self.n_seqs}, 1)) for one "
+                f"advantage per sequence, or advantages[None] (shape (1, {self.n_tokens})) for one per token")
+        return advantages.shape == (self.n_seqs,)
+
     def padded_batch(self, batch: LossBatch) -> LossBatch:
-        """The per-token inputs on the padded grid: target ids -100 and the mask False where there is no
-        token. Advantages of shape ``(B,)`` are per sequence, as they are (also when ``B`` equals the
-        number of tokens: with every length 1 the two readings agree)."""
+        """The per-token inputs on the padded grid: target ids -100 and the mask 0 where there is no
+        token. Per-sequence advantages (``advantages_per_sequence``) stay ``(B,)``; per-token ones may
+        also be ``(1, n_tokens)``, the spelling that is never ambiguous."""
         def check_token_shape(name, value, per_sequence=False):
             if torch.is_tensor(value) and value.shape != (self.n_tokens,):
                 also = f" or ({self.n_seqs},) per sequence" if per_sequence else ""
@@ -96,28 +118,12 @@ class PackedLayout:
             value = getattr(batch, name)
             if value is None or not torch.is_tensor(value):
                 continue
-            if name == "advantages" and value.shape == (self.n_seqs,):
-                continue  # per sequence
+            if name == "advantages":
+                if self.advantages_per_sequence(value):
+                    padded[name] = value.reshape(self.n_seqs)
+                    continue
+                if value.shape == (1, self.n_tokens):
+                    value = value.reshape(self.n_tokens)
             check_token_shape(name, value, per_sequence=name == "advantages")
             padded[name] = self.pad(value.detach(), 0.0)
         return batch._replace(**padded)
-
-
-@dataclass(frozen=True)
-class TokenLayout:
-    """Where the tokens of one call lie: the token shape the caller passed, and the packed layout
-    (None: the tokens are on the grid as passed)."""
-
-    token_shape: torch.Size
-    packed: PackedLayout | None
-
-    @classmethod
-    def build(cls, token_shape, device, cu_seqlens, max_seqlen, check: bool = True) -> "TokenLayout":
-        if cu_seqlens is None:
-            if max_seqlen is not None:
-                raise ValueError("max_seqlen goes with cu_seqlens (packed sequences)")
-            return cls(torch.Size(token_shape), None)
-        if len(token_shape) != 1:
-            raise ValueError(f"packed tokens (cu_seqlens) are (total_tokens, V) logits or (total_tokens, H) hidden "
-                             f"states, got token shape {tuple(token_shape)}")
-        return cls(torch.Size(token_shape), PackedLayout.build(cu_seqlens, token_shape[0], device, max_seqlen, check))

@@ -1,18 +1,18 @@
-"""Per-token log-probs and entropies by chunks of rows in torch, over a vocabulary that may be split
-across a process group (tensor parallelism: Megatron's column-parallel lm_head, verl's Megatron
-workers).
+"""A vocabulary split across a process group (tensor parallelism: Megatron's column-parallel lm_head, verl's
+Megatron workers), on the same row kernels as one process.
 
-Every process holds the same tokens and an equal share of the vocabulary, in rank order: ``V / P``
-columns of the logits, or ``V / P`` rows of the lm_head weight and bias. Per token, each process
-reduces its columns to three numbers in one pass (the local max ``m``, ``s = sum exp(x - m)``,
-``w = sum exp(x - m) x``, and the target's logit where it lies in its columns); one all-reduce (MAX,
-4 bytes per token) of the maxima and one (SUM, 12 bytes) of ``[s, w, target]`` rescaled to the
-global max give the log-sum-exp, the target's log-prob and the entropy ``lse - w / s`` as one process
-over the whole vocabulary would. Neither logits nor weights cross processes. The backward of the
-logits needs no communication: ``g_logp (onehot - p) - g_H p (log p + H)`` needs only the global
-``lse`` and ``H``. From hidden states, the hidden state's gradient is a sum over the vocabulary, so
-each process's part is all-reduced (``N x H`` values, as Megatron's column-parallel layer does in its
-backward). Without a group the same code is the whole vocabulary on one process.
+Every process holds the same tokens and an equal share of the vocabulary, in rank order: ``V / P`` columns
+of the logits, or ``V / P`` rows of the lm_head weight and bias. The row forward writes each row's
+partials over this process's columns (``kernels/logprob_entropy.py``, ``WRITES_PARTIALS``): the max
+``m``, ``S = sum exp(x - m)``, ``U = sum exp(x - m) (x - m)`` (centred on ``m``) and the target logit
+where this process holds the target. ``merge_row_partials`` merges them over the group with one
+all-reduce MAX of the maxima (4 bytes per token) and one all-reduce SUM of ``[S, U, target logit]``
+re-centred on the global max (12 bytes per token): 16 bytes per token cross the group, and neither
+logits nor weights do. It leaves the planes the single-process row forward writes (max, ``log S``,
+log-prob, entropy ``log S - U / S``), so everything after it (the objective, the metrics, the
+deferred checks, the gradient kernel with its ``expm1`` form) is the single-process code. The logits'
+gradient needs no communication; from hidden states each process's part of the hidden-state gradient
+is all-reduced (``N x H`` values, as Megatron's column-parallel layer does in its backward).
 """
 
 from __future__ import annotations
@@ -22,28 +22,32 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dgpo_ops.core.validation import refuse_double_backward
-
-CHUNK_BYTES = 64 * 2**20  # fp32 temporaries of one chunk of rows
+from dgpo_ops.kernels.interface import InputError, Plane
 
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This process's columns ``[start, start + size)`` of a ``vocab``-wide vocabulary; ``group`` is
-    None when the vocabulary is whole."""
+    """This process's columns ``[start, start + size)`` of a ``vocab``-wide vocabulary over ``group``.
+    ``errors``: an int64 device scalar, ``InputError.VOCAB_SHARES`` where the processes' shares differ
+    (deferred validation: never read on the host), else None."""
 
     group: object
     start: int
     size: int
     vocab: int
+    errors: torch.Tensor | None = None
+
+    @property
+    def split(self) -> tuple[int, int]:
+        """``(vocab_start, vocab_total)`` as the row forward takes them."""
+        return self.start, self.vocab
 
 
 def vocab_shard(group, columns: int, n_tokens: int, device, check: bool) -> VocabShard:
-    """This process's share for equal shares in rank order (``group`` None: the whole vocabulary).
-    With ``check`` (immediate validation) the processes' token and column counts are compared (one
-    small all-reduce and a host read), so mismatched groups fail loudly."""
-    if group is None:
-        return VocabShard(None, 0, columns, columns)
+    """This process's share for equal shares in rank order. The processes' column and token counts are
+    compared with one small all-reduce: with ``check`` (immediate validation) read on the host, raising
+    ``ValueError``; without, kept on the device as ``errors`` (the loss is NaN and the deferred error
+    names the argument)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("vocab_parallel_group needs torch.distributed initialised (init_process_group)")
     try:
@@ -52,9 +56,10 @@ def vocab_shard(group, columns: int, n_tokens: int, device, check: bool) -> Voca
         raise ValueError(f"vocab_parallel_group is not a process group this process belongs to: {error}") from None
     if rank < 0:
         raise ValueError("vocab_parallel_group is not a process group this process belongs to")
+    sizes = torch.tensor([columns, -columns, n_tokens, -n_tokens], dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    errors = None
     if check:
-        sizes = torch.tensor([columns, -columns, n_tokens, -n_tokens], dtype=torch.float64, device=device)
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
         most_columns, fewest_columns, most_tokens, fewest_tokens = sizes.tolist()
         if most_columns != -fewest_columns:
             raise ValueError(f"vocab_parallel_group: every process must hold an equal share of the vocabulary "
@@ -63,213 +68,36 @@ def vocab_shard(group, columns: int, n_tokens: int, device, check: bool) -> Voca
         if most_tokens != -fewest_tokens:
             raise ValueError(f"vocab_parallel_group: every process must hold the same tokens (a tensor-parallel "
                              f"group); the token counts range from {int(-fewest_tokens)} to {int(most_tokens)}")
-    return VocabShard(group, rank * columns, columns, world * columns)
+    else:
+        uneven = (sizes[0] != -sizes[1]) | (sizes[2] != -sizes[3])
+        errors = torch.where(uneven, int(InputError.VOCAB_SHARES), 0)
+    return VocabShard(group, rank * columns, columns, world * columns, errors)
 
 
-def _chunks(n_rows: int, columns: int):
-    rows = max(1, CHUNK_BYTES // (4 * max(columns, 1)))
-    for start in range(0, n_rows, rows):
-        yield slice(start, min(start + rows, n_rows))
-
-
-def _row_blocks(logits: torch.Tensor):
-    """``(flat rows, 2-D view)`` of chunks of the rows of ``(N, V)`` or ``(B, T, V)`` logits, read where
-    they are: strided logits (``logits[:, :-1]``) are walked per response, never copied whole."""
-    columns = logits.shape[-1]
-    try:
-        flat = logits.view(-1, columns)
-    except RuntimeError:  # not viewable as (N, V): one response at a time
-        flat = None
-    if flat is not None:
-        for rows in _chunks(flat.shape[0], columns):
-            yield rows, flat[rows]
-        return
-    seq_len = logits.shape[1]
-    for b in range(logits.shape[0]):
-        for rows in _chunks(seq_len, columns):
-            yield slice(b * seq_len + rows.start, b * seq_len + rows.stop), logits[b, rows]
-
-
-def _row_partials(x, local_target, owned):
-    """(max, sum exp(x - max), sum exp(x - max) x, target logit or 0) of each row of ``x``. A row of -inf
-    (a shard whose columns are all masked) gives (-inf, 0, 0, 0), which adds nothing when merged."""
-    m = x.max(dim=-1).values
-    e = torch.exp(x - torch.where(torch.isfinite(m), m, 0.0)[:, None])
-    weighted = torch.where(e > 0, e * x, 0.0).sum(-1)  # 0 * -inf is 0 here, not NaN
-    picked = x.gather(-1, local_target.clamp(0, x.shape[-1] - 1)[:, None])[:, 0]
-    return m, e.sum(-1), weighted, torch.where(owned, picked, 0.0)
-
-
-def _merge(local_max, partial, group):
-    """(log-sum-exp, target logit, entropy) per token from every process's partials."""
-    global_max = local_max
-    if group is not None:
-        global_max = local_max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        partial[:2] *= torch.where(torch.isfinite(local_max), torch.exp(local_max - global_max), 0.0)
-        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
-    total, weighted, target_logit = partial
-    lse = global_max + torch.log(total)
-    return lse, target_logit, lse - weighted / total
-
-
-def _row_grads(x, lse, entropy, grad_logp, grad_entropy, local_target, owned):
-    """d loss / d x for rows ``x`` (this process's columns): ``g_logp (onehot - p) - g_H p (log p + H)``."""
-    log_p = x - lse[:, None]
-    p = torch.exp(log_p)
-    grad = -p * grad_logp[:, None] - grad_entropy[:, None] * torch.where(p > 0, p * (log_p + entropy[:, None]), 0.0)
-    # the one-hot term where the target is one of these columns (no host read of which rows those are)
-    grad.scatter_add_(1, local_target.clamp(0, x.shape[-1] - 1)[:, None],
-                      torch.where(owned, grad_logp, 0.0)[:, None])
-    return grad
-
-
-def _grad_or_zeros(grad, like):
-    return torch.zeros_like(like) if grad is None else grad.to(like.dtype)
-
-
-def _local_targets(target_ids, shard: VocabShard, columns: int):
-    local_target = target_ids - shard.start
-    return local_target, (local_target >= 0) & (local_target < columns)
-
-
-def _scored_rows(values, scored, rows):
-    """``values`` (rows ``rows`` of the tokens) with the rows of tokens not scored read as 0: whatever a
-    padded position holds (NaN, inf) reaches neither a value nor a gradient."""
-    return values if scored is None else torch.where(scored[rows, None], values, 0.0)
-
-
-class ChunkedLogProbEntropy(torch.autograd.Function):
-    """(log p(target), entropy) per token from logits ``(N, columns)`` or ``(B, T, columns)``, this
-    process's share of the vocabulary; ``target_ids`` flat ``(n_tokens,)``; ``scored`` (or None: all) the
-    tokens whose logits are read."""
-
-    @staticmethod
-    def forward(ctx, logits, target_ids, shard: VocabShard, inv_temperature: float, scored=None):
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        n, columns = target_ids.shape[0], logits.shape[-1]
-        local_max = torch.empty(n, dtype=dtype, device=logits.device)
-        partial = torch.empty(3, n, dtype=dtype, device=logits.device)  # s, w, target logit at local_max
-        local_target, owned = _local_targets(target_ids, shard, columns)
-        for rows, block in _row_blocks(logits):
-            x = _scored_rows(block.to(dtype), scored, rows) * inv_temperature
-            local_max[rows], partial[0, rows], partial[1, rows], partial[2, rows] = _row_partials(
-                x, local_target[rows], owned[rows])
-        lse, target_logit, entropy = _merge(local_max, partial, shard.group)
-        ctx.save_for_backward(logits, local_target, owned, lse, entropy, scored)
-        ctx.inv_temperature = inv_temperature
-        return target_logit - lse, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        refuse_double_backward("the chunked policy loss (vocab_parallel_group / cu_seqlens)")
-        logits, local_target, owned, lse, entropy, scored = ctx.saved_tensors
-        grad_logp, grad_entropy = _grad_or_zeros(grad_logp, lse), _grad_or_zeros(grad_entropy, lse)
-        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # dense
-        flat_grad = grad_logits.view(-1, logits.shape[-1])
-        for rows, block in _row_blocks(logits):
-            x = _scored_rows(block.to(lse.dtype), scored, rows) * ctx.inv_temperature
-            grad = _row_grads(x, lse[rows], entropy[rows], grad_logp[rows], grad_entropy[rows], local_target[rows],
-                              owned[rows])
-            flat_grad[rows] = _scored_rows(grad, scored, rows) * ctx.inv_temperature
-        return grad_logits, None, None, None, None
-
-
-@dataclass(frozen=True)
-class Projection:
-    """``x = softcap * tanh(logit_scale * y / softcap)`` (or ``logit_scale * y``) ``/ temperature``, with
-    ``y = hidden @ weight^T + bias`` from operands rounded to ``operand`` and accumulated in fp32 (rounded
-    once to ``operand`` when there is no softcap, as the model's lm_head hands its logits over)."""
-
-    logit_scale: float
-    softcap: float | None
-    inv_temperature: float
-    operand: torch.dtype
-
-    @property
-    def accumulate(self) -> torch.dtype:
-        return torch.float64 if self.operand == torch.float64 else torch.float32
-
-    def rounded(self, tensor):
-        """``tensor`` rounded to the operand dtype, held in the accumulation dtype."""
-        return tensor.to(self.operand).to(self.accumulate)
-
-    def logits(self, hidden, operand_weight, operand_bias):
-        """(x, tanh term for the chain rule or None), fp32 (fp64); ``operand_weight`` and ``operand_bias``
-        are ``rounded`` once per pass by the caller, not once per chunk."""
-        y = self.rounded(hidden) @ operand_weight.t()
-        if operand_bias is not None:
-            y = y + operand_bias
-        if self.softcap is None:
-            return self.rounded(y) * (self.logit_scale * self.inv_temperature), None
-        t = torch.tanh(y * (self.logit_scale / self.softcap))
-        return t * (self.softcap * self.inv_temperature), t
-
-    def chain_rule(self, grad_x, t):
-        """d loss / d y from d loss / d x."""
-        if self.softcap is None:
-            return grad_x * (self.logit_scale * self.inv_temperature)
-        return grad_x * ((1.0 - t * t) * (self.logit_scale * self.inv_temperature))
-
-
-def _rounded_or_none(projection: Projection, tensor):
-    return None if tensor is None else projection.rounded(tensor)
-
-
-class ChunkedLinearLogProbEntropy(torch.autograd.Function):
-    """(log p(target), entropy) per token from hidden ``(n, H)`` and this process's rows of the lm_head
-    weight ``(columns, H)``; the logits exist one chunk of rows at a time, recomputed in backward.
-    The dtypes are the ``Projection``'s: autocast is off inside, as on the tile path."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target_ids, shard: VocabShard, projection: Projection, scored=None):
-        n, columns = hidden.shape[0], weight.shape[0]
-        dtype = projection.accumulate
-        local_max = torch.empty(n, dtype=dtype, device=hidden.device)
-        partial = torch.empty(3, n, dtype=dtype, device=hidden.device)
-        local_target, owned = _local_targets(target_ids, shard, columns)
-        with torch.autocast(hidden.device.type, enabled=False):
-            operand_weight, operand_bias = projection.rounded(weight), _rounded_or_none(projection, bias)
-            for rows in _chunks(n, columns):
-                x, _ = projection.logits(_scored_rows(hidden[rows], scored, rows), operand_weight, operand_bias)
-                local_max[rows], partial[0, rows], partial[1, rows], partial[2, rows] = _row_partials(
-                    x, local_target[rows], owned[rows])
-        lse, target_logit, entropy = _merge(local_max, partial, shard.group)
-        ctx.save_for_backward(hidden, weight, bias, local_target, owned, lse, entropy, scored)
-        ctx.shard, ctx.projection = shard, projection
-        return target_logit - lse, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        refuse_double_backward("the chunked policy loss (vocab_parallel_group / cu_seqlens)")
-        hidden, weight, bias, local_target, owned, lse, entropy, scored = ctx.saved_tensors
-        projection = ctx.projection
-        grad_logp, grad_entropy = _grad_or_zeros(grad_logp, lse), _grad_or_zeros(grad_entropy, lse)
-        wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
-        zeros = dict(dtype=lse.dtype, device=hidden.device)
-        grad_hidden = torch.zeros(hidden.shape, **zeros) if wants_hidden else None
-        grad_weight = torch.zeros(weight.shape, **zeros) if wants_weight else None
-        grad_bias = torch.zeros(weight.shape[:1], **zeros) if wants_bias else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            operand_weight, operand_bias = projection.rounded(weight), _rounded_or_none(projection, bias)
-            for rows in _chunks(hidden.shape[0], weight.shape[0]):
-                hidden_rows = _scored_rows(hidden[rows], scored, rows)
-                x, t = projection.logits(hidden_rows, operand_weight, operand_bias)
-                grad = _scored_rows(projection.chain_rule(_row_grads(
-                    x, lse[rows], entropy[rows], grad_logp[rows], grad_entropy[rows], local_target[rows], owned[rows]),
-                    t), scored, rows)
-                if grad_hidden is not None:
-                    grad_hidden[rows] = grad @ operand_weight
-                if grad_weight is not None:
-                    grad_weight += grad.t() @ projection.rounded(hidden_rows)
-                if grad_bias is not None:
-                    grad_bias += grad.sum(0)
-        if grad_hidden is not None and ctx.shard.group is not None:
-            # the hidden state feeds every process's columns: its gradient is the sum of theirs
-            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
-        grads = (grad_hidden, grad_weight, grad_bias)
-        return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))),
-                None, None, None, None)
+def merge_row_partials(planes: torch.Tensor, target_index: torch.Tensor, group) -> None:
+    """Merge every process's row partials (``planes``: ``(NUM_PLANES, n)``, as the row forward wrote them
+    with ``WRITES_PARTIALS``) into the planes of the whole vocabulary, in place: ROW_MAX the global max,
+    LOG_NORM ``log S``, LOGP ``(x_target - max) - log S``, ENTROPY ``log S - U / S``, 0 on tokens not
+    scored (``target_index`` -1), as ``finish_row`` writes them on one process."""
+    local_max, sum_exp, sum_exp_dx = planes[Plane.ROW_MAX], planes[Plane.LOG_NORM], planes[Plane.ENTROPY]
+    global_max = local_max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    shift = torch.where(global_max == float("-inf"), 0.0, global_max)
+    # Re-centre on the global max: sum e^(x - M) = e^(m - M) S and sum e^(x - M) (x - M) = e^(m - M) (U + (m - M) S);
+    # a process whose columns are all -inf on a row (S = 0) adds nothing (not -inf * 0).
+    holds_mass = sum_exp > 0
+    rescale = torch.where(holds_mass, torch.exp(local_max - shift), 0.0)
+    partial = torch.stack([sum_exp * rescale,
+                           torch.where(holds_mass, rescale * (sum_exp_dx + (local_max - shift) * sum_exp), 0.0),
+                           planes[Plane.LOGP]])
+    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+    total, centred, target_logit = partial
+    scored = target_index >= 0
+    log_norm = torch.log(torch.where(scored, total, 1.0))
+    planes[Plane.ROW_MAX] = torch.where(scored, shift, 0.0)
+    planes[Plane.LOG_NORM] = torch.where(scored, log_norm, 0.0)
+    planes[Plane.LOGP] = torch.where(scored, (target_logit - shift) - log_norm, 0.0)
+    planes[Plane.ENTROPY] = torch.where(scored, log_norm - centred / torch.where(scored, total, 1.0), 0.0)
 
 
 def check_unsharded(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:

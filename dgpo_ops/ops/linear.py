@@ -36,14 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.core.inputs import LossBatch, per_token_dtype, token_inputs
+from dgpo_ops.core.inputs import LossBatch, per_token_dtype
 from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions, trace_constant
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.ops.pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, prepare_call, run_prologue
-from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, defer, refuse_double_backward
+from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, refuse_double_backward
+from dgpo_ops.layouts.rows import CallLayout
+from dgpo_ops.ops.pipeline import CallPlan, backward_rows, epilogue_inputs, forward_rows, plan_call
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
 # cuBLAS writes an fp32 product of bf16/fp16 operands directly (torch >= 2.8, CUDA).
@@ -189,11 +190,10 @@ class TileGradients:
     logits into the gradient tile (from the workspace's planes, or from per-token coefficients), the chain
     rule makes it d loss / d y, and the GEMMs add it into the fp32 accumulators of hidden, weight and bias."""
 
-    kernels: object  # RowKernels
+    plan: CallPlan
     tiles: Tiles
     projection: TileProjection
     workspace: RowWorkspace
-    grid_seq_len: int
     hidden: torch.Tensor
     grad_hidden: torch.Tensor | None
     grad_weight: torch.Tensor | None
@@ -201,8 +201,10 @@ class TileGradients:
 
     def add(self, start, stop, tile, entropy_coef: float, dloss_dlogp=None, dloss_dentropy=None):
         grad = self.tiles.grad[: stop - start]
-        self.kernels.backward(tile, grad, self.workspace, self.grid_seq_len, self.tiles.kernel_scale, entropy_coef,
-                              dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy, token_offset=start)
+        plan = self.plan
+        backward_rows(plan.rows, plan.kernels, plan.options, tile, grad, self.workspace, plan.grid_seq_len,
+                      self.tiles.kernel_scale, dloss_dlogp=dloss_dlogp, token_offset=start,
+                      dloss_dentropy=dloss_dentropy, entropy_coef=entropy_coef)
         self.tiles.chain_rule(tile, grad)
         self.projection.accumulate_grads(grad, self.hidden[start:stop],
                                          None if self.grad_hidden is None else self.grad_hidden[start:stop],
@@ -248,24 +250,18 @@ def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose, as on the tile path
         token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
         workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device, torch.float32, zero_planes)
-        run_prologue(call, workspace)
         epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
-        linear_logprob_entropy(hidden, weight, bias, call.inputs, workspace, projection, epilogue)
-        coefficient = None
-        if call.uses_epilogue:
-            call.kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
-            loss, stats = workspace.loss, workspace.stats
-        else:
-            result = objective_route(call, workspace)
-            loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
+
+        def sweep(_row_forward):  # the on-chip kernels make the logits and reduce the rows themselves
+            linear_logprob_entropy(hidden, weight, bias, call.inputs, workspace, projection, epilogue)
+
+        result = forward_rows(call, workspace, sweep, "fused_linear_dgpo_loss", prologue_first=True)
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if wanted else None
                  for t, wanted in zip((hidden, weight, bias), wants)]
         if call.needs_grad:
             linear_grads(hidden, weight, bias, workspace, call.grid_seq_len, projection, options.entropy_coef,
-                         *grads, dloss_dlogp=coefficient)
-    if call.deferred:
-        defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
-    return loss, workspace.per_token, stats, *grads
+                         *grads, dloss_dlogp=result.dloss_dlogp)
+    return result.loss, workspace.per_token, result.stats, *grads
 
 
 def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_autocast: torch.dtype | None,
@@ -276,47 +272,37 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
     if plan.projection.logits_on_chip:
         return on_chip_forward_pass(hidden, weight, bias, plan, wants, compute_autocast, zero_planes)
     call = plan.call
-    options, kernels = call.options, call.kernels
+    options = call.options
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     precision = Precision.resolve(weight, plan.projection.softcap, compute_autocast)
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
         projection = TileProjection(weight, bias, precision)
         tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
-        token_shape = (n_tokens,) if call.inputs.flat else call.inputs.grid
-        workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
+        workspace = RowWorkspace.allocate(call.rows.token_shape, call.inputs.grid[0], hidden.device,
                                           per_token_dtype(precision.tile), zero_planes)
-        run_prologue(call, workspace)
-        token_level = not options.sequence_level
         accumulate = precision.accumulate
 
         def zeros_like(t, wanted):
             return torch.zeros(t.shape, dtype=accumulate, device=t.device) if wanted else None
 
         grad_hidden, grad_weight, grad_bias = (zeros_like(t, w) for t, w in zip((hidden, weight, bias), wants))
-        epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
+        gradients = TileGradients(call, tiles, projection, workspace, hidden, grad_hidden, grad_weight, grad_bias)
 
-        gradients = TileGradients(kernels, tiles, projection, workspace, call.grid_seq_len, hidden, grad_hidden,
-                                  grad_weight, grad_bias)
+        def sweep(row_forward):
+            def first_pass(start, stop, tile):
+                row_forward(tile, tiles.kernel_scale, start)
+                if call.needs_grad and call.uses_epilogue:  # the coefficients are known: the gradient of this tile
+                    gradients.add(start, stop, tile, options.entropy_coef)
 
-        def first_pass(start, stop, tile):
-            kernels.forward(tile, call.inputs, workspace, tiles.kernel_scale, epilogue, token_offset=start)
-            if token_level and call.needs_grad and call.uses_epilogue:
-                gradients.add(start, stop, tile, options.entropy_coef)
+            sweep_tiles(hidden, projection, tiles, first_pass)
 
-        sweep_tiles(hidden, projection, tiles, first_pass)
-        if call.uses_epilogue:
-            kernels.finalize(workspace, call.grid_seq_len, call.has_kl)
-            loss, stats = workspace.loss, workspace.stats
-        else:
-            result = objective_route(call, workspace)
-            loss, stats = result.loss, result.stats
-            if call.needs_grad:
-                # The objective's coefficients are known only now: a second sweep recomputes the tiles.
-                sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
-                    start, stop, tile, options.entropy_coef, dloss_dlogp=result.dloss_dlogp))
-    if call.deferred:
-        defer(workspace.status, call.vocab, call.normalizer_tensor, "fused_linear_dgpo_loss")
-    return loss, workspace.per_token, stats, grad_hidden, grad_weight, grad_bias
+        result = forward_rows(call, workspace, sweep, "fused_linear_dgpo_loss", prologue_first=True)
+        if call.needs_grad and not call.uses_epilogue:
+            # The objective's coefficients are known only now: a second sweep recomputes the tiles.
+            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
+                start, stop, tile, options.entropy_coef, dloss_dlogp=result.dloss_dlogp))
+        call.rows.reduce_hidden_grad(grad_hidden)
+    return result.loss, workspace.per_token, result.stats, grad_hidden, grad_weight, grad_bias
 
 
 class FusedLinearPolicyLossFunction(torch.autograd.Function):
@@ -375,17 +361,19 @@ def flatten_tokens(hidden, weight, bias):
 
 
 def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,
-                needs_grad: bool, checked: bool = True) -> LinearPlan:
+                needs_grad: bool, checked: bool = True, layout: CallLayout = CallLayout()) -> LinearPlan:
     """The call's plan from metadata; ``checked`` also checks the values (False: the fake
     implementation of the compiled op, which has no values)."""
-    inputs = token_inputs(logits_shape, weight.dtype, weight.device, batch, options.aggregation, options.sequence_level)
+    if projection_options.logits_on_chip and not layout.is_default:
+        raise ValueError("logits_on_chip=True does not take vocab_parallel_group or cu_seqlens yet: pass "
+                         "logits_on_chip=False (the tile path runs every layout)")
     tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
                              device=weight.device)
     if projection_options.logits_on_chip and weight.dtype == torch.float64:
         raise ValueError("logits_on_chip=True multiplies float32, bfloat16 or float16 weights; float64 weights "
                          "take the tile path (logits_on_chip=False)")
-    make = prepare_call if checked else plan_call
-    call = make(inputs, options, tile_probe, weight.shape[0], batch.loss_normalizer, weight.device, needs_grad)
+    call = plan_call(logits_shape[:-1], logits_shape[-1], weight.dtype, weight.device, batch, options, tile_probe,
+                     needs_grad, layout, checked)
     if projection_options.logits_on_chip and call.kernels.name != "triton":
         raise ValueError("logits_on_chip=True runs Triton kernels: pass CUDA tensors, or backend='triton' with "
                          "TRITON_INTERPRET=1 on the CPU")
@@ -393,14 +381,14 @@ def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, pr
 
 
 def linear_loss(hidden, weight, bias, batch: LossBatch, options: LossOptions,
-                projection_options: ProjectionOptions) -> PolicyLossOutput:
-    """The fused-linear op, eager, on plain (whole) ``weight`` and ``bias`` (``dgpo_ops.api`` routes the
-    head module, compiled calls and the other layouts)."""
+                projection_options: ProjectionOptions, layout: CallLayout = CallLayout()) -> PolicyLossOutput:
+    """The fused-linear op, eager, on every layout: ``weight`` and ``bias`` plain tensors, this process's rows
+    with a split vocabulary (``dgpo_ops.api`` routes the head module and compiled calls)."""
     flat_hidden, logits_shape = flatten_tokens(hidden, weight, bias)
     if options.inplace:
         raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    plan = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad)
+    plan = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad, layout=layout)
     loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias, plan)
     loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))

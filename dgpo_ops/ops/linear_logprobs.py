@@ -9,9 +9,11 @@ incoming per-token gradients ``g`` of the log-probs and ``h`` of the entropies, 
 into the gradients of hidden, weight and bias (fp32 accumulators): four GEMM passes, as verl's own kernel.
 The tiles, their precision under autocast and the GEMMs are ``fused_linear_dgpo_loss``'s.
 
-A vocabulary split across a process group (``vocab_parallel_group``) takes the chunked torch path of
-``dgpo_ops.layouts.vocab`` (16 bytes per token cross the group). Tokens whose target is ``-100`` get log-prob
-and entropy 0 and no gradient.
+A vocabulary split across a process group (``vocab_parallel_group``) runs the same sweeps on this process's
+rows of the weight, its row partials merged over the group (``dgpo_ops.layouts.vocab``: 16 bytes per token
+cross the group) and the hidden state's gradient summed over it. Tokens whose target is ``-100`` get
+log-prob and entropy 0 and no gradient; under deferred validation, a call with bad input gives NaN
+log-probs and entropies, and its error is raised later, naming the argument.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import torch
 
 from dgpo_ops.ops.linear import (
     DEFAULT_MEMORY_BUDGET,
-    LOW_PRECISION,
     Precision,
     ProjectionOptions,
     TileGradients,
@@ -32,13 +33,13 @@ from dgpo_ops.ops.linear import (
     sweep_tiles,
 )
 from dgpo_ops.core.inputs import LossBatch, per_token_dtype
-from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Plane
-from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.core.options import LossOptions
-from dgpo_ops.ops.pipeline import run_prologue
-from dgpo_ops.core.validation import MESSAGES, defer, refuse_double_backward, resolve_mode
-from dgpo_ops.layouts.vocab import ChunkedLinearLogProbEntropy, Projection, check_unsharded, local_vocab_shard, vocab_shard
-
+from dgpo_ops.core.validation import defer, refuse_double_backward
+from dgpo_ops.kernels.interface import Plane, Status
+from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.layouts.rows import CallLayout
+from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
+from dgpo_ops.ops.pipeline import row_forward, run_prologue
 
 class LinearLogProbEntropyFunction(torch.autograd.Function):
     """``(log p(target), entropy)`` of every token of ``hidden`` ``(n, H)``; ``plan`` is a ``LinearPlan`` of
@@ -55,13 +56,16 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, call.options.temperature)
             workspace = RowWorkspace.allocate((n_tokens,), 1, hidden.device, per_token_dtype(precision.tile))
             run_prologue(call, workspace)
-            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: call.kernels.forward(
-                tile, call.inputs, workspace, tiles.kernel_scale, None, token_offset=start))
+            forward = row_forward(call, workspace, with_epilogue=False)  # the method is not this op's
+            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: forward(tile, tiles.kernel_scale, start))
+            call.rows.merge(workspace)
         if call.deferred:
             defer(workspace.status, call.vocab, call.normalizer_tensor, "linear_logprob_entropy")
         ctx.save_for_backward(hidden, weight, bias)
         ctx.workspace, ctx.plan, ctx.precision = workspace, plan, precision
-        return workspace.per_token[Plane.LOGP].clone(), workspace.per_token[Plane.ENTROPY].clone()
+        bad_input = workspace.status[Status.ERRORS] != 0  # on the device: no sync
+        return (torch.where(bad_input, float("nan"), workspace.per_token[Plane.LOGP]),
+                torch.where(bad_input, float("nan"), workspace.per_token[Plane.ENTROPY]))
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
@@ -83,9 +87,10 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             projection = TileProjection(weight, bias, precision)
             tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, plan.projection,
                           call.options.temperature)
-            gradients = TileGradients(call.kernels, tiles, projection, workspace, call.grid_seq_len, hidden, *grads)
+            gradients = TileGradients(call, tiles, projection, workspace, hidden, *grads)
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
                 start, stop, tile, 0.0, dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy))
+            call.rows.reduce_hidden_grad(grads[0])
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))), None)
 
 
@@ -93,20 +98,6 @@ def _check_targets(hidden, target_ids):
     if not torch.is_tensor(target_ids) or target_ids.shape != hidden.shape[:-1]:
         shape = tuple(target_ids.shape) if torch.is_tensor(target_ids) else type(target_ids).__name__
         raise ValueError(f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's tokens), got {shape}")
-
-
-def _chunked(hidden, weight, bias, targets, shard, projection, validation):
-    """The vocabulary-parallel path: -100 targets masked as on the kernel path; a target outside the
-    vocabulary raises at once (immediate validation) or makes its log-prob NaN (deferred), never a
-    quietly wrong number."""
-    scored = targets != IGNORE_INDEX
-    invalid = scored & ((targets < 0) | (targets >= shard.vocab))
-    if resolve_mode(validation, hidden.device) == "immediate" and invalid.any():
-        bad = targets[invalid][0].item()
-        raise ValueError(MESSAGES[InputError.TARGET_IDS].format(vocab=shard.vocab, ignore=IGNORE_INDEX, bad_target=bad))
-    logp, entropy = ChunkedLinearLogProbEntropy.apply(hidden, weight, bias, torch.where(scored & ~invalid, targets, 0),
-                                                      shard, projection, scored)
-    return torch.where(invalid, float("nan"), torch.where(scored, logp, 0.0)), torch.where(scored, entropy, 0.0)
 
 
 # Not traced by torch.compile yet: it runs eagerly inside a compiled region (a graph break; with
@@ -139,18 +130,10 @@ def linear_logprob_entropy(
     flat_hidden, _ = flatten_tokens(hidden, weight, bias)  # shapes, dtypes and devices of hidden, weight, bias
     _check_targets(hidden, target_ids)
     flat_targets = target_ids.reshape(-1)
-    if vocab_parallel_group is not None:
-        compute = autocast_dtype(hidden.device)
-        operand = compute if compute in LOW_PRECISION and weight.dtype != torch.float64 else weight.dtype
-        # the group's shares and token counts compared (an all-reduce and a host read) under immediate validation
-        check = resolve_mode(options.validation, hidden.device) == "immediate"
-        shard = vocab_shard(vocab_parallel_group, weight.shape[0], flat_targets.shape[0], hidden.device, check)
-        projection = Projection(1.0, None, 1.0 / options.temperature, operand)
-        logp, entropy = _chunked(flat_hidden, weight, bias, flat_targets, shard, projection, options.validation)
-    else:
-        logits_shape = torch.Size((flat_targets.shape[0], weight.shape[0]))
-        advantages = torch.zeros(flat_targets.shape, device=hidden.device)
-        plan = linear_plan(logits_shape, weight, LossBatch(flat_targets, advantages), options,
-                           ProjectionOptions(memory_budget=memory_budget), needs_grad=False)
-        logp, entropy = LinearLogProbEntropyFunction.apply(flat_hidden, weight, bias, plan)
+    logits_shape = torch.Size((flat_targets.shape[0], weight.shape[0]))
+    advantages = torch.zeros(flat_targets.shape, device=hidden.device)
+    plan = linear_plan(logits_shape, weight, LossBatch(flat_targets, advantages), options,
+                       ProjectionOptions(memory_budget=memory_budget), needs_grad=False,
+                       layout=CallLayout(vocab_parallel_group))
+    logp, entropy = LinearLogProbEntropyFunction.apply(flat_hidden, weight, bias, plan)
     return logp.reshape(target_ids.shape), entropy.reshape(target_ids.shape)

@@ -8,8 +8,8 @@ the prologue (input checks, counts, aggregation scales), whose last program redu
 metrics.
 Sequence-level ratios (GSPO) and the torch backend evaluate the objective with torch on O(N)
 vectors instead. Backward is one launch: the gradient kernel expands two per-token coefficients
-over the vocabulary, reading the incoming gradient on the device. A vocabulary split across
-processes and packed sequences take the chunked torch path (``dgpo_ops.layouts.chunked``).
+over the vocabulary, reading the incoming gradient on the device. Packed sequences and a
+vocabulary split across processes run the same kernels, with the torch objective (``dgpo_ops.ops.pipeline``).
 """
 
 from __future__ import annotations
@@ -17,45 +17,38 @@ from __future__ import annotations
 import torch
 
 from dgpo_ops.ops.backends import RowKernels
-from dgpo_ops.core.inputs import LossBatch, token_inputs
+from dgpo_ops.core.inputs import LossBatch
 from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.ops.pipeline import CallPlan, epilogue_inputs, objective_route, plan_call, prepare_call, run_prologue
-from dgpo_ops.core.validation import defer, refuse_double_backward
+from dgpo_ops.layouts.rows import CallLayout, RowLayout
+from dgpo_ops.ops.pipeline import CallPlan, backward_rows, forward_rows, plan_call
+from dgpo_ops.core.validation import refuse_double_backward
 
 
 def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False):
     """The forward kernels of one call: ``(workspace, loss, stats, dloss_dlogp)``; the last is None
     after an epilogue (the coefficients are in the workspace) and under no_grad."""
-    inputs, options, kernels = plan.inputs, plan.options, plan.kernels
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    workspace = RowWorkspace.allocate(logits.shape[:-1], inputs.grid[0], logits.device, dtype, zero_planes)
-    inv_temperature = 1.0 / options.temperature
+    workspace = RowWorkspace.allocate(logits.shape[:-1], plan.inputs.grid[0], logits.device, dtype, zero_planes)
+    inv_temperature = 1.0 / plan.options.temperature
     # The row forward first: it waits for no other kernel, so the long pass over the logits
     # starts as early as the host can launch it; the small prologue (which finalizes) queues behind it.
-    if plan.uses_epilogue:
-        kernels.forward(logits, inputs, workspace, inv_temperature, epilogue_inputs(options, logits.device))
-        run_prologue(plan, workspace, finalize=True)
-        loss, stats, coefficient = workspace.loss, workspace.stats, None
-    else:
-        kernels.forward(logits, inputs, workspace, inv_temperature)
-        run_prologue(plan, workspace)
-        result = objective_route(plan, workspace)
-        loss, stats, coefficient = result.loss, result.stats, result.dloss_dlogp
-    if plan.deferred:
-        defer(workspace.status, plan.vocab, plan.normalizer_tensor, "fused_dgpo_loss")
-    return workspace, loss, stats, coefficient
+    result = forward_rows(plan, workspace, lambda forward: forward(logits, inv_temperature), "fused_dgpo_loss",
+                          prologue_first=False)
+    return workspace, result.loss, result.stats, result.dloss_dlogp
 
 
 def backward_pass(kernels: RowKernels, options: LossOptions, logits, grad_logits, workspace: RowWorkspace,
-                  coefficient, grad_loss) -> torch.Tensor:
-    """d loss / d logits into ``grad_logits`` (the logits themselves with ``inplace``)."""
+                  coefficient, grad_loss, rows: RowLayout | None = None) -> torch.Tensor:
+    """d loss / d logits into ``grad_logits`` (the logits themselves with ``inplace``); ``rows`` None: the
+    logits are the whole vocabulary on the grid (a compiled call)."""
+    rows = rows or RowLayout(logits.shape[:-1], logits.shape[-1])
     grid_seq_len = logits.shape[1] if logits.dim() == 3 else logits.shape[0]
-    kernels.backward(logits, grad_logits, workspace, grid_seq_len, 1.0 / options.temperature, options.entropy_coef,
-                     grad_loss=grad_loss, dloss_dlogp=coefficient)
+    backward_rows(rows, kernels, options, logits, grad_logits, workspace, grid_seq_len, 1.0 / options.temperature,
+                  dloss_dlogp=coefficient, grad_loss=grad_loss)
     return grad_logits
 
 
@@ -83,7 +76,8 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         logits, _planes = ctx.saved_tensors  # unpacking checks that nobody edited the planes in place
         options = ctx.plan.options
         grad_logits = logits if options.inplace else torch.empty_like(logits)
-        backward_pass(ctx.plan.kernels, options, logits, grad_logits, ctx.workspace, ctx.coefficient, grad_loss)
+        backward_pass(ctx.plan.kernels, options, logits, grad_logits, ctx.workspace, ctx.coefficient, grad_loss,
+                      ctx.plan.rows)
         if options.inplace:
             # The logits now hold their gradient: anything else that saved them must fail loudly
             # when it unpacks them, not compute with the gradient.
@@ -122,21 +116,23 @@ def check_inplace_target(logits: torch.Tensor) -> None:
             "inplace=False, or .contiguous() logits")
 
 
-def logits_plan(logits, batch: LossBatch, options: LossOptions, needs_grad: bool, checked: bool = True) -> CallPlan:
+def logits_plan(logits, batch: LossBatch, options: LossOptions, needs_grad: bool, checked: bool = True,
+                layout: CallLayout = CallLayout()) -> CallPlan:
     """The call's plan from metadata; ``checked`` also checks the values (False: the fake
     implementation of the compiled op, which has no values)."""
-    inputs = token_inputs(logits.shape, logits.dtype, logits.device, batch, options.aggregation, options.sequence_level)
-    make = prepare_call if checked else plan_call
-    return make(inputs, options, logits, logits.shape[-1], batch.loss_normalizer, logits.device, needs_grad)
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits.shape)}")
+    return plan_call(logits.shape[:-1], logits.shape[-1], logits.dtype, logits.device, batch, options, logits,
+                     needs_grad, layout, checked)
 
 
-def logits_loss(logits, batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
-    """The logits op, eager (``dgpo_ops.api`` routes compiled calls and the other layouts)."""
+def logits_loss(logits, batch: LossBatch, options: LossOptions, layout: CallLayout = CallLayout()) -> PolicyLossOutput:
+    """The logits op, eager, on every layout (``dgpo_ops.api`` routes compiled calls)."""
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
     if options.inplace:
         check_inplace_target(logits)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    plan = logits_plan(logits, batch, options, needs_grad)
+    plan = logits_plan(logits, batch, options, needs_grad, layout=layout)
     loss, per_token, stats = FusedPolicyLossFunction.apply(logits, plan)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))

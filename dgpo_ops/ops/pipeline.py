@@ -1,14 +1,18 @@
-"""The steps both fused ops run per call, on the device and without a host read:
+"""The row pipeline: the steps both fused ops run per call, for every layout (padded, flat, packed, a
+vocabulary split across processes), on the device and without a host read. ``forward_rows`` owns their
+order:
 
-1. the row forward (``RowKernels.forward``): canonical targets, log-sum-exp, log-prob, entropy, and
-   the method's epilogue where it applies;
-2. the prologue (``RowKernels.prologue``): scored-token counts, aggregation scales, input checks
-   (independent of the row forward: the logits op launches it second, the fused-linear op first,
-   since its gradients need the scales during the sweep);
+1. the row forward (``RowKernels.forward``) over every row: canonical targets, log-sum-exp, log-prob,
+   entropy, and the method's epilogue where it applies; over a split vocabulary, each row's partials,
+   merged over the group by one all-reduce (``RowLayout.merge``);
+2. the prologue (``RowKernels.prologue``): scored-token counts, aggregation scales, input checks, and
+   the errors the layout found (bad ``cu_seqlens``, unequal vocabulary shares). It is independent of the
+   row forward: the logits op launches it second (the long pass over the logits starts first), the
+   fused-linear op first (its gradients need the scales during the sweep);
 3. the loss and metrics: the finalize kernel after an epilogue, else the torch objective on the
-   per-token log-probs and entropies (``objective_route``: every method, GSPO's sequence ratio
-   included, with autograd on O(N) vectors only);
-4. in backward, the gradient kernel (``RowKernels.backward``).
+   per-token log-probs and entropies laid on the grid (``objective_route``: every method, GSPO's
+   sequence ratio included, with autograd on O(N) vectors only);
+4. in backward, the gradient kernel (``RowKernels.backward``) with the ``expm1`` form of ``1 - p``.
 
 ``CallPlan`` is everything a call decides on the host from metadata alone.
 """
@@ -17,35 +21,39 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from dgpo_ops.core.aggregation import AGGREGATIONS
-from dgpo_ops.ops.backends import RowKernels, select_kernels
-from dgpo_ops.core.inputs import canonical_batch, check_values, normalizer_spec, per_token_dtype
-from dgpo_ops.kernels.interface import Plane, Status
-from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs
+from dgpo_ops.core.inputs import LossBatch, canonical_batch, check_values, normalizer_spec, per_token_dtype, token_inputs
 from dgpo_ops.core.metrics import policy_metrics
-from dgpo_ops.methods.table import MethodConfig
 from dgpo_ops.core.objective import check_kl_inputs, policy_objective
 from dgpo_ops.core.options import LossOptions
-from dgpo_ops.core.validation import poll_deferred_errors, resolve_mode
+from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode
+from dgpo_ops.kernels.interface import Plane, Status
+from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs
+from dgpo_ops.layouts.rows import CallLayout, RowLayout
+from dgpo_ops.methods.table import MethodConfig
+from dgpo_ops.ops.backends import RowKernels, select_kernels
 
 
 @dataclass
 class CallPlan:
-    inputs: TokenInputs
+    inputs: TokenInputs  # on the objective's grid: what the prologue and the objective read
     options: LossOptions
     kernels: RowKernels
-    vocab: int
+    vocab: int  # the whole vocabulary
     normalizer: tuple  # normalizer_spec(...)
     deferred: bool  # input values are checked on the device (dgpo_ops.core.validation)
     needs_grad: bool
+    rows: RowLayout
+    row_inputs: TokenInputs  # what the row forward reads per row (``inputs`` unless the rows are packed)
 
     @property
     def uses_epilogue(self) -> bool:
-        """Token-level methods are evaluated in the forward kernel's epilogue (Triton)."""
-        return self.kernels.has_epilogue and not self.options.sequence_level
+        """Token-level methods are evaluated in the forward kernel's epilogue (Triton), where it finishes its rows."""
+        return self.kernels.has_epilogue and not self.options.sequence_level and self.rows.finishes_rows_in_kernel
 
     @property
     def has_kl(self) -> bool:
@@ -60,27 +68,28 @@ class CallPlan:
         return self.normalizer[2]
 
 
-def plan_call(inputs: TokenInputs, options: LossOptions, kernel_probe: torch.Tensor, vocab: int, loss_normalizer,
-              device, needs_grad: bool) -> CallPlan:
-    """The plan from metadata alone (no value is read): what ``prepare_call`` decides, and what a
-    fake (meta) implementation of the custom ops needs for the shapes of its outputs."""
+def plan_call(token_shape, columns: int, dtype, device, batch: LossBatch, options: LossOptions,
+              kernel_probe: torch.Tensor, needs_grad: bool, layout: CallLayout = CallLayout(),
+              checked: bool = True) -> CallPlan:
+    """Everything a call decides on the host for rows of ``token_shape`` over ``columns`` vocabulary columns
+    (of ``dtype`` on ``device``): the layout, the kernels (for tensors like ``kernel_probe``), the validation
+    mode, the normaliser. ``checked``: immediate validation checks the values here, and deferred validation
+    raises the errors of earlier calls the device has finished (never waits); False plans from metadata
+    alone (the fake implementation of the compiled ops, which has no values)."""
+    deferred = resolve_mode(options.validation, device) == "deferred"
+    rows = RowLayout.build(layout, token_shape, columns, device, check=checked and not deferred)
+    grid_batch = rows.grid_batch(batch)
+    inputs = token_inputs(rows.grid_logits_shape(), dtype, device, grid_batch, options.aggregation,
+                          options.sequence_level)
     check_kl_inputs(inputs, options)
     kernels = select_kernels(options.backend, kernel_probe)
-    deferred = resolve_mode(options.validation, device) == "deferred"
-    return CallPlan(inputs, options, kernels, vocab, normalizer_spec(loss_normalizer, device), deferred, needs_grad)
-
-
-def prepare_call(inputs: TokenInputs, options: LossOptions, kernel_probe: torch.Tensor, vocab: int, loss_normalizer,
-                 device, needs_grad: bool) -> CallPlan:
-    """Everything a call decides on the host, from metadata: the kernels (for tensors like
-    ``kernel_probe``), the validation mode, the normaliser. Immediate validation checks the values
-    here; deferred validation raises the errors of earlier calls the device has finished (never waits)."""
-    plan = plan_call(inputs, options, kernel_probe, vocab, loss_normalizer, device, needs_grad)
-    deferred = plan.deferred
-    if deferred:
-        poll_deferred_errors()
-    else:
-        check_values(inputs, vocab, loss_normalizer, per_token_dtype(kernel_probe.dtype))
+    plan = CallPlan(inputs, options, kernels, rows.vocab, normalizer_spec(grid_batch.loss_normalizer, device),
+                    deferred, needs_grad, rows, rows.row_inputs(batch, inputs))
+    if checked:
+        if deferred:
+            poll_deferred_errors()
+        else:
+            check_values(inputs, plan.vocab, grid_batch.loss_normalizer, per_token_dtype(kernel_probe.dtype))
     return plan
 
 
@@ -108,43 +117,98 @@ def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
 
 def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False) -> None:
     """The prologue; with ``finalize`` (after the row forward's epilogue) its last program also
-    reduces the loss and metrics into the workspace, in the same launch."""
+    reduces the loss and metrics into the workspace, in the same launch. Errors the layout found on
+    the device join the prologue's: the call's status names them, and NaN scales make the loss and
+    gradient NaN, as for bad values."""
     extra = dict(finalize=(workspace, plan.has_kl)) if finalize else {}
     plan.kernels.prologue(plan.inputs, workspace.sequence_stats, workspace.seq_scale, workspace.status, plan.vocab,
                           AGGREGATIONS[plan.options.aggregation], plan.normalizer, **extra)
+    errors = plan.rows.errors()
+    if errors is not None:  # never with finalize: a layout's rows are finished after the row forward
+        workspace.status[Status.ERRORS] |= errors
+        workspace.seq_scale.copy_(torch.where(errors != 0, float("nan"), workspace.seq_scale))
+
+
+RowForward = Callable[..., None]  # (rows, inv_scale, token_offset=0): the row forward over some of the call's rows
+
+
+def row_forward(plan: CallPlan, workspace: RowWorkspace, with_epilogue: bool = True) -> RowForward:
+    """Step 1 on the rows it is handed (the logits op: all of them; the fused-linear op: one tile at a time),
+    with the method's epilogue where the plan uses it (and ``with_epilogue``: False for log-probs alone) and a
+    split vocabulary's partials where it is split."""
+    uses_epilogue = with_epilogue and plan.uses_epilogue
+    epilogue = epilogue_inputs(plan.options, workspace.per_token.device) if uses_epilogue else None
+
+    def forward(rows: torch.Tensor, inv_scale: float, token_offset: int = 0) -> None:
+        plan.kernels.forward(rows, plan.row_inputs, workspace, inv_scale, epilogue, token_offset=token_offset,
+                             vocab_split=plan.rows.vocab_split)
+
+    return forward
 
 
 @dataclass
 class ObjectiveResult:
     loss: torch.Tensor
-    dloss_dlogp: torch.Tensor | None  # (n_tokens,), scaled by the aggregation
+    dloss_dlogp: torch.Tensor | None  # (n_rows,), scaled by the aggregation; None after an epilogue
     stats: torch.Tensor
 
 
+def forward_rows(plan: CallPlan, workspace: RowWorkspace, sweep: Callable[[RowForward], None], op: str,
+                 prologue_first: bool) -> ObjectiveResult:
+    """Steps 1-3 of one call in their order: ``sweep(forward)`` runs the row forward over every row (and
+    whatever the op does per tile after it). Queues the call's deferred checks."""
+    if prologue_first:
+        run_prologue(plan, workspace)
+    sweep(row_forward(plan, workspace))
+    plan.rows.merge(workspace)
+    if not prologue_first:
+        run_prologue(plan, workspace, finalize=plan.uses_epilogue)
+    elif plan.uses_epilogue:
+        plan.kernels.finalize(workspace, plan.grid_seq_len, plan.has_kl)
+    result = ObjectiveResult(workspace.loss, None, workspace.stats) if plan.uses_epilogue \
+        else objective_route(plan, workspace)
+    if plan.deferred:
+        defer(workspace.status, plan.vocab, plan.normalizer_tensor, op)
+    return result
+
+
 def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
-    """Loss, scaled per-token coefficients and metrics from the row planes with the torch objective."""
+    """Loss, scaled per-row coefficients and metrics from the row planes with the torch objective, on the grid."""
     B, T = plan.inputs.grid
     planes = workspace.planes()
     dtype = planes.dtype
-    scored = (workspace.target_index >= 0).view(B, T)
+
+    def on_grid(values, fill=0.0):
+        return plan.rows.to_grid(values, fill).reshape(B, T)
+
+    scored = on_grid(workspace.target_index >= 0, False)
     scale = torch.where(scored, workspace.seq_scale[:, None], 0.0)
     batch = canonical_batch(plan.inputs, scored, scale, dtype)
-    logp, entropy = planes[Plane.LOGP].view(B, T), planes[Plane.ENTROPY].view(B, T)
+    logp, entropy = planes[Plane.LOGP], planes[Plane.ENTROPY]
     if not plan.needs_grad:  # forward only (no_grad / inference_mode): the loss and metrics, no coefficients
-        terms = policy_objective(logp, entropy, batch, plan.options)
+        terms = policy_objective(on_grid(logp), on_grid(entropy), batch, plan.options)
         dloss_dlogp = None
     else:
         # Autograd on O(N) vectors. Inside the custom op of a compiled call (dgpo_ops.ops.compiled) the
         # dispatcher has autograd excluded below the op's own autograd node: re-admit it here.
         with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False):
             logp_leaf = logp.detach().requires_grad_(True)
-            entropy_leaf = entropy.detach().requires_grad_(True)
-            terms = policy_objective(logp_leaf, entropy_leaf, batch, plan.options)
+            terms = policy_objective(on_grid(logp_leaf), on_grid(entropy.detach()), batch, plan.options)
             (dloss_dlogp,) = torch.autograd.grad(terms.loss, [logp_leaf], allow_unused=True)
         dloss_dlogp = torch.zeros_like(logp) if dloss_dlogp is None else dloss_dlogp
-        dloss_dlogp = dloss_dlogp.reshape(-1)
-    metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, scored)
+    metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, on_grid(entropy), terms.kl, scored)
     # As the finalize kernel: input the prologue could not score makes the loss NaN even when it hides
     # every scored token (the scales are NaN, but no scored token carries them into the sum).
     loss = torch.where(workspace.status[Status.ERRORS] != 0, float("nan"), terms.loss.detach())
     return ObjectiveResult(loss, dloss_dlogp, metrics.as_tensor())
+
+
+def backward_rows(plan_rows: RowLayout, kernels: RowKernels, options: LossOptions, rows: torch.Tensor,
+                  grad_rows: torch.Tensor, workspace: RowWorkspace, grid_seq_len: int, inv_scale: float,
+                  dloss_dlogp=None, grad_loss=None, token_offset: int = 0, dloss_dentropy=None,
+                  entropy_coef: float | None = None) -> None:
+    """Step 4 on some of the call's rows: d loss / d rows into ``grad_rows``."""
+    workspace, grid_seq_len = plan_rows.backward_workspace(workspace, grid_seq_len)
+    kernels.backward(rows, grad_rows, workspace, grid_seq_len, inv_scale,
+                     options.entropy_coef if entropy_coef is None else entropy_coef, grad_loss=grad_loss,
+                     dloss_dlogp=dloss_dlogp, token_offset=token_offset, dloss_dentropy=dloss_dentropy)

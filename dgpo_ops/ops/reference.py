@@ -13,7 +13,7 @@ from dgpo_ops.core.inputs import LossBatch, prepare_batch
 from dgpo_ops.core.objective import masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.layouts.packed import TokenLayout
+from dgpo_ops.layouts.packed import PackedLayout
 from dgpo_ops.ops.compiled import checked_inputs_op, options_spec, split_normalizer
 
 
@@ -59,7 +59,11 @@ def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, c
     it materialises), per-token outputs back in packed order."""
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
-    packed = TokenLayout.build(logits.shape[:-1], logits.device, cu_seqlens, max_seqlen).packed
+    if cu_seqlens is None:
+        raise ValueError("max_seqlen goes with cu_seqlens (packed sequences)")
+    if logits.dim() != 2:
+        raise ValueError(f"packed tokens (cu_seqlens) are (total_tokens, V) logits, got shape {tuple(logits.shape)}")
+    packed = PackedLayout.build(cu_seqlens, logits.shape[0], logits.device, max_seqlen)
     out = reference_loss_from_options(packed.pad(logits, 0.0), packed.padded_batch(loss_batch), options)
     return out._replace(logps=packed.unpad(out.logps), entropy=packed.unpad(out.entropy))
 
