@@ -45,7 +45,7 @@ LABELS = {name: competitor.label for name, competitor in REGISTRY.items()}
 # The grid: N tokens x V vocabulary, both methods. CUDA runs all of it.
 FULL_SIZES = [(n, v) for n in (1024, 4096, 8192) for v in (32000, 151936, 262144)]
 # The CPU grid (2 cores, 24 GiB, the whole run in about 10 minutes). Everything else of the full grid
-# is dropped on CPU with the reason below, which the results and the README repeat.
+# is dropped on CPU with the reason below, which the results and docs/benchmarks.md repeat.
 CPU_SIZES = {
     "dgpo": [(1024, 32000), (1024, 151936), (1024, 262144), (4096, 32000), (4096, 151936)],
     "grpo": [(1024, 32000)],

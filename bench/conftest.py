@@ -2,7 +2,7 @@
 
 Collects one record per case (timings from pytest-benchmark, peak memory, parity against the eager
 path, or the reason it was skipped), writes them with the machine description to
-``bench/results/<device>.json`` at the end of the session and regenerates the README table, the
+``bench/results/<device>.json`` at the end of the session and regenerates the tables of docs/benchmarks.md, the
 plots and ``bench/results/traffic.md`` (``bench.report``). A run that does not cover the whole grid
 (``-k``, ``--benchmark-disable``, failures) is written to ``<device>-partial.json``, which the report
 ignores: ratios always come from one complete run.
@@ -46,7 +46,7 @@ def pytest_addoption(parser):
                     help="auto: the issue's full grid on CUDA, the reduced CPU grid on CPU (default); smoke: "
                          "the smallest size only, written as a partial run")
     group.addoption("--bench-no-report", action="store_true",
-                    help="write the results JSON but do not regenerate README table, plots and traffic.md")
+                    help="write the results JSON but do not regenerate docs/benchmarks.md, plots and traffic.md")
 
 
 def _loadavg():

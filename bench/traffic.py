@@ -4,7 +4,7 @@
 
 For each kernel specialisation the benchmark's path uses, the bytes read and written per token are
 derived from the kernel source (what ``dgpo_ops/kernels/logprob_entropy.py`` and ``dgpo_ops/kernels/logits_grad.py``
-load and store, csrc_notes.md "Memory traffic") and counted again from the SASS that
+load and store, docs/design.md "Memory traffic") and counted again from the SASS that
 ``dgpo_ops/kernels/aot.py`` builds for sm_90: every LDG/STG instruction, its width, and whether it sits in
 the vocabulary loop (executed by all ``num_warps * 32`` threads once per ``BLOCK_V`` tile) or outside
 it (one scalar per token). The last stdout line is a JSON summary for ``bench.report``.

@@ -28,7 +28,7 @@ activations, what decides whether a length fits. On CUDA, unless ``--no-search``
 fits is searched in steps of 1,024 tokens (doubling until an update runs out of memory, then bisecting).
 
 Writes ``bench/results/train_step-<device>.json``, the table beside it (``.md``) and
-``bench/plots/train_step-<device>.png``; ``python -m bench.report`` puts the tables and plots into the README.
+``bench/plots/train_step-<device>.png``; ``python -m bench.report`` puts the tables and plots into docs/benchmarks.md.
 On the CPU the default is a small model (``--model cpu-small``); the test suite runs ``--model tiny`` as a
 smoke test.
 """

@@ -2,7 +2,7 @@
 outputs: verl's fused-kernel contract) against log_softmax and autograd on the materialised logits:
 both kernel sets, dtypes, shapes, bias, temperature, autocast, ignored targets, either output alone; the
 backward row kernel's per-token entropy coefficient; and the verl integration's parts that need no verl
-(its table in the README, its aggregations)."""
+(its table in docs/integrations.md, its aggregations)."""
 
 from __future__ import annotations
 
@@ -129,13 +129,14 @@ def test_bad_input_is_named():
 
 
 def test_readme_verl_table_is_current():
-    """The README's table of verl loss names is ``verl_params.verl_table_markdown()`` (``python -m
-    dgpo_ops.integrations.verl_params`` rewrites it), so it lists every method of the table."""
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    start, end = readme.index(verl_params.START), readme.index(verl_params.END)
-    assert readme[start + len(verl_params.START):end].strip() == verl_params.verl_table_markdown().strip()
+    """The table of verl loss names in docs/integrations.md (the README links it) is
+    ``verl_params.verl_table_markdown()`` (``python -m dgpo_ops.integrations.verl_params`` rewrites it), so it
+    lists every method of the table."""
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    start, end = page.index(verl_params.START), page.index(verl_params.END)
+    assert page[start + len(verl_params.START):end].strip() == verl_params.verl_table_markdown().strip()
     for mode in verl_params.LOSS_MODES:
-        assert f"`{mode}`" in readme
+        assert f"`{mode}`" in page
 
 
 class ActorFields(dict):

@@ -1,5 +1,5 @@
 """A method is one row: every list of methods, fields, presets and variants the project keeps is derived
-from ``dgpo_ops.methods.table.METHODS`` / ``ALIASES`` (the recipe in csrc_notes.md, "Adding a method")."""
+from ``dgpo_ops.methods.table.METHODS`` / ``ALIASES`` (the recipe in docs/design.md, "Adding a method")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The verl integration's names, hyperparameters and aggregations, derived from the method table
-without importing verl (``dgpo_ops.integrations.verl`` registers them; the README's verl table comes
+without importing verl (``dgpo_ops.integrations.verl`` registers them; docs/integrations.md's verl table comes
 from here).
 
 * Every method and alias of the table (``catalog.POLICY_LOSSES``) is the verl policy loss
@@ -191,7 +191,7 @@ def _format(value) -> str:
 
 
 def verl_table_markdown() -> str:
-    """The README's table of verl loss names, papers and where each parameter is read from."""
+    """docs/integrations.md's table of verl loss names, papers and where each parameter is read from."""
     lines = [f"| `loss_mode` | paper | from `{ACTOR}` | from `policy_loss.method_params` (default) |",
              "|---|---|---|---|"]
     for method, spec in METHODS.items():
@@ -215,12 +215,13 @@ START, END = "<!-- verl-methods:start -->", "<!-- verl-methods:end -->"
 
 
 def main() -> None:
-    """``python -m dgpo_ops.integrations.verl_params``: rewrite the README's verl table (the method table is
-    ``python -m dgpo_ops.methods.catalog``'s)."""
+    """``python -m dgpo_ops.integrations.verl_params``: rewrite the verl table of docs/integrations.md (the
+    README's method table is ``python -m dgpo_ops.methods.catalog``'s)."""
     from dgpo_ops.methods.catalog import README, readme_with_section
 
-    README.write_text(readme_with_section(README.read_text(), START, END, verl_table_markdown()))
-    print(f"wrote the verl table of {README}")
+    page = README.parent / "docs" / "integrations.md"
+    page.write_text(readme_with_section(page.read_text(), START, END, verl_table_markdown()))
+    print(f"wrote the verl table of {page}")
 
 
 if __name__ == "__main__":

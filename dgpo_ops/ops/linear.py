@@ -16,7 +16,7 @@ weight.T + bias`` the model would hand to ``fused_dgpo_loss``, in the same dtype
 log-sum-exp and every per-token quantity are fp32. The gradient tile is written over the logits
 tile in the operands' dtype, so each logit element costs 8 bytes of HBM traffic besides the GEMMs'
 operand reads (2 written by the GEMM, 2 + 2 read by the row kernels, 2 written back) for bf16,
-16 for fp32 (csrc_notes.md). With ``softcap`` the tile is fp32 (tanh of the unrounded product).
+16 for fp32 (docs/design.md, "Memory traffic per token"). With ``softcap`` the tile is fp32 (tanh of the unrounded product).
 
 Every token goes through the GEMMs (picking the unmasked ones would need their count on the
 host); rows not scored read nothing in the row kernels and get a zero gradient. Peak extra memory:
