@@ -9,16 +9,33 @@ the same per module. A weight taken from a head whose hooks did not run is a sha
 (``full_tensor()``) stays on one process: silently wrong. ``head_forward`` calls the head module
 itself with its ``forward`` redirected to the op (TRL's forward redirection), so every hook of every
 engine runs exactly as for ``lm_head(hidden)``.
+
+After the model's forward (``fused_linear_dgpo_loss(hidden, model.lm_head, ...)``) a head that shares
+its FSDP2 unit with other modules (accelerate's ``[final norm, lm_head]`` and ``[final norm, embedding,
+lm_head]``, a tied ``[embedding, lm_head]``) is the one case this needs more than the call: that unit's
+forward has ended, so FSDP2 would take the call for a new, partial forward of the unit and reduce and
+reshard the unit's parameters where the call's input gets its gradient. That is before the final
+norm's backward, which then reads a freed weight (on the CPU both processes die with SIGSEGV; the
+issue saw a hang), and before a tied weight's gradient exists (autograd accumulates a shared leaf's
+gradient once, after its last use, the embedding's backward), which FSDP2 then never reduces
+(``grad`` stays ``None``). ``head_forward`` runs the call instead as the last module of the unit's
+forward (``_unit_forward_continued``): FSDP2 gathers the unit if it resharded, registers no
+post-backward hook of its own for the call, and reduces the gradients once, where it does for the
+model's forward (the post-backward hook on the unit's input, or the end of backward), after every
+contribution.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from dgpo_ops.layouts.vocab import FUSED_LINEAR_ON_MODEL, IN_HEAD_FORWARD
 
 
 def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, *args) -> Any:
@@ -36,10 +53,23 @@ def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, 
                          "or the tied nn.Embedding), whose weight is (V, H)")
     had_own_forward = "forward" in head.__dict__
     own_forward = head.__dict__.get("forward")
+    unit_groups = []  # the head's FSDP2 parameter groups when the call continues its unit's forward
 
     def redirected(engine_hidden, *engine_args):
         restore()  # anything inside fn that calls the head gets its own forward
-        return fn(engine_hidden, head.weight, getattr(head, "bias", None), *engine_args)
+        hook_group = getattr(getattr(engine_hidden, "grad_fn", None), "param_group", None)
+        if unit_groups and hook_group in unit_groups:
+            # This torch's FSDP2 registered its post-backward hook on the call's input all the same: it
+            # would reduce and reshard the unit before the rest of the unit's backward (see the module
+            # docstring). Refused before anything ran, rather than hanging in the backward.
+            raise ValueError(_grouped_unit_refusal(
+                head, "this torch's FSDP2 registers a post-backward hook on the call's input even when it "
+                      "continues the unit's forward"))
+        token = IN_HEAD_FORWARD.set(True)
+        try:
+            return fn(engine_hidden, head.weight, getattr(head, "bias", None), *engine_args)
+        finally:
+            IN_HEAD_FORWARD.reset(token)
 
     def restore():
         if had_own_forward:
@@ -47,11 +77,82 @@ def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, 
         elif "forward" in head.__dict__:
             del head.forward
 
-    head.forward = redirected
+    with _unit_forward_continued(head) as groups:
+        unit_groups.extend(groups)
+        head.forward = redirected
+        try:
+            return head(hidden, *args)
+        finally:
+            restore()
+
+
+
+def _fsdp2_state(head: nn.Module):
+    """The FSDP2 (``fully_shard``) state managing ``head`` as (a member of) its own unit, or None."""
     try:
-        return head(hidden, *args)
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed, or without FSDP2
+        return None
+    return head._get_fsdp_state() if isinstance(head, FSDPModule) else None
+
+
+def _grouped_unit_refusal(head: nn.Module, why: str) -> str:
+    return (f"the lm_head ({type(head).__name__}) shares its FSDP2 unit with other modules whose forward has "
+            f"already run, and {why}: the gradients would be reduced before the unit's backward ends (a crash or "
+            "a hang), "
+            "or never. Run the op inside the model's forward instead, where FSDP2 sees it as the head's own "
+            f"forward: {FUSED_LINEAR_ON_MODEL}(model, input_ids, attention_mask, logits_to_keep, loss_fn), after "
+            "dgpo_ops.distributed.head.add_hidden_state_output(model) (DGPOTrainer's route)")
+
+
+@contextlib.contextmanager
+def _unit_forward_continued(head: nn.Module):
+    """Around ``head(...)``: when the head shares an FSDP2 unit with other modules and that unit is idle
+    (its forward has ended, its backward not begun: ``fused_linear_dgpo_loss(hidden, model.lm_head, ...)``
+    after the model's forward), FSDP2 is put back into the unit's forward with the head as the one module
+    left to run, so the call completes that forward as the head's own call would have: the unit is
+    gathered if it resharded, the call's outputs get the pre-backward hook that gathers it again for the
+    backward, and the gradients are reduced once, where FSDP2 reduces them for the model's forward (see
+    the module docstring). Yields the unit's parameter groups, or ``()`` where FSDP2's own hooks already
+    do the right thing: no FSDP2; the head its own unit (the call is that unit's whole forward);
+    the unit mid-forward (inside the model's forward, ``fused_linear_on_model``)."""
+    state = _fsdp2_state(head)
+    if state is None or len(getattr(state, "_modules", ())) <= 1:
+        yield ()
+        return
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        groups = (list(state._fsdp_param_groups) if hasattr(state, "_fsdp_param_groups")
+                  else [state._fsdp_param_group])  # older torch: one group per state
+        groups = [group for group in groups if group is not None]
+        modules_to_run = state._modules_to_run_forward
+        idle = (state._training_state == TrainingState.IDLE
+                and all(group._training_state == TrainingState.IDLE for group in groups))
+    except (ImportError, AttributeError) as error:
+        raise ValueError(_grouped_unit_refusal(head, "this torch's FSDP2 does not expose the unit's training "
+                                                     f"state the call needs ({error})")) from error
+    if not idle or not groups:
+        yield ()
+        return
+    # The unit's forward, with the head the module left to run: the pre-forward hook then skips what only the
+    # first module of a forward does (the post-backward hook on the unit's input: FSDP2 registered it when the
+    # unit's forward began), and the head's post-forward hook finishes the forward (reshard if the unit does,
+    # pre-backward hook on the outputs).
+    state._training_state = TrainingState.FORWARD
+    for group in groups:
+        group._training_state = TrainingState.FORWARD
+    modules_to_run.clear()
+    modules_to_run.add(head)
+    try:
+        yield groups
     finally:
-        restore()
+        if state._training_state == TrainingState.FORWARD:  # the call raised before its post-forward hook ran
+            modules_to_run.clear()
+            state._training_state = TrainingState.IDLE
+            for group in groups:
+                if group._training_state == TrainingState.FORWARD:
+                    group._training_state = TrainingState.IDLE
 
 
 def add_hidden_state_output(model) -> None:

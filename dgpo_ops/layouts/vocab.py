@@ -17,6 +17,7 @@ is all-reduced (``N x H`` values, as Megatron's column-parallel layer does in it
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,13 @@ def merge_row_partials(planes: torch.Tensor, target_index: torch.Tensor, group) 
     planes[Plane.ENTROPY] = torch.where(scored, log_norm - centred / torch.where(scored, total, 1.0), 0.0)
 
 
+# Set while the fused-linear op runs as the lm_head module's own forward (``dgpo_ops.distributed.head``): a
+# weight that is still a shard there is one the head's own hooks do not gather (``check_unsharded`` says what
+# to do instead).
+IN_HEAD_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("dgpo_ops_in_head_forward", default=False)
+FUSED_LINEAR_ON_MODEL = "dgpo_ops.distributed.head.fused_linear_on_model"
+
+
 def check_unsharded(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
     """``tensor`` as the products can use it. A replicated DTensor is its local (whole) value; a
     sharded one is refused: from the tensor alone, ``Shard(0)`` may be FSDP's storage sharding over
@@ -117,6 +125,16 @@ def check_unsharded(tensor: torch.Tensor | None, name: str) -> torch.Tensor | No
 
     if all(isinstance(p, Replicate) for p in tensor.placements):
         return tensor.full_tensor()  # no communication: every process holds it whole
+    if IN_HEAD_FORWARD.get():
+        raise ValueError(
+            f"the lm_head's {name} is a DTensor placed as {tuple(tensor.placements)} on {tensor.device_mesh} even "
+            "inside the head module's forward: no FSDP2 unit of the head's own gathers it there. The unit that "
+            "holds it is an enclosing module's (e.g. the root, wrapped with reshard_after_forward=True, or a "
+            "model whose forward has not run), which gathers it only during its own forward. Run the op inside "
+            f"the model's forward instead: {FUSED_LINEAR_ON_MODEL}(model, input_ids, attention_mask, "
+            "logits_to_keep, loss_fn), after dgpo_ops.distributed.head.add_hidden_state_output(model) "
+            "(DGPOTrainer's route). For a vocabulary split across tensor-parallel processes pass "
+            "vocab_parallel_group=<that mesh dimension's process group>.")
     raise ValueError(
         f"{name} is a DTensor placed as {tuple(tensor.placements)} on {tensor.device_mesh}: the op does not "
         "guess what the sharding means. For FSDP2 (processes holding different tokens, the weight acting "
