@@ -460,7 +460,54 @@ def test_autograd_of_loss_matches_psi(key):
         assert grad[i].item() == pytest.approx(-A * psi, rel=1e-10, abs=1e-300), f"{key}: token {i}"
 
 
+# ---- gpg: REINFORCE, L = -A l, psi = 1, every token in M (verl's compute_policy_loss_gpg) ----
+CASES["gpg-default"] = (
+    "gpg",
+    {},
+    [
+        (0.5, 1.5, Q, -1.5 * ell(0.5, Q), 1.0, M),
+        (3.0, -0.7, Q, 0.7 * ell(3.0, Q), 1.0, M),
+        (1.0, 1.5, 0.9, -1.5 * ell(1.0, 0.9), 1.0, M),
+    ],
+)
+
+
+# ---- dppo (verl's compute_policy_loss_dppo_tv / _kl): with p = r q, a token is dropped (L = psi = 0) when its
+# probability moved too far; kept: w = min(r, is_cap), L = -A w l, psi = w. Defaults delta 0.2, is_cap 3 ----
+def binary_kl(q, p):
+    return q * math.log(q / p) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+
+
+assert binary_kl(0.3, 0.6) < 0.2 < binary_kl(0.3, 0.75) and binary_kl(0.3, 0.06) > 0.2  # the cases below
+CASES["dppo_tv-default"] = (
+    "dppo_tv",
+    {},
+    [
+        (1.5, 1.5, Q, -1.5 * 1.5 * ell(1.5, Q), 1.5, M),  # p - q = 0.15 <= 0.2: kept
+        (2.0, 1.5, Q, 0.0, 0.0, HP),  # p - q = 0.3 > 0.2, A > 0: dropped
+        (0.2, -0.7, Q, 0.0, 0.0, LN),  # p - q = -0.24 < -0.2, A < 0: dropped
+        (0.5, -0.7, Q, 0.7 * 0.5 * ell(0.5, Q), 0.5, M),  # p - q = -0.15: kept
+        (4.0, 1.5, 0.02, -1.5 * 3.0 * ell(4.0, 0.02), 3.0, DUAL),  # p - q = 0.06: kept, the weight capped
+        (4.0, -0.7, 0.02, 0.7 * 3.0 * ell(4.0, 0.02), 3.0, DUAL),
+    ],
+)
+CASES["dppo_kl-default"] = (
+    "dppo_kl",
+    {},
+    [
+        (2.0, 1.5, Q, -1.5 * 2.0 * ell(2.0, Q), 2.0, M),  # p = 0.6: KL 0.18 <= 0.2, kept
+        (2.5, 1.5, Q, 0.0, 0.0, HP),  # p = 0.75: KL 0.45 > 0.2 and p > q: dropped
+        (0.5, 1.5, Q, -1.5 * 0.5 * ell(0.5, Q), 0.5, M),  # p < q with A > 0: always kept
+        (0.2, -0.7, Q, 0.0, 0.0, LN),  # p = 0.06: KL 0.28 > 0.2 and p < q: dropped
+        (3.0, -0.7, Q, 0.7 * 3.0 * ell(3.0, Q), 3.0, M),  # p > q with A < 0: always kept; r = is_cap: not capped
+    ],
+)
+
+
 ALL_METHOD_PARAMS = [
+    ("gpg", {}),
+    ("dppo_tv", {}),
+    ("dppo_kl", {}),
     ("grpo", {}),
     ("grpo", {"dual_clip": 3.0}),
     ("cispo", {}),

@@ -16,8 +16,22 @@ from dgpo_ops.methods.table import dcpo_bounds
 
 def expected_regions(cfg, log_ratio, adv, old_logp):
     r = log_ratio.clamp(-20, 20).exp()
-    if cfg.name == "sapo":
+    if cfg.name in ("sapo", "gpg"):
         return torch.zeros_like(r, dtype=torch.int8)
+    if cfg.name in ("dppo_tv", "dppo_kl"):  # a trust region in probability space (docs/math.md)
+        p, q = (log_ratio + old_logp).exp(), old_logp.exp()
+        # dropped where the divergence exceeds the threshold (a NaN divergence, p > 1 here, drops nothing)
+        if cfg.name == "dppo_tv":
+            dropped = torch.where(adv > 0, p - q > cfg.delta_high, p - q < -cfg.delta_low)
+        else:
+            kl = q * (old_logp - log_ratio - old_logp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+            dropped = torch.where(adv > 0, (kl > cfg.delta_high) & (p > q), (kl > cfg.delta_low) & (p < q))
+        kept = ~dropped
+        region = torch.full_like(r, Region.M, dtype=torch.int8)
+        region[~kept & (adv > 0)] = Region.HP
+        region[~kept & (adv < 0)] = Region.LN
+        region[kept & (r > cfg.is_cap) & (adv != 0)] = Region.DUAL
+        return region
     if cfg.name == "dcpo":
         low, high = dcpo_bounds(cfg, old_logp)
     elif cfg.name == "dispo":
@@ -62,7 +76,9 @@ def test_regions_follow_their_definitions(variant):
     expected = expected_regions(cfg, log_ratio, adv, old_logp)
     assert torch.equal(region, expected)
     assert (region[adv == 0] == Region.M).all()
-    if cfg.name != "sapo":
+    if cfg.name in ("dppo_tv", "dppo_kl"):  # tokens are dropped on both sides, weights truncated
+        assert {Region.HP, Region.LN, Region.DUAL} <= set(region.tolist())
+    elif cfg.name not in ("sapo", "gpg"):  # a ratio trust region: both sides of it are reached
         assert {Region.HP, Region.HN} <= set(region.tolist())
 
 

@@ -23,7 +23,7 @@ from verl.utils.experimental.torch_functional import FusedLinearForPPO  # noqa: 
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from dgpo_ops import reference_loss  # noqa: E402
+from dgpo_ops import Region, method_config, reference_loss, token_terms  # noqa: E402
 from dgpo_ops.methods.catalog import POLICY_LOSSES, variants  # noqa: E402
 from dgpo_ops.integrations import verl as dgpo_verl  # noqa: E402
 from dgpo_ops.integrations.verl_params import VERL_AGGREGATIONS  # noqa: E402
@@ -104,6 +104,10 @@ SAME_LOSSES = {
     "cispo": ("dgpo_ops.cispo", {}),
     "gspo": ("dgpo_ops.grpo", {"importance_sampling_level": "sequence", "method_params": {"dual_clip": None}}),
     "sapo": ("dgpo_ops.sapo", {}),
+    "gpg": ("dgpo_ops.gpg", {}),
+    # verl reads clip_ratio_low / clip_ratio_high as the divergence thresholds and clip_ratio_c as the weight cap
+    "dppo_tv": ("dgpo_ops.dppo_tv", {}),
+    "dppo_kl": ("dgpo_ops.dppo_kl", {}),
 }
 
 
@@ -137,10 +141,38 @@ def test_same_loss_as_verl(verl_name, mode, fully_masked):
     torch.testing.assert_close(our_grad, theirs_grad, rtol=1e-6, atol=1e-6)
     assert theirs_grad.abs().sum() > 0
     for ours_m, theirs_m in zip(our_metrics, theirs_metrics):
+        if verl_name == "gpg":  # verl's gpg reports no metrics
+            assert theirs_m == {}
+            continue
         assert ours_m["actor/ppo_kl"] == pytest.approx(theirs_m["actor/ppo_kl"], abs=1e-6)
         if verl_name in ("vanilla", "gspo"):  # the clip fractions mean the same there (cispo counts both sides)
             assert ours_m["actor/pg_clipfrac"] == pytest.approx(theirs_m["actor/pg_clipfrac"], abs=1e-6)
             assert ours_m["actor/pg_clipfrac_lower"] == pytest.approx(theirs_m["actor/pg_clipfrac_lower"], abs=1e-6)
+
+
+@pytest.mark.parametrize("verl_name", ["dppo_tv", "dppo_kl"])
+def test_dppo_drops_and_caps_tokens_as_verl(verl_name):
+    """Thresholds tight enough that DPPO drops tokens for both signs of the advantage and the cap truncates
+    weights (the default ones drop few in this rollout): still verl's loss, gradient and dropped fraction."""
+    logits, targets, old, _, advantages, mask, weights = rollout(5, False)
+    fields = dict(clip_ratio_low=0.01, clip_ratio_high=0.015, clip_ratio_c=1.2, loss_agg_mode="token-mean")
+    verl_config = actor_config(**fields)
+    our_config = actor_config(**fields, policy_loss=dgpo_verl.PolicyLossConfig(loss_mode=f"dgpo_ops.{verl_name}"))
+    for config in (verl_config, our_config):
+        config.global_batch_info.update(global_batch_info(mask))
+    log_prob = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    cfg = method_config(verl_name, delta_low=0.01, delta_high=0.015, is_cap=1.2)
+    region = token_terms(cfg, log_prob - old, advantages, old).region[mask]
+    assert {Region.HP, Region.LN, Region.DUAL} <= set(region.tolist())  # dropped on both sides, and capped
+    theirs = policy_loss_and_grad(verl_name, verl_config, "token-mean", logits, targets, old, advantages, mask,
+                                  weights)
+    ours = policy_loss_and_grad(f"dgpo_ops.{verl_name}", our_config, "token-mean", logits, targets, old, advantages,
+                                mask, weights)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-6, atol=1e-6)
+    for ours_m, theirs_m in zip(ours[2], theirs[2]):  # no A = 0 token here: the dropped fractions agree
+        assert ours_m["actor/pg_clipfrac"] == pytest.approx(theirs_m["actor/pg_clipfrac"], abs=1e-6)
+        assert ours_m["actor/pg_clipfrac_lower"] == pytest.approx(theirs_m["actor/pg_clipfrac_lower"], abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -65,6 +65,9 @@ class MethodId(enum.IntEnum):
     ASPO = 4
     DGPO = 5
     SAPO = 6
+    REINFORCE = 7  # gpg: the plain policy gradient
+    DPPO_TV = 8  # divergence-proximal: drop tokens whose probability moved too far (total variation)
+    DPPO_KL = 9  # ... (binary KL)
 
 
 class KernelParam(enum.IntEnum):
@@ -78,14 +81,14 @@ class KernelParam(enum.IntEnum):
     HIGH_POS = 1
     LOW_NEG = 2  # ... and for A < 0
     HIGH_NEG = 3
-    EPS_LOW = 4  # dcpo's raw eps for its q-dependent bounds
-    EPS_HIGH = 5
+    EPS_LOW = 4  # dcpo's raw eps for its q-dependent bounds; dppo's divergence threshold for A <= 0
+    EPS_HIGH = 5  # ... and for A > 0
     DUAL_CLIP = 6  # +inf when off
     LN_WEIGHT = 7  # gppo: beta1 * low
     HP_WEIGHT = 8  # gppo: beta2 * high
     N = 9
     M = 10
-    R_MAX = 11
+    R_MAX = 11  # dcpo's ratio cap; dppo's importance-weight cap
     TAU_POS = 12
     TAU_NEG = 13
 

@@ -170,6 +170,33 @@ def _sapo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, GATE: tl.constexp
 
 
 @triton.jit
+def _reinforce_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    # gpg: L = -A l, psi = 1, every token in M.
+    return -adv * logp, tl.zeros_like(adv) + 1.0, tl.zeros_like(adv).to(tl.int32) + codes.REGION_M
+
+
+@triton.jit
+def _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, BINARY_KL: tl.constexpr):
+    delta_low = tl.load(params_ptr + codes.PARAM_EPS_LOW)
+    delta_high = tl.load(params_ptr + codes.PARAM_EPS_HIGH)
+    cap = tl.load(params_ptr + codes.PARAM_R_MAX)
+    p = tl.exp(logp)
+    q = tl.exp(old_logp)
+    pos = adv > 0
+    # "not dropped": a NaN log-prob keeps its token and reaches the loss (as the table)
+    if BINARY_KL:
+        binary_kl = q * (old_logp - logp) + (1.0 - q) * tl.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+        dropped = tl.where(pos, (binary_kl > delta_high) & (p > q), (binary_kl > delta_low) & (p < q))
+    else:
+        dropped = tl.where(pos, p - q > delta_high, p - q < -delta_low)
+    kept = dropped == 0
+    psi = tl.where(kept, tl.minimum(r, cap, propagate_nan=codes.NAN_PROPAGATING), 0.0)
+    region = tl.where(kept, tl.where(r > cap, codes.REGION_DUAL, codes.REGION_M),
+                      tl.where(pos, codes.REGION_HP, codes.REGION_LN))
+    return tl.where(kept, -adv * psi * logp, 0.0), psi, tl.where(adv == 0, codes.REGION_M, region)
+
+
+@triton.jit
 def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
     """(L, psi, region, r) of one token: ``r`` is the ratio psi was evaluated at (exp of the clamped
     log ratio). ``logp`` is the token's own log-prob (cispo's value uses it). A switch over the method
@@ -190,6 +217,12 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         loss, psi, region = _dgpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_SAPO:
         loss, psi, region = _sapo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, GATE)
+    elif METHOD == codes.METHOD_REINFORCE:
+        loss, psi, region = _reinforce_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
+    elif METHOD == codes.METHOD_DPPO_TV:
+        loss, psi, region = _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, False)
+    elif METHOD == codes.METHOD_DPPO_KL:
+        loss, psi, region = _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, True)
     else:
         tl.static_assert(False, "token_terms: unknown METHOD id (add the method's function and branch here)")
     return loss, psi, region, r

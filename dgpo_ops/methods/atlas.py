@@ -48,8 +48,9 @@ def plot_atlas(path: str) -> str:
     import matplotlib.pyplot as plt
 
     ratios = torch.logspace(math.log10(0.02), math.log10(4.0), 600, dtype=torch.float64)
-    fig = plt.figure(figsize=(18, 12.5))
-    grid = fig.add_gridspec(4, 6, height_ratios=[2.6, 0.45, 1, 1])
+    rows = math.ceil(len(ATLAS_METHODS) / 6)  # small multiples, six a row: as many rows as the table needs
+    fig = plt.figure(figsize=(18, 8.3 + 2.1 * rows))
+    grid = fig.add_gridspec(2 + rows, 6, height_ratios=[2.6, 0.45] + [1] * rows)
     axes = [fig.add_subplot(grid[0, 2 * i:2 * i + 2]) for i in range(3)]
     for ax, adv in zip(axes[:2], (1.0, -1.0)):
         for name, params in ATLAS_METHODS:

@@ -124,8 +124,8 @@ def method_table_markdown() -> str:
 
     for name, spec in METHODS.items():
         params = method_params(name)
-        described = "<br>".join(f"`{p.name}={_format(p.default)}`: {p.spec.describe()}" for p in params)
-        fields = "<br>".join(source(p) for p in params)
+        described = "<br>".join(f"`{p.name}={_format(p.default)}`: {p.spec.describe()}" for p in params) or "none"
+        fields = "<br>".join(source(p) for p in params) or "-"
         presets = ", ".join(f"`{k}={_format(v)}`" for k, v in trainer_presets(name).items())
         lines.append(f"| `{name}` | {spec.summary}" + (f"; `dgpo-ops train` presets {presets}" if presets else "")
                      + f" | {described} | {fields} |")
