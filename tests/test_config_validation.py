@@ -8,7 +8,7 @@ import pytest
 
 from dgpo_ops import method_config
 
-METHODS = ["grpo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dgpo", "dcpo", "sapo"]
+METHODS = ["grpo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dgpo", "dcpo", "sapo", "gpg", "dppo_tv", "dppo_kl"]
 
 ALL_PARAMS = [
     "eps_low",
@@ -26,11 +26,15 @@ ALL_PARAMS = [
     "gate",
     "tau_pos",
     "tau_neg",
+    "delta",
+    "delta_low",
+    "delta_high",
+    "is_cap",
 ]
 
 # Defaults as stated in LOSS_FAMILY.md (a section that states none: eps_low = eps_high = 0.2).
 DEFAULTS = {
-    "grpo": {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None},
+    "grpo": {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None, "delta": None},  # delta: TRL's (GRPOConfig: None)
     "cispo": {"eps_low": 1.0, "eps_high": 4.0},
     "dispo": {"eps_low_pos": 0.2, "eps_high_pos": 10.0, "eps_low_neg": 1.0, "eps_high_neg": 100.0},
     "gppo": {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0},
@@ -39,6 +43,10 @@ DEFAULTS = {
     "dgpo": {"eps_low": 0.2, "eps_high": 0.2, "n": 1.0, "m": 2.0},
     "dcpo": {"eps_low": 0.16, "eps_high": 0.2, "r_max": 10.0},
     "sapo": {"gate": "sigmoid", "tau_pos": 1.0, "tau_neg": 1.05},
+    # verl 0.9.1's: clip_ratio_low/high (0.2) are DPPO's thresholds and clip_ratio_c (3.0) its cap; gpg reads nothing
+    "gpg": {},
+    "dppo_tv": {"delta_low": 0.2, "delta_high": 0.2, "is_cap": 3.0},
+    "dppo_kl": {"delta_low": 0.2, "delta_high": 0.2, "is_cap": 3.0},
 }
 
 NAN, INF = math.nan, math.inf
@@ -55,6 +63,8 @@ BAD = {
     "tau": [0.0, -1.0] + NONFINITE,  # > 0
     "beta": NONFINITE,
     "gate": ["tanh", "", "relu", "sigmoid2"],
+    "threshold": [-0.1, -1e-9] + NONFINITE,  # >= 0
+    "positive": [0.0, -1.0] + NONFINITE,  # > 0
 }
 KIND = {
     "eps_low": "eps_low",
@@ -72,6 +82,10 @@ KIND = {
     "beta1": "beta",
     "beta2": "beta",
     "gate": "gate",
+    "delta": "positive",
+    "delta_low": "threshold",
+    "delta_high": "threshold",
+    "is_cap": "positive",
 }
 
 BAD_CASES = [
@@ -153,9 +167,9 @@ def test_defaults_match_contract(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_config_is_frozen(method):
     cfg = method_config(method)
-    name = next(iter(DEFAULTS[method]))
+    name = next(iter(DEFAULTS[method]), "eps_low")  # gpg has no field: adding one is refused too
     with pytest.raises(dataclasses.FrozenInstanceError):
-        setattr(cfg, name, getattr(cfg, name))
+        setattr(cfg, name, getattr(cfg, name, 0.2))
 
 
 def test_non_default_values_are_stored():

@@ -425,39 +425,34 @@ def _approx(x):
     return pytest.approx(x, rel=REL, abs=0.0)
 
 
-# --------------------------------------------------------------------------------------------------
-# Tests
-# --------------------------------------------------------------------------------------------------
+# ---- grpo with TRL's delta, as grpo_trainer._compute_loss writes it: coef_2 = clamp(r, 1 - eps_low, 1 + eps_high)
+# from the uncapped ratio, then coef_1 = min(r, delta), L = -min(coef_1 A, coef_2 A); psi = dL/dl / -A ----
+def trl_delta_loss(r, A, delta, low=0.8, high=1.2):
+    return -min(min(r, delta) * A, clip(r, low, high) * A)
 
 
-@pytest.mark.parametrize("key", sorted(CASES))
-def test_golden_values(key):
-    method, params, cases = CASES[key]
-    cfg = method_config(method, **params)
-    log_ratio, adv, old = _inputs(cases)
-    out = token_terms(cfg, log_ratio, adv, old)
-    assert out.loss.dtype == F64 and out.psi.dtype == F64
-    assert out.region.dtype == torch.int8
-    assert out.loss.shape == out.psi.shape == out.region.shape == (len(cases),)
-    for i, (r, A, q, L, psi, region) in enumerate(cases):
-        where = f"{key}: token {i} (r={r}, A={A}, q={q})"
-        assert out.loss[i].item() == _approx(L), where + " loss"
-        assert out.psi[i].item() == _approx(psi), where + " psi"
-        assert Region(int(out.region[i])) == region, where + " region"
-
-
-@pytest.mark.parametrize("key", sorted(CASES))
-def test_autograd_of_loss_matches_psi(key):
-    """psi is defined by dL/dl = -A psi; at token level dl = d(log_ratio)."""
-    method, params, cases = CASES[key]
-    cfg = method_config(method, **params)
-    log_ratio, adv, old = _inputs(cases, requires_grad=True)
-    out = token_terms(cfg, log_ratio, adv, old)
-    if not out.loss.requires_grad:
-        pytest.skip("token_terms loss does not carry autograd")
-    (grad,) = torch.autograd.grad(out.loss.sum(), log_ratio)
-    for i, (r, A, q, L, psi, region) in enumerate(cases):
-        assert grad[i].item() == pytest.approx(-A * psi, rel=1e-10, abs=1e-300), f"{key}: token {i}"
+CASES["grpo-delta-above-high"] = (  # delta 1.5 >= 1 + eps_high: for A < 0 it is the dual clip at c = delta
+    "grpo",
+    {"delta": 1.5},
+    [
+        (1.1, 1.5, Q, trl_delta_loss(1.1, 1.5, 1.5), 1.1, M),
+        (1.3, 1.5, Q, trl_delta_loss(1.3, 1.5, 1.5), 0.0, HP),  # above high: clipped as ever
+        (1.4, -0.7, Q, trl_delta_loss(1.4, -0.7, 1.5), 1.4, HN),  # below delta: PPO's HN
+        (2.0, -0.7, Q, trl_delta_loss(2.0, -0.7, 1.5), 0.0, DUAL),  # above delta: -A delta
+    ],
+)
+CASES["grpo-delta-below-high"] = (  # delta 1.1 < 1 + eps_high: the cap bites inside the trust region
+    "grpo",
+    {"delta": 1.1},
+    [
+        (1.05, 1.5, Q, trl_delta_loss(1.05, 1.5, 1.1), 1.05, M),
+        (1.15, 1.5, Q, trl_delta_loss(1.15, 1.5, 1.1), 0.0, DUAL),  # -A delta
+        (1.15, -0.7, Q, trl_delta_loss(1.15, -0.7, 1.1), 1.15, M),  # inside [low, high] with A < 0: untouched
+        (1.5, -0.7, Q, trl_delta_loss(1.5, -0.7, 1.1), 0.0, DUAL),  # above high and delta: -A max(delta, high)
+        (0.5, -0.7, Q, trl_delta_loss(0.5, -0.7, 1.1), 0.0, LN),
+    ],
+)
+assert trl_delta_loss(1.5, -0.7, 1.1) == 0.7 * 1.2 and trl_delta_loss(1.15, 1.5, 1.1) == -1.5 * 1.1
 
 
 # ---- gpg: REINFORCE, L = -A l, psi = 1, every token in M (verl's compute_policy_loss_gpg) ----
@@ -499,12 +494,48 @@ CASES["dppo_kl-default"] = (
         (2.5, 1.5, Q, 0.0, 0.0, HP),  # p = 0.75: KL 0.45 > 0.2 and p > q: dropped
         (0.5, 1.5, Q, -1.5 * 0.5 * ell(0.5, Q), 0.5, M),  # p < q with A > 0: always kept
         (0.2, -0.7, Q, 0.0, 0.0, LN),  # p = 0.06: KL 0.28 > 0.2 and p < q: dropped
-        (3.0, -0.7, Q, 0.7 * 3.0 * ell(3.0, Q), 3.0, M),  # p > q with A < 0: always kept; r = is_cap: not capped
+        (2.5, -0.7, Q, 0.7 * 2.5 * ell(2.5, Q), 2.5, M),  # p > q with A < 0: always kept; below the cap
     ],
 )
 
 
+# --------------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_golden_values(key):
+    method, params, cases = CASES[key]
+    cfg = method_config(method, **params)
+    log_ratio, adv, old = _inputs(cases)
+    out = token_terms(cfg, log_ratio, adv, old)
+    assert out.loss.dtype == F64 and out.psi.dtype == F64
+    assert out.region.dtype == torch.int8
+    assert out.loss.shape == out.psi.shape == out.region.shape == (len(cases),)
+    for i, (r, A, q, L, psi, region) in enumerate(cases):
+        where = f"{key}: token {i} (r={r}, A={A}, q={q})"
+        assert out.loss[i].item() == _approx(L), where + " loss"
+        assert out.psi[i].item() == _approx(psi), where + " psi"
+        assert Region(int(out.region[i])) == region, where + " region"
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_autograd_of_loss_matches_psi(key):
+    """psi is defined by dL/dl = -A psi; at token level dl = d(log_ratio)."""
+    method, params, cases = CASES[key]
+    cfg = method_config(method, **params)
+    log_ratio, adv, old = _inputs(cases, requires_grad=True)
+    out = token_terms(cfg, log_ratio, adv, old)
+    if not out.loss.requires_grad:
+        pytest.skip("token_terms loss does not carry autograd")
+    (grad,) = torch.autograd.grad(out.loss.sum(), log_ratio)
+    for i, (r, A, q, L, psi, region) in enumerate(cases):
+        assert grad[i].item() == pytest.approx(-A * psi, rel=1e-10, abs=1e-300), f"{key}: token {i}"
+
+
 ALL_METHOD_PARAMS = [
+    ("grpo", {"delta": 1.1}),
     ("gpg", {}),
     ("dppo_tv", {}),
     ("dppo_kl", {}),

@@ -45,6 +45,10 @@ def expected_regions(cfg, log_ratio, adv, old_logp):
     region[(r > high) & (adv > 0)] = Region.HP
     region[(r < low) & (adv > 0)] = Region.LP
     region[(r > high) & (adv < 0)] = Region.HN
+    if cfg.name == "grpo" and cfg.delta is not None:  # TRL's cap fires where it silences a token PPO leaves alone
+        high = 1 + cfg.eps_high
+        region[(adv > 0) & (r > cfg.delta) & (r <= high)] = Region.DUAL
+        region[(adv < 0) & (r > high) & (r > cfg.delta)] = Region.DUAL
     if cfg.name in ("grpo", "gppo", "ce_gppo") and cfg.dual_clip is not None:
         region[(adv < 0) & (r > cfg.dual_clip)] = Region.DUAL
     if cfg.name == "dcpo":
@@ -79,7 +83,9 @@ def test_regions_follow_their_definitions(variant):
     if cfg.name in ("dppo_tv", "dppo_kl"):  # tokens are dropped on both sides, weights truncated
         assert {Region.HP, Region.LN, Region.DUAL} <= set(region.tolist())
     elif cfg.name not in ("sapo", "gpg"):  # a ratio trust region: both sides of it are reached
-        assert {Region.HP, Region.HN} <= set(region.tolist())
+        # (a delta below 1 + eps_high turns every HN token into DUAL: TRL's cap silences them)
+        far_side = Region.DUAL if getattr(cfg, "delta", None) is not None and cfg.delta < 1 + cfg.eps_high else Region.HN
+        assert {Region.HP, far_side} <= set(region.tolist())
 
 
 def test_spanning_tokens_reach_every_region():

@@ -91,6 +91,7 @@ class KernelParam(enum.IntEnum):
     R_MAX = 11  # dcpo's ratio cap; dppo's importance-weight cap
     TAU_POS = 12
     TAU_NEG = 13
+    DELTA = 14  # TRL's cap on the ratio (grpo); +inf when off
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)

@@ -22,14 +22,21 @@ def _regions(r, adv, low, high):
 
 
 @triton.jit
-def _ppo_clip(r, adv, low, high, dual_clip):
+def _ppo_clip(r, adv, low, high, dual_clip, delta):
     region = _regions(r, adv, low, high)
     in_ln = region == codes.REGION_LN
     clipped = in_ln | (region == codes.REGION_HP)
-    dual = (adv < 0) & (r > dual_clip)
     loss = tl.where(clipped, -adv * tl.where(in_ln, low, high), -adv * r)
+    # TRL's delta (as the table): A > 0 -> -A min(r, delta, high); A < 0 above high and delta -> -A max(delta, high)
+    capped_pos = (adv > 0) & (r > delta)
+    capped_neg = (adv < 0) & (r > high) & (r > delta)
+    loss = tl.where(capped_pos, -adv * tl.minimum(delta, high), loss)
+    loss = tl.where(capped_neg, -adv * tl.maximum(delta, high), loss)
+    capped = capped_pos | capped_neg
+    region = tl.where(capped & (region != codes.REGION_HP), codes.REGION_DUAL, region)
+    dual = (adv < 0) & (r > dual_clip)
     loss = tl.where(dual, -adv * dual_clip, loss)
-    psi = tl.where(clipped | dual, 0.0, r)
+    psi = tl.where(clipped | capped | dual, 0.0, r)
     return loss, psi, tl.where(dual, codes.REGION_DUAL, region)
 
 
@@ -88,7 +95,8 @@ def _sapo_gate(r, tau, GATE: tl.constexpr):
 def _grpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     low = tl.load(params_ptr + codes.PARAM_LOW_POS)
     high = tl.load(params_ptr + codes.PARAM_HIGH_POS)
-    return _ppo_clip(r, adv, low, high, tl.load(params_ptr + codes.PARAM_DUAL_CLIP))
+    return _ppo_clip(r, adv, low, high, tl.load(params_ptr + codes.PARAM_DUAL_CLIP),
+                     tl.load(params_ptr + codes.PARAM_DELTA))
 
 
 @triton.jit
@@ -99,7 +107,7 @@ def _dcpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     r_max = tl.load(params_ptr + codes.PARAM_R_MAX)
     low = 0.5 + 0.5 * tl.sqrt_rn(tl.maximum(1.0 - tl.div_rn(4.0 * eps_low, q), 0.0))
     high = tl.minimum(0.5 + 0.5 * tl.sqrt_rn(1.0 + tl.div_rn(4.0 * eps_high, q)), r_max)
-    return _ppo_clip(r, adv, low, high, r_max)
+    return _ppo_clip(r, adv, low, high, r_max, tl.load(params_ptr + codes.PARAM_DELTA))  # +inf: no delta
 
 
 @triton.jit

@@ -139,6 +139,7 @@ class MethodConfig:
         """The fp32 parameter vector of ``KernelParam`` slots; slots a method does not read stay 0."""
         values = [0.0] * NUM_KERNEL_PARAMS
         values[KernelParam.DUAL_CLIP] = math.inf
+        values[KernelParam.DELTA] = math.inf
         for slot, value in self._kernel_slots().items():
             values[slot] = math.inf if value is None else float(value)
         return values
@@ -167,9 +168,12 @@ class GrpoConfig(MethodConfig):
     eps_low: float = _eps_low()
     eps_high: float = _eps_high()
     dual_clip: float | None = _dual_clip(None)
+    # TRL's two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta, -min(min(r, delta) A, clip(r) A)
+    delta: float | None = param(None, "cap on the ratio before PPO's min (TRL's delta)", low=0.0, low_open=True,
+                                optional=True)
 
     def _kernel_slots(self):
-        return {**_symmetric_bounds(self), KernelParam.DUAL_CLIP: self.dual_clip}
+        return {**_symmetric_bounds(self), KernelParam.DUAL_CLIP: self.dual_clip, KernelParam.DELTA: self.delta}
 
 
 @dataclass(frozen=True)
@@ -375,15 +379,23 @@ def _regions(rd, adv, low, high):
     return torch.where(above & neg, Region.HN.value, region).to(torch.int8)
 
 
-def _ppo_clip(x: TokenInputs, low, high, dual_clip) -> TokenTerms:
+def _ppo_clip(x: TokenInputs, low, high, dual_clip, delta=math.inf) -> TokenTerms:
     rd, adv = x.ratio_detached, x.advantage
     region = _regions(rd, adv, low, high)
     in_ln = region == Region.LN.value
     clipped = in_ln | (region == Region.HP.value)
-    dual = (adv < 0) & (rd > dual_clip)
     loss = torch.where(clipped, -adv * torch.where(in_ln, _full(low, rd), _full(high, rd)), -adv * x.ratio)
+    # TRL's delta, -min(min(r, delta) A, clip(r) A): for A > 0 the value is -A min(r, delta, high); for A < 0 a
+    # ratio above both high and delta gives -A max(delta, high). Where it fires the gradient is 0 (DUAL, HP stays HP).
+    capped_pos = (adv > 0) & (rd > delta)
+    capped_neg = (adv < 0) & (rd > high) & (rd > delta)
+    loss = torch.where(capped_pos, -adv * torch.minimum(_full(delta, rd), _full(high, rd)), loss)
+    loss = torch.where(capped_neg, -adv * torch.maximum(_full(delta, rd), _full(high, rd)), loss)
+    capped = capped_pos | capped_neg
+    region = torch.where(capped & (region != Region.HP.value), Region.DUAL.value, region)
+    dual = (adv < 0) & (rd > dual_clip)
     loss = torch.where(dual, -adv * dual_clip, loss)
-    psi = torch.where(clipped | dual, torch.zeros_like(rd), rd)
+    psi = torch.where(clipped | capped | dual, torch.zeros_like(rd), rd)
     return TokenTerms(loss, psi, torch.where(dual, Region.DUAL.value, region).to(torch.int8))
 
 
@@ -395,7 +407,8 @@ def _capped_is(x: TokenInputs, low, high) -> TokenTerms:
 
 def _grpo(cfg: GrpoConfig, x: TokenInputs) -> TokenTerms:
     dual = math.inf if cfg.dual_clip is None else cfg.dual_clip
-    return _ppo_clip(x, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, dual)
+    delta = math.inf if cfg.delta is None else cfg.delta
+    return _ppo_clip(x, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, dual, delta)
 
 
 def dcpo_bounds(cfg: DcpoConfig, old_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -568,7 +581,7 @@ METHODS: dict[str, MethodSpec] = {
     "grpo": MethodSpec(GrpoConfig, _grpo, "PPO clip; optional dual clip",
                        "PPO (Schulman et al. 2017) as GRPO uses it (DeepSeekMath, Shao et al. 2024); dual clip: "
                        "Ye et al. 2019, arXiv:1912.09729",
-                       variants=({}, {"eps_high": 0.28, "dual_clip": 3.0})),
+                       variants=({}, {"eps_high": 0.28, "dual_clip": 3.0}, {"delta": 1.5}, {"delta": 1.1, "dual_clip": 2.0})),
     "cispo": MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob",
                         "CISPO: MiniMax-M1, arXiv:2506.13585", variants=({}, {"eps_low": 0.2, "eps_high": 0.28})),
     "dispo": MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A",
