@@ -32,6 +32,19 @@ def requires_cuda(test):
 METHOD_VARIANTS = catalog.variants()
 
 
+def for_method(method: str, options: dict) -> dict:
+    """``options`` as a method takes them: a method evaluated at its own sequence statistic (vespo) is already
+    sequence-level and takes no importance_sampling_level (GSPO's option sets then run its sequence path)."""
+    spec = dgpo_ops.METHODS[catalog.resolve(method)[0]]
+    if spec.sequence_log_ratio is None:
+        return options
+    return {k: v for k, v in options.items() if k != "importance_sampling_level"}
+
+
+TOKEN_LEVEL_VARIANTS = [v for v in METHOD_VARIANTS
+                        if dgpo_ops.METHODS[catalog.resolve(v[0])[0]].sequence_log_ratio is None]
+
+
 def variant_id(variant) -> str:
     name, params = variant
     return name + "".join(f"-{k}={v}" for k, v in params.items())

@@ -8,7 +8,8 @@ import pytest
 
 from dgpo_ops import method_config
 
-METHODS = ["grpo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dgpo", "dcpo", "sapo", "gpg", "dppo_tv", "dppo_kl"]
+METHODS = ["grpo", "cispo", "dispo", "gppo", "ce_gppo", "aspo", "dgpo", "dcpo", "sapo", "gpg", "dppo_tv", "dppo_kl",
+           "vespo"]
 
 ALL_PARAMS = [
     "eps_low",
@@ -30,6 +31,10 @@ ALL_PARAMS = [
     "delta_low",
     "delta_high",
     "is_cap",
+    "k_pos",
+    "k_neg",
+    "lambda_pos",
+    "lambda_neg",
 ]
 
 # Defaults as stated in LOSS_FAMILY.md (a section that states none: eps_low = eps_high = 0.2).
@@ -47,6 +52,8 @@ DEFAULTS = {
     "gpg": {},
     "dppo_tv": {"delta_low": 0.2, "delta_high": 0.2, "is_cap": 3.0},
     "dppo_kl": {"delta_low": 0.2, "delta_high": 0.2, "is_cap": 3.0},
+    # TRL 1.16's GRPOConfig: vespo_k_pos 2, vespo_lambda_pos 3, vespo_k_neg 3, vespo_lambda_neg 2
+    "vespo": {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0},
 }
 
 NAN, INF = math.nan, math.inf
@@ -86,6 +93,10 @@ KIND = {
     "delta_low": "threshold",
     "delta_high": "threshold",
     "is_cap": "positive",
+    "k_pos": "threshold",
+    "k_neg": "threshold",
+    "lambda_pos": "threshold",
+    "lambda_neg": "threshold",
 }
 
 BAD_CASES = [

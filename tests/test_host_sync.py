@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dgpo_ops
 from dgpo_ops.core.metrics import METRIC_NAMES
-from helpers import METHOD_VARIANTS, variant_id
+from helpers import METHOD_VARIANTS, TOKEN_LEVEL_VARIANTS, variant_id
 
 SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default",
                "aten.masked_select.default", "aten.equal.default"}
@@ -93,7 +93,7 @@ def recorded(recorder, fn):
     return recorder
 
 
-@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("variant", TOKEN_LEVEL_VARIANTS, ids=variant_id)
 def test_triton_token_level_has_no_sync_and_stays_in_budget(recorder, variant):
     name, params = variant
     inputs = loss_inputs()
@@ -138,11 +138,16 @@ def test_reading_the_metrics_costs_one_op_each_and_no_sync(recorder):
     assert rec.syncs == [] and len(rec.ops) == len(values)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence", "vespo"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_every_route_is_sync_free(recorder, backend, level):
+    """Token level, GSPO's sequence ratio, and vespo's own sequence statistic (with rollout weights folded in)."""
     inputs = loss_inputs()
-    options = dict(importance_sampling_level=level, aggregation="seq_mean_token_mean", entropy_coef=0.01, beta=0.02)
+    options = dict(aggregation="seq_mean_token_mean", entropy_coef=0.01, beta=0.02)
+    if level == "vespo":
+        options.update(method="vespo", rollout_weights=torch.rand(inputs["target_ids"].shape) + 0.5)
+    else:
+        options.update(importance_sampling_level=level)
     rec = recorded(recorder, lambda: run_logits(inputs, backend=backend, **options))
     assert rec.syncs == [], rec.syncs
 

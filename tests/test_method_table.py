@@ -16,7 +16,7 @@ from dgpo_ops.methods.table import dcpo_bounds
 
 def expected_regions(cfg, log_ratio, adv, old_logp):
     r = log_ratio.clamp(-20, 20).exp()
-    if cfg.name in ("sapo", "gpg"):
+    if cfg.name in ("sapo", "gpg", "vespo"):  # no trust region: every token in M
         return torch.zeros_like(r, dtype=torch.int8)
     if cfg.name in ("dppo_tv", "dppo_kl"):  # a trust region in probability space (docs/math.md)
         p, q = (log_ratio + old_logp).exp(), old_logp.exp()
@@ -82,7 +82,7 @@ def test_regions_follow_their_definitions(variant):
     assert (region[adv == 0] == Region.M).all()
     if cfg.name in ("dppo_tv", "dppo_kl"):  # tokens are dropped on both sides, weights truncated
         assert {Region.HP, Region.LN, Region.DUAL} <= set(region.tolist())
-    elif cfg.name not in ("sapo", "gpg"):  # a ratio trust region: both sides of it are reached
+    elif cfg.name not in ("sapo", "gpg", "vespo"):  # a ratio trust region: both sides of it are reached
         # (a delta below 1 + eps_high turns every HN token into DUAL: TRL's cap silences them)
         far_side = Region.DUAL if getattr(cfg, "delta", None) is not None and cfg.delta < 1 + cfg.eps_high else Region.HN
         assert {Region.HP, far_side} <= set(region.tolist())

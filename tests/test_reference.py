@@ -34,6 +34,10 @@ def loop_scales(mask, aggregation, normalizer=None, dtype=torch.float32):
                 scales[b, t] = 1.0 / (normalizer or B * T)
             elif aggregation == "seq_sum_token_mean":
                 scales[b, t] = 1.0 / ((normalizer or 1) * lengths[b])
+            elif aggregation == "seq_mean_token_sum":  # TRL's luspo: each response's token sum, mean over responses
+                scales[b, t] = 1.0 / (normalizer or B)
+            else:
+                raise AssertionError(f"no loop for aggregation {aggregation!r}")
     return scales
 
 

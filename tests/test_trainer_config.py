@@ -72,3 +72,78 @@ def test_unset_fields_give_every_method_its_table_defaults(tmp_path, name):
 def test_valid_configs_pass(tmp_path):
     for loss in ("dgpo", "grpo", "dapo", "dcpo", "sapo", "gppo", "aspo", "dispo"):
         assert make(tmp_path, policy_loss=loss, fused_memory_budget=2**20).loss_options().method is not None
+
+
+# ---- which objective trains: policy_loss and TRL's loss_type (issue 33)
+
+
+@pytest.mark.parametrize("fields, method, loss_type, aggregation", [
+    ({}, "grpo", "dapo", "token_mean"),  # GRPOConfig's defaults: TRL's clipped objective, token mean
+    ({"loss_type": "grpo"}, "grpo", "grpo", "seq_mean_token_mean"),
+    ({"loss_type": "bnpo"}, "grpo", "bnpo", "token_mean"),
+    ({"loss_type": "dr_grpo"}, "grpo", "dr_grpo", "seq_mean_token_sum_norm"),
+    ({"loss_type": "luspo"}, "grpo", "luspo", "seq_mean_token_sum_norm"),
+    ({"loss_type": "cispo", "epsilon_high": 5.0}, "cispo", "cispo", "token_mean"),
+    ({"loss_type": "sapo"}, "sapo", "sapo", "seq_mean_token_mean"),
+    ({"policy_loss": "dgpo"}, "dgpo", "dapo", "token_mean"),
+    ({"policy_loss": "dgpo", "loss_type": "grpo"}, "dgpo", "grpo", "seq_mean_token_mean"),  # the aggregation only
+    ({"policy_loss": "dapo", "loss_type": "dr_grpo"}, "dapo", "dr_grpo", "seq_mean_token_sum_norm"),
+    ({"policy_loss": "cispo", "loss_type": "cispo"}, "cispo", "cispo", "token_mean"),
+    ({"policy_loss": "sapo", "loss_type": "sapo", "sapo_gate": "erf"}, "sapo", "sapo", "seq_mean_token_mean"),
+    ({"policy_loss": "dcpo"}, "dcpo", "dapo", "seq_sum_token_mean"),
+])
+def test_loss_type_names_the_objective_unless_policy_loss_is_set(tmp_path, fields, method, loss_type, aggregation):
+    config = make(tmp_path, **fields)
+    assert (config.policy_loss, config.loss_type, config.aggregation) == (method, loss_type, aggregation)
+    again = make(tmp_path, **{**fields, "policy_loss": config.policy_loss})  # resolved: a copy resolves the same
+    assert again.method() == config.method()
+
+
+@pytest.mark.parametrize("policy_loss, loss_type, use", [
+    ("dgpo", "cispo", "loss_type='dapo'"), ("grpo", "sapo", "loss_type='grpo'"), ("dispo", "cispo", "loss_type='dapo'"),
+    ("dgpo", "vespo", "loss_type='dapo'"),
+])
+def test_a_loss_type_that_names_another_objective_conflicts_with_policy_loss(tmp_path, policy_loss, loss_type, use):
+    with pytest.raises(ValueError, match=f"loss_type='{loss_type}' names TRL's {loss_type} objective.*{use}"):
+        make(tmp_path, policy_loss=policy_loss, loss_type=loss_type)
+
+
+def test_unknown_loss_type_is_refused_and_vespo_needs_the_method_table(tmp_path):
+    with pytest.raises(ValueError, match="loss_type must be one of TRL's"):
+        make(tmp_path, loss_type="ppo")
+    if "vespo" in POLICY_LOSSES:  # TRL's VESPO objective, from the method table
+        config = make(tmp_path, loss_type="vespo", vespo_k_pos=1.5)
+        assert (config.policy_loss, config.aggregation, config.method().k_pos) == ("vespo", "token_mean", 1.5)
+    else:
+        with pytest.raises(ValueError, match="loss_type='vespo' is not yet fused.*GRPOTrainer"):
+            make(tmp_path, loss_type="vespo")
+
+
+def test_delta_is_grpos_and_refused_by_other_methods(tmp_path):
+    """TRL's two-sided clip is a parameter of its clipped objective; another method would ignore it."""
+    assert make(tmp_path, delta=1.1).method().delta == 1.1
+    assert make(tmp_path, loss_type="dr_grpo", delta=3.0).method().delta == 3.0
+    with pytest.raises(ValueError, match="gppo.*set dual_clip"):
+        make(tmp_path, policy_loss="gppo", delta=2.0)
+    with pytest.raises(ValueError, match="dgpo has no such cap"):
+        make(tmp_path, policy_loss="dgpo", delta=2.0)
+
+
+def test_trl_features_the_fused_path_runs_are_accepted(tmp_path):
+    config = make(tmp_path, top_entropy_quantile=0.2, use_adaptive_entropy=True, entropy_coef=0.01,
+                  off_policy_mask_threshold=0.5, cast_lm_head_to_fp32=True, use_liger_kernel=True)
+    assert config.top_entropy_quantile == 0.2
+    with pytest.raises(ValueError, match=r"top_entropy_quantile must be in \[0, 1\]"):
+        make(tmp_path, top_entropy_quantile=1.5)
+
+
+def test_a_grpo_config_becomes_the_same_dgpo_config(tmp_path):
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    grpo = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], loss_type="sapo",
+                      steps_per_generation=4, gradient_accumulation_steps=2, beta=0.01)
+    dgpo = DGPOConfig.from_grpo_config(grpo)
+    assert all(getattr(dgpo, f.name) == getattr(grpo, f.name) for f in dataclasses.fields(GRPOConfig))
+    assert dgpo.policy_loss == "sapo"

@@ -8,7 +8,7 @@ pytest.importorskip("trl")
 
 import torch  # noqa: E402
 
-from trainer_fixtures import build_model_dir, build_tokenizer, length_reward, prompt_dataset  # noqa: E402
+from trainer_fixtures import build_model_dir, first_update_batch, loss_and_grads, make_trainer  # noqa: E402
 
 # TRL loss_type -> (DGPOConfig additions, GRPOConfig additions)
 CASES = {
@@ -27,52 +27,6 @@ def model_dir(tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def make_trainer(cls, config_cls, model_dir, tmp_path, **overrides):
-    args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=8, bf16=False, use_cpu=True, report_to=[], logging_steps=1,
-                      gradient_accumulation_steps=2, **overrides)
-    trainer = cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(),
-                  processing_class=build_tokenizer())
-    trainer.current_gradient_accumulation_steps = 2
-    trainer.model.train()
-    return trainer
-
-
-def batch(trainer, beta):
-    g = torch.Generator().manual_seed(1)
-    B, P, C = 4, 5, 8
-    vocab = trainer.model.config.vocab_size
-    completion_mask = torch.ones(B, C, dtype=torch.long)
-    completion_mask[1, 5:] = 0
-    completion_mask[3, 2:] = 0
-    inputs = {
-        "prompt_ids": torch.randint(3, vocab, (B, P), generator=g),
-        "prompt_mask": torch.ones(B, P, dtype=torch.long),
-        "completion_ids": torch.randint(3, vocab, (B, C), generator=g),
-        "completion_mask": completion_mask,
-        "advantages": torch.tensor([1.2, -0.7, 0.4, -1.5]),
-        "num_items_in_batch": completion_mask.sum() * 2,
-    }
-    with torch.no_grad():
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        mask = torch.cat([inputs["prompt_mask"], completion_mask], 1)
-        logits = trainer.model(input_ids=input_ids, attention_mask=mask).logits[:, P - 1:-1]
-        logps = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
-    # Ratios spread over every region: exp(+-1) and beyond.
-    inputs["old_per_token_logps"] = logps - torch.randn(B, C, generator=g) * 0.8
-    if beta:
-        inputs["ref_per_token_logps"] = logps + torch.randn(B, C, generator=g) * 0.3
-    return inputs
-
-
-def loss_and_grads(trainer, inputs):
-    trainer.model.zero_grad()
-    loss = trainer._compute_loss(trainer.model, inputs)
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
-
-
 @pytest.mark.parametrize("fused", ["linear", "logits"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_step_matches_grpo_trainer(case, fused, model_dir, tmp_path):
@@ -84,7 +38,7 @@ def test_one_step_matches_grpo_trainer(case, fused, model_dir, tmp_path):
     ours = make_trainer(DGPOTrainer, DGPOConfig, model_dir, tmp_path / "ours", fused=fused, **trl_extra,
                         **ours_extra)
     theirs = make_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", **trl_extra)
-    inputs = batch(theirs, trl_extra.get("beta", 0.0))
+    inputs = first_update_batch(theirs, trl_extra.get("beta", 0.0))
     loss_trl, grads_trl = loss_and_grads(theirs, inputs)
     loss_ours, grads_ours = loss_and_grads(ours, inputs)
     # fp32 on both sides; the two sum the same terms in different orders (tiles, chunking): 1e-5.

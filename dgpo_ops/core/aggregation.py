@@ -21,6 +21,7 @@ AGGREGATIONS: dict[str, tuple[bool, Denominator]] = {
     "seq_mean_token_mean": (True, Denominator.RESPONSES),
     "seq_mean_token_sum_norm": (False, Denominator.GRID),
     "seq_sum_token_mean": (True, Denominator.ONE),
+    "seq_mean_token_sum": (False, Denominator.RESPONSES),  # TRL's luspo: mean over responses of |o_i| l_i
 }
 
 TOKEN_LEVEL_AGGREGATIONS = ("token_mean",)

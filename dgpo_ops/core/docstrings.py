@@ -41,15 +41,17 @@ ARGUMENTS = {
     "temperature": "the logits are divided by it before the log-softmax.",
     "logit_scale": "the logits are ``logit_scale * (hidden @ weight.T + bias)``.",
     "softcap": "``softcap * tanh(logits / softcap)`` after the scale, as Gemma's final softcap; None: off.",
-    "aggregation": "``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm`` or "
-                   "``seq_sum_token_mean`` (flat ``(N, V)`` logits: token level only).",
+    "aggregation": "``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``, "
+                   "``seq_sum_token_mean`` or ``seq_mean_token_sum`` (TRL's luspo) (flat ``(N, V)`` logits: token "
+                   "level only).",
     "loss_normalizer": "the token count ``token_mean`` divides by (a number or a one-element tensor, e.g. the "
                        "tokens of every micro-batch of the step); None: this call's scored tokens.",
     "beta": "weight of the k3 KL to ``ref_logps``.",
     "entropy_coef": "weight of the entropy bonus (the loss subtracts ``entropy_coef * H``).",
     "importance_sampling_level": "``token`` or ``sequence`` (GSPO: the ratio is the geometric mean over the "
                                  "response).",
-    "rollout_weights": "per-token weights on the policy term (truncated importance sampling), or None.",
+    "rollout_weights": "per-token weights on the policy term (truncated importance sampling), or None; vespo "
+                       "folds them into its sequence statistic instead, as TRL folds vLLM's importance ratio.",
     "inplace": "write d(loss)/d(logits) into the logits' storage during backward (no extra logits-sized "
                "buffer); the logits must be a non-leaf you do not read again.",
     "memory_budget": "bytes of logits and gradient tiles alive at once (the token chunk follows from it).",

@@ -14,7 +14,14 @@ import torch
 
 from dgpo_ops.core.inputs import TokenBatch
 from dgpo_ops.core.metrics import policy_metrics
-from dgpo_ops.methods.table import LOG_RATIO_CLAMP, LOGP_FLOOR, TokenTerms, straight_through_clamp, token_terms
+from dgpo_ops.methods.table import (
+    LOG_RATIO_CLAMP,
+    LOGP_FLOOR,
+    VESPO_LOG_W_MIN,
+    TokenTerms,
+    straight_through_clamp,
+    token_terms,
+)
 from dgpo_ops.core.options import LossOptions
 
 
@@ -29,6 +36,17 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked mean over each response, broadcast back to its tokens."""
     lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
     return (torch.where(mask, values, 0.0).sum(dim=1, keepdim=True) / lengths).expand_as(values)
+
+
+def sequence_log_ratio_sum(log_ratio: torch.Tensor, mask: torch.Tensor, rollout_weights) -> torch.Tensor:
+    """Each response's summed token log-ratios, each clamped to +-20, plus its rollout weights' logs (floored at
+    log 1e-8, at most 20), broadcast back to its tokens, detached: TRL's vespo log-weight (get_gamma_weights,
+    where the rollout weights are vLLM's importance ratio)."""
+    total = torch.where(mask, log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0).sum(1, keepdim=True)
+    if rollout_weights is not None:
+        log_weights = torch.log(rollout_weights).clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+        total = total + torch.where(mask, log_weights, 0.0).sum(1, keepdim=True)
+    return total.expand_as(log_ratio)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -53,11 +71,14 @@ def policy_objective(
     logp = straight_through_clamp(logp, LOGP_FLOOR, None)
     old_logp = batch.old_logps if batch.old_logps is not None else logp.detach()
     log_ratio = logp - old_logp
-    if options.sequence_level:
+    statistic = options.sequence_statistic
+    if statistic == "mean":
         log_ratio = sequence_mean(log_ratio, batch.mask)
+    elif statistic == "sum":
+        log_ratio = sequence_log_ratio_sum(log_ratio, batch.mask, batch.rollout_weights)
     tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp)
     per_token = tokens.loss
-    if batch.rollout_weights is not None:
+    if batch.rollout_weights is not None and statistic != "sum":
         per_token = per_token * batch.rollout_weights
     kl = None
     if options.beta != 0.0:

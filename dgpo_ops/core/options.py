@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dgpo_ops.core.aggregation import check_aggregation
-from dgpo_ops.methods.table import DgpoConfig, MethodConfig, method_config
+from dgpo_ops.methods.table import METHODS, DgpoConfig, MethodConfig, method_config
 from dgpo_ops.core.validation import FLOAT32_MAX, VALIDATION_MODES, float32_magnitude_ok
 
 BACKENDS = ("auto", "triton", "torch")  # which kernels run (dgpo_ops.ops.backends)
@@ -60,10 +60,20 @@ class LossOptions:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.validation not in VALIDATION_MODES:
             raise ValueError(f"validation must be one of {VALIDATION_MODES}, got {self.validation!r}")
+        if METHODS[self.method.name].sequence_log_ratio is not None and self.importance_sampling_level != "token":
+            raise ValueError(f"{self.method.name} is evaluated at its own sequence statistic (the summed log-ratio of "
+                             "each response): leave importance_sampling_level at 'token'")
+
+    @property
+    def sequence_statistic(self) -> str | None:
+        """How token log-ratios become the one a method is evaluated at: None (per token), ``"mean"`` (GSPO's
+        sequence ratio) or ``"sum"`` (the method's own: ``MethodSpec.sequence_log_ratio``)."""
+        own = METHODS[self.method.name].sequence_log_ratio
+        return own if own is not None else ("mean" if self.importance_sampling_level == "sequence" else None)
 
     @property
     def sequence_level(self) -> bool:
-        return self.importance_sampling_level == "sequence"
+        return self.sequence_statistic is not None
 
     @classmethod
     def build(cls, method="dgpo", **kwargs) -> "LossOptions":

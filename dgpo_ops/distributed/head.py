@@ -28,6 +28,7 @@ contribution.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
@@ -170,14 +171,20 @@ def add_hidden_state_output(model) -> None:
         kwargs["use_cache"] = False
         return dgpo_head_fn(self.base_model(*args, **kwargs).last_hidden_state, self.get_output_embeddings())
 
+    # The model's own signature, as TRL's fused head keeps it: generate() checks its keyword arguments
+    # (attention_mask, pixel_values, token_type_ids, ...) against it when prepare_inputs_for_generation
+    # takes **kwargs (NemotronH, Gemma3's vision-language model). A __signature__, not a __wrapped__:
+    # accelerate's unwrap_model(keep_fp32_wrapper=False) follows __wrapped__ past this forward.
+    forward.__signature__ = inspect.signature(type(model).forward)
     model.forward = types.MethodType(forward, model)
 
 
-def fused_linear_on_model(model, input_ids, attention_mask, logits_to_keep, loss_fn):
+def fused_linear_on_model(model, input_ids, attention_mask, logits_to_keep, loss_fn, **model_kwargs):
     """``loss_fn(hidden, weight, bias)`` on the completion positions' hidden states, run as the
     lm_head's forward inside ``model``'s (wrapped) forward; returns what ``loss_fn`` returns (a tuple
-    of tensors). ``model`` has had ``add_hidden_state_output``."""
+    of tensors). ``model`` has had ``add_hidden_state_output``. ``model_kwargs`` go to the backbone
+    (a vision-language model's ``pixel_values``, ``image_grid_thw``, ...; an MoE's ``output_router_logits``)."""
     def on_hidden(hidden, head):
         return head_forward(head, loss_fn, hidden[:, -logits_to_keep - 1 : -1])
 
-    return model(input_ids=input_ids, attention_mask=attention_mask, dgpo_head_fn=on_hidden)
+    return model(input_ids=input_ids, attention_mask=attention_mask, dgpo_head_fn=on_hidden, **model_kwargs)

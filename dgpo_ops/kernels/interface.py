@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 
+VESPO_LOG_W_MIN = -18.420680743952367  # log(1e-8): TRL's floor of vespo's log-weight
 LOG_RATIO_CLAMP = 20.0  # |log r| is clamped (straight-through) before L and psi are evaluated
 # Log-ratios to the reference policy (the k3 KL) are clamped the same way before their exponential.
 # The token's log-prob enters the objective floored here (straight-through): a -inf target logit
@@ -68,6 +69,7 @@ class MethodId(enum.IntEnum):
     REINFORCE = 7  # gpg: the plain policy gradient
     DPPO_TV = 8  # divergence-proximal: drop tokens whose probability moved too far (total variation)
     DPPO_KL = 9  # ... (binary KL)
+    VESPO = 10  # a sequence's gamma weight (TRL's vespo), evaluated at the summed log-ratio
 
 
 class KernelParam(enum.IntEnum):
@@ -92,6 +94,10 @@ class KernelParam(enum.IntEnum):
     TAU_POS = 12
     TAU_NEG = 13
     DELTA = 14  # TRL's cap on the ratio (grpo); +inf when off
+    K_POS = 15  # vespo's gamma shape for A >= 0 ...
+    K_NEG = 16  # ... and A < 0
+    LAMBDA_POS = 17  # vespo's gamma rate for A >= 0 ...
+    LAMBDA_NEG = 18  # ... and A < 0
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)

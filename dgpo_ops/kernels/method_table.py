@@ -205,6 +205,19 @@ def _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, BINARY_KL: tl.con
 
 
 @triton.jit
+def _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    # log_ratio is the response's summed log-ratios (the torch objective forms it; the table's _vespo says why)
+    pos = adv >= 0
+    k = tl.where(pos, tl.load(params_ptr + codes.PARAM_K_POS), tl.load(params_ptr + codes.PARAM_K_NEG))
+    rate = tl.where(pos, tl.load(params_ptr + codes.PARAM_LAMBDA_POS), tl.load(params_ptr + codes.PARAM_LAMBDA_NEG))
+    rate = tl.maximum(rate, 1e-4)
+    log_w = tl.clamp(log_ratio, codes.VESPO_LOG_W_MIN, codes.LOG_RATIO_CLAMP, propagate_nan=codes.NAN_PROPAGATING)
+    phi = tl.exp(rate + k * log_w - rate * tl.exp(log_w))
+    silenced = (phi == 0.0) & ((logp == float("inf")) | (logp == -float("inf")))  # as the table: not 0 * inf
+    return tl.where(silenced, 0.0, -adv * phi * logp), phi, tl.zeros_like(adv).to(tl.int32) + codes.REGION_M
+
+
+@triton.jit
 def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
     """(L, psi, region, r) of one token: ``r`` is the ratio psi was evaluated at (exp of the clamped
     log ratio). ``logp`` is the token's own log-prob (cispo's value uses it). A switch over the method
@@ -231,6 +244,8 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         loss, psi, region = _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, False)
     elif METHOD == codes.METHOD_DPPO_KL:
         loss, psi, region = _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, True)
+    elif METHOD == codes.METHOD_VESPO:
+        loss, psi, region = _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     else:
         tl.static_assert(False, "token_terms: unknown METHOD id (add the method's function and branch here)")
     return loss, psi, region, r

@@ -25,6 +25,7 @@ from dgpo_ops.kernels.interface import (  # noqa: F401
     LOG_RATIO_CLAMP,
     LOGP_FLOOR,
     NUM_KERNEL_PARAMS,
+    VESPO_LOG_W_MIN,
     Gate,
     KernelParam,
     MethodId,
@@ -170,7 +171,7 @@ class GrpoConfig(MethodConfig):
     dual_clip: float | None = _dual_clip(None)
     # TRL's two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta, -min(min(r, delta) A, clip(r) A)
     delta: float | None = param(None, "cap on the ratio before PPO's min (TRL's delta)", low=0.0, low_open=True,
-                                optional=True)
+                                optional=True, config_field="delta")
 
     def _kernel_slots(self):
         return {**_symmetric_bounds(self), KernelParam.DUAL_CLIP: self.dual_clip, KernelParam.DELTA: self.delta}
@@ -321,6 +322,26 @@ class DppoTvConfig(MethodConfig):
 class DppoKlConfig(DppoTvConfig):
     name: ClassVar[str] = "dppo_kl"
     method_id: ClassVar[MethodId] = MethodId.DPPO_KL
+
+
+def _vespo_param(default, what: str, sign: str):
+    side = "pos" if sign == ">=" else "neg"
+    symbol = "k" if what == "shape" else "lambda"
+    return param(default, f"gamma {what} for A {sign} 0", low=0.0, config_field=f"vespo_{symbol}_{side}")
+
+
+@dataclass(frozen=True)
+class VespoConfig(MethodConfig):
+    name: ClassVar[str] = "vespo"
+    method_id: ClassVar[MethodId] = MethodId.VESPO
+    k_pos: float = _vespo_param(2.0, "shape", ">=")
+    lambda_pos: float = _vespo_param(3.0, "rate", ">=")
+    k_neg: float = _vespo_param(3.0, "shape", "<")
+    lambda_neg: float = _vespo_param(2.0, "rate", "<")
+
+    def _kernel_slots(self):
+        return {KernelParam.K_POS: self.k_pos, KernelParam.LAMBDA_POS: self.lambda_pos, KernelParam.K_NEG: self.k_neg,
+                KernelParam.LAMBDA_NEG: self.lambda_neg}
 
 
 GATES = {"sigmoid": Gate.SIGMOID, "erf": Gate.ERF, "arctan": Gate.ARCTAN, "softsign": Gate.SOFTSIGN}
@@ -549,6 +570,20 @@ def _dppo(cfg: DppoTvConfig, x: TokenInputs) -> TokenTerms:
     return TokenTerms(torch.where(kept, -adv * weight * x.logp, 0.0), weight, region)
 
 
+def _vespo(cfg: VespoConfig, x: TokenInputs) -> TokenTerms:
+    # x.log_ratio is the response's summed token log-ratios (MethodSpec.sequence_log_ratio): w is the product of
+    # its ratios, phi = w^k e^(lambda (1 - w)) its gamma weight (phi(1) = 1), detached as in TRL's get_gamma_weights.
+    rd, adv = x.ratio_detached, x.advantage
+    pos = adv >= 0
+    k = torch.where(pos, _full(cfg.k_pos, rd), _full(cfg.k_neg, rd))
+    rate = torch.where(pos, _full(max(cfg.lambda_pos, 1e-4), rd), _full(max(cfg.lambda_neg, 1e-4), rd))
+    log_w = x.log_ratio.detach().clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+    phi = torch.exp(rate + k * log_w - rate * log_w.exp())
+    # A weight of exactly 0 (w far above its peak) silences the token, also where l is infinite (not 0 * inf)
+    silenced = (phi == 0) & x.logp.detach().isinf()
+    return TokenTerms(torch.where(silenced, 0.0, -adv * phi * x.logp), phi, torch.zeros_like(rd, dtype=torch.int8))
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """One row of the table: everything about a method that is not its Triton function.
@@ -565,6 +600,10 @@ class MethodSpec:
     paper: str
     variants: tuple[dict, ...] = ({},)
     presets: dict = dataclasses.field(default_factory=dict)
+    # "sum": the method is evaluated at its response's summed token log-ratios (each clamped to +-20), with the
+    # rollout weights folded into that sum as log-weights instead of multiplying the loss (TRL's vespo and its
+    # vLLM importance ratio). Such a method is sequence-level by itself: the torch objective evaluates it.
+    sequence_log_ratio: str | None = None
 
 
 @dataclass(frozen=True)
@@ -612,6 +651,10 @@ METHODS: dict[str, MethodSpec] = {
     "dppo_kl": MethodSpec(DppoKlConfig, _dppo, "DPPO with the binary KL of the token's probability as the divergence",
                           "DPPO: Divergence-Proximal Policy Optimization, arXiv:2602.04879",
                           variants=({}, {"delta_low": 0.01, "delta_high": 0.02, "is_cap": 1.5})),
+    "vespo": MethodSpec(VespoConfig, _vespo, "a sequence's gamma weight of its ratio product times the log-prob",
+                        "VESPO: TRL 1.16's loss_type='vespo' (GRPOTrainer.get_gamma_weights)",
+                        variants=({}, {"k_pos": 1.0, "lambda_pos": 0.5, "k_neg": 4.0, "lambda_neg": 1.0}),
+                        sequence_log_ratio="sum"),
 }
 
 ALIASES: dict[str, MethodAlias] = {

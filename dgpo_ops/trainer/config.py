@@ -20,7 +20,8 @@ from dgpo_ops.core.options import LossOptions
 FUSED_MODES = ("linear", "logits")
 ADVANTAGE_ESTIMATORS = ("grpo", "dcpo")
 
-# TRL loss_type -> (aggregation, whether token_mean counts the tokens of this micro-batch only)
+# TRL loss_type -> its aggregation (the trainer's _loss_normalizer gives each TRL's denominator: bnpo counts the
+# micro-batch's tokens, dapo and cispo the generation batch's, dr_grpo is B x max_completion_length, luspo B).
 TRL_LOSS_TYPE_AGGREGATION = {
     "grpo": "seq_mean_token_mean",
     "sapo": "seq_mean_token_mean",
@@ -28,7 +29,18 @@ TRL_LOSS_TYPE_AGGREGATION = {
     "dr_grpo": "seq_mean_token_sum_norm",
     "dapo": "token_mean",
     "cispo": "token_mean",
+    "luspo": "seq_mean_token_sum_norm",
+    "vespo": "token_mean",
 }
+
+# TRL loss_type -> the policy objective it names in TRL. grpo, bnpo, dr_grpo, dapo and luspo are TRL's clipped
+# objective (dgpo-ops' grpo) under different aggregations; cispo, sapo and vespo are objectives of their own.
+TRL_LOSS_TYPE_METHOD = {
+    "grpo": "grpo", "bnpo": "grpo", "dr_grpo": "grpo", "dapo": "grpo", "luspo": "grpo",
+    "cispo": "cispo", "sapo": "sapo", "vespo": "vespo",
+}
+# The loss types that name an objective other than the clipped one: with an explicit policy_loss they must agree.
+OBJECTIVE_LOSS_TYPES = ("cispo", "sapo", "vespo")
 
 TRL_FIELDS = frozenset(f.name for f in dataclasses.fields(GRPOConfig))
 
@@ -57,15 +69,28 @@ def _add_method_fields(cls):
 @_add_method_fields
 class DGPOConfig(GRPOConfig):
     r"""
-    [`~trl.GRPOConfig`] with the policy loss chosen among dgpo-ops' methods. `epsilon`, `epsilon_high`, `beta`,
-    `importance_sampling_level`, `sapo_temperature_pos/neg` and `use_bias_correction_kl` keep their TRL meaning,
-    except that `epsilon` defaults to None: each method's own default from the table (dcpo's eps_low is 0.16);
-    `loss_type` keeps choosing the aggregation (and its normaliser) unless `loss_aggregation` is set.
+    [`~trl.GRPOConfig`] with the policy loss chosen among dgpo-ops' methods. Every `GRPOConfig` field keeps its TRL
+    meaning (`tests/test_trainer_conformance.py` checks each against `GRPOTrainer`), except that `epsilon`
+    defaults to None: each method's own default from the table (dcpo's eps_low is 0.16, cispo's cap 5).
+
+    Which objective trains (`policy_loss` and `loss_type`): a `DGPOConfig` with only `GRPOConfig` fields trains
+    what `GRPOConfig` trains.
+
+    * `policy_loss` unset (None): the objective TRL's `loss_type` names, with its aggregation: `grpo`, `bnpo`,
+      `dr_grpo`, `dapo` (TRL's default) and `luspo` are TRL's clipped objective (`policy_loss="grpo"`, which reads
+      `delta` too; other methods refuse it), `cispo`, `sapo` and `vespo` their own (`vespo` from the method table; refused as not
+      yet fused by a table without it).
+    * `policy_loss` set: that method; `loss_type` then picks the aggregation only. `cispo`, `sapo` and `vespo`
+      name an objective, so with another `policy_loss` they are a `ValueError` (their aggregations are
+      `loss_type="dapo"`, `"grpo"` and `"dapo"`). dcpo aggregates as `seq_sum_token_mean` unless
+      `loss_aggregation` is set.
+
+    After `__post_init__`, `policy_loss` holds the method resolved (a copy of the config resolves the same way).
 
     Parameters:
-        policy_loss (`str`, defaults to `"dgpo"`): a method or alias of `dgpo_ops.methods.catalog.POLICY_LOSSES`.
-            `dapo` is grpo with DAPO's clip-higher: `epsilon_high=0.28` unless `epsilon_high` is set
-            (its token-level aggregation is TRL's `loss_type="dapo"`, the default).
+        policy_loss (`str`, defaults to None): a method or alias of `dgpo_ops.methods.catalog.POLICY_LOSSES`; None:
+            the objective `loss_type` names. `dapo` is grpo with DAPO's clip-higher: `epsilon_high=0.28` unless
+            `epsilon_high` is set (TRL's `loss_type="dapo"` is the aggregation only).
         dgpo_n, dgpo_m, dual_clip, gppo_beta1, gppo_beta2, dcpo_r_max, dispo_eps_*, sapo_gate: the methods' own
             parameters, added from the method table (each field's help names the methods that read it, its
             range, and what None means); README.md's method table shows which field feeds which parameter.
@@ -82,7 +107,9 @@ class DGPOConfig(GRPOConfig):
     For `cispo`, `epsilon_high` is TRL's weight cap itself (dgpo-ops' `1 + eps_high`), and there is no lower clip.
     """
 
-    policy_loss: str = field(default="dgpo", metadata={"help": f"Policy loss: one of {', '.join(POLICY_LOSSES)}."})
+    policy_loss: str | None = field(default=None, metadata={
+        "help": f"Policy loss: one of {', '.join(POLICY_LOSSES)}; None: the objective TRL's loss_type names (its "
+                "default, dapo: TRL's clipped objective, grpo)."})
     # TRL's epsilon (0.2 there) with None by default: each method's own eps_low from the table unless set (dcpo's
     # is 0.16), and epsilon_high left None falls back to it, so cispo's cap and dcpo's eps_high keep theirs too.
     epsilon: float | None = field(default=None, metadata={"help": config_help(config_params()["epsilon"])})
@@ -96,6 +123,7 @@ class DGPOConfig(GRPOConfig):
         "help": "Optimizer steps with non-finite gradients are skipped; this many in a row stop the run."})
 
     def __post_init__(self):
+        self._resolve_objective()  # before TRL's checks, which read loss_type
         super().__post_init__()
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {self.policy_loss!r}")
@@ -105,20 +133,6 @@ class DGPOConfig(GRPOConfig):
             raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}")
         if self.loss_aggregation is not None and self.loss_aggregation not in AGGREGATIONS:
             raise ValueError(f"loss_aggregation must be None or one of {', '.join(AGGREGATIONS)}")
-        if self.loss_aggregation is None and self.loss_type not in TRL_LOSS_TYPE_AGGREGATION:
-            raise ValueError(
-                f"loss_type={self.loss_type!r} has no dgpo-ops aggregation; use one of "
-                f"{', '.join(TRL_LOSS_TYPE_AGGREGATION)} or set loss_aggregation"
-            )
-        unsupported = {
-            "delta": self.delta is not None,
-            "top_entropy_quantile": self.top_entropy_quantile < 1.0,
-            "use_adaptive_entropy": bool(getattr(self, "use_adaptive_entropy", False)),
-            "use_liger_kernel": bool(self.use_liger_kernel),
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise ValueError(f"DGPOConfig does not support {name} (the fused loss replaces that code path)")
         if (isinstance(self.fused_memory_budget, bool) or not isinstance(self.fused_memory_budget, int)
                 or self.fused_memory_budget < 1):
             raise ValueError(f"fused_memory_budget must be a positive integer number of bytes, got "
@@ -130,11 +144,47 @@ class DGPOConfig(GRPOConfig):
         if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) or \
                 self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {self.max_nonfinite_steps!r}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1] (TRL's rho), got {self.top_entropy_quantile!r}")
         # Every method's fields, whichever method is chosen: a bad value fails here, not when a later run
         # switches policy_loss. Fields read with an offset (cispo's cap) only mean something to their method.
         for method in METHODS:
             self._build_method(method, skip_offset_fields=True)
+        self._check_delta()
         self.loss_options()  # the chosen method with the shared fields (epsilon, ...), now, not at the first step
+
+    def _resolve_objective(self) -> None:
+        """``policy_loss`` from ``loss_type`` when unset, and the check of the two (the class docstring's rule)."""
+        loss_type, policy_loss = self.loss_type, self.policy_loss
+        if loss_type not in TRL_LOSS_TYPE_METHOD:
+            raise ValueError(f"loss_type must be one of TRL's {', '.join(TRL_LOSS_TYPE_METHOD)}, got {loss_type!r}")
+        if policy_loss is None:
+            policy_loss = TRL_LOSS_TYPE_METHOD[loss_type]
+        elif loss_type in OBJECTIVE_LOSS_TYPES and policy_loss in POLICY_LOSSES and \
+                resolve(policy_loss)[0] != TRL_LOSS_TYPE_METHOD[loss_type]:
+            same = {"cispo": "dapo", "sapo": "grpo", "vespo": "dapo"}[loss_type]
+            raise ValueError(
+                f"loss_type={loss_type!r} names TRL's {loss_type} objective, but policy_loss={policy_loss!r} asks for "
+                f"another: drop one. For {policy_loss} with {loss_type}'s aggregation pass loss_type={same!r} "
+                f"(or loss_aggregation); for {loss_type} leave policy_loss unset")
+        self.policy_loss = policy_loss
+
+    def _table_reads_delta(self) -> bool:
+        """Whether the chosen method has TRL's ``delta`` (the table's grpo: TRL's two-sided clip)."""
+        return any(p.name == "delta" for p in method_params(resolve(self.policy_loss)[0]))
+
+    def _check_delta(self) -> None:
+        """TRL's ``delta`` (INTELLECT-2's two-sided clip) is a parameter of TRL's clipped objective (the table's grpo
+        reads it): with a method that does not, it would be ignored, so it is refused."""
+        if self.delta is None or self._table_reads_delta():
+            return
+        method = self.method()
+        has_dual = "dual_clip" in {f.name for f in dataclasses.fields(method)}
+        raise ValueError(
+            f"delta is TRL's two-sided clip of its clipped objective (policy_loss='grpo'), which "
+            f"policy_loss={self.policy_loss!r} does not have: " + (
+                "set dual_clip, its cap on the ratio of negative-advantage tokens" if has_dual
+                else f"{method.name} has no such cap; use policy_loss='grpo' (or leave it unset) with delta"))
 
     def _build_method(self, name: str, skip_offset_fields: bool = False) -> MethodConfig:
         """The method config of a method or alias from this config's fields (``ParamSpec.config_field``)."""
@@ -154,6 +204,9 @@ class DGPOConfig(GRPOConfig):
             values[p.name] = spec.from_config(value)
             sources[field_name] = f"{field_name}={value!r}" + (
                 f" (-> {p.name}={values[p.name]!r})" if spec.config_offset else "")
+        if self.delta is not None and "delta" not in values and any(p.name == "delta" for p in method_params(method)):
+            values["delta"] = self.delta  # TRL's two-sided clip: the grpo row's delta, read from TRL's field
+            sources["delta"] = f"delta={self.delta!r}"
         try:
             return method_config(method, **{**alias_params, **values})
         except ValueError as error:
@@ -181,3 +234,12 @@ class DGPOConfig(GRPOConfig):
             entropy_coef=self.entropy_coef,
             importance_sampling_level=self.importance_sampling_level,
         )
+
+    @classmethod
+    def from_grpo_config(cls, args: GRPOConfig) -> "DGPOConfig":
+        """A plain ``GRPOConfig``'s fields as a ``DGPOConfig``: its ``loss_type`` names the objective, as in TRL."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
+        # GRPOConfig.__post_init__ derived one of these two from the other; given both, it refuses.
+        values["generation_batch_size"] = None
+        # TRL's epsilon (0.2) is explicit there; DGPOConfig's None means the method's default, TRL's for grpo.
+        return cls(**values)
