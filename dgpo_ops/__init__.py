@@ -1,8 +1,11 @@
 """dgpo-ops: fused, exact RL policy losses for LLM reasoning."""
 
-from dgpo_ops.core.aggregation import AGGREGATIONS, token_scales
 from dgpo_ops.api import DGPOLoss, fused_dgpo_loss, fused_linear_dgpo_loss, fused_linear_logprobs
-from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
+from dgpo_ops.core.aggregation import AGGREGATIONS, token_scales
+from dgpo_ops.core.metrics import LossMetrics
+from dgpo_ops.core.options import LossOptions
+from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.core.validation import raise_deferred_errors
 from dgpo_ops.methods.table import (
     METHODS,
     AspoConfig,
@@ -20,11 +23,8 @@ from dgpo_ops.methods.table import (
     method_config,
     token_terms,
 )
-from dgpo_ops.core.metrics import LossMetrics
-from dgpo_ops.core.options import LossOptions
-from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 from dgpo_ops.ops.reference import reference_loss
-from dgpo_ops.core.validation import raise_deferred_errors
 
 __all__ = [
     "AGGREGATIONS",

@@ -100,11 +100,11 @@ def policy_loss(model, batch: dict, method: str, on_chip: bool, backward=None):
     """The loss and the old-policy log-probs as DGPOTrainer computes them (``fused='linear'``); ``model``
     may be wrapped (DDP, FSDP2, a DeepSpeed engine: ``backward`` is then ``engine.backward``)."""
     from dgpo_ops.api import fused_linear_logprobs, linear_loss_from_options
-    from dgpo_ops.ops.linear import ProjectionOptions
-    from dgpo_ops.distributed.head import add_hidden_state_output, fused_linear_on_model
     from dgpo_ops.core.inputs import LossBatch
     from dgpo_ops.core.options import LossOptions
     from dgpo_ops.core.output import PolicyLossOutput
+    from dgpo_ops.distributed.head import add_hidden_state_output, fused_linear_on_model
+    from dgpo_ops.ops.linear import ProjectionOptions
 
     method, _, route = method.partition("@")  # "dgpo@module": fused_linear_dgpo_loss(hidden, model.lm_head, ...)
     inner = getattr(model, "module", model)

@@ -8,6 +8,7 @@ import torch
 from helpers import METHOD_VARIANTS, logits_batch, variant_id
 
 import dgpo_ops
+from dgpo_ops.core.options import LossOptions
 from dgpo_ops.ops.compiled import (
     checked_inputs_op,
     fused_linear_policy_loss_op,
@@ -15,7 +16,6 @@ from dgpo_ops.ops.compiled import (
     options_spec,
 )
 from dgpo_ops.ops.linear import ProjectionOptions
-from dgpo_ops.core.options import LossOptions
 
 ONE_PER_METHOD = list({name: (name, params) for name, params in reversed(METHOD_VARIANTS)}.values())
 B, T, H, V = 2, 4, 8, 24

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CUDA_MARKS, logits_batch
 
 import dgpo_ops
-from helpers import CUDA_MARKS, logits_batch
 
 pytestmark = CUDA_MARKS
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import logits_batch
 
 import dgpo_ops
 from dgpo_ops.core.validation import pending_deferred_checks
-from helpers import logits_batch
 
 BACKENDS = ["triton", "torch"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import METHOD_VARIANTS, for_method, logits_batch, variant_id
 
 import dgpo_ops
-from helpers import METHOD_VARIANTS, for_method, logits_batch, variant_id
 
 
 def make_logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None):

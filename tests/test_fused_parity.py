@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import METHOD_VARIANTS, for_method, logits_batch, requires_cuda, variant_id
 
 import dgpo_ops
-from helpers import METHOD_VARIANTS, for_method, logits_batch, requires_cuda, variant_id
 
 AGGREGATIONS = list(dgpo_ops.AGGREGATIONS)
 

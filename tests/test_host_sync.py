@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import METHOD_VARIANTS, TOKEN_LEVEL_VARIANTS, variant_id
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dgpo_ops
 from dgpo_ops.core.metrics import METRIC_NAMES
-from helpers import METHOD_VARIANTS, TOKEN_LEVEL_VARIANTS, variant_id
 
 SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default",
                "aten.masked_select.default", "aten.equal.default"}

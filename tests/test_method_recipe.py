@@ -8,12 +8,12 @@ import math
 import pathlib
 
 import pytest
-from dgpo_ops.kernels.interface import MethodId
 from helpers import METHOD_VARIANTS
 
+from dgpo_ops.kernels.interface import MethodId
 from dgpo_ops.methods import catalog
-from dgpo_ops.methods.table import ALIASES, GATES, METHODS, ParamSpec, method_config
 from dgpo_ops.methods.styles import STYLES, style
+from dgpo_ops.methods.table import ALIASES, GATES, METHODS, ParamSpec, method_config
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 

@@ -282,3 +282,22 @@ def test_the_loss_module_takes_packed_batches():
     torch.testing.assert_close(module(logits, **packed, cu_seqlens=cu).loss, want.loss, rtol=0, atol=0)
     with pytest.raises(ValueError, match="flat"):  # without cu_seqlens the module sees flat tokens
         module(logits, **packed)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_logits_take_inplace_like_the_others(backend):
+    """The packed layout runs the same autograd Function: inplace=True writes the same gradient into the logits."""
+    batch = padded_batch(seed=2)
+    batch.pop("ref_logps")
+    packed, cu = pack(batch)
+    logits = packed.pop("logits")
+    leaf = logits.clone().requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(leaf, **packed, cu_seqlens=cu, backend=backend)
+    out.loss.backward()
+    inplace_leaf = logits.clone().requires_grad_(True)
+    overwritten = inplace_leaf * 1.0  # a non-leaf the op may overwrite with its gradient
+    inplace_out = dgpo_ops.fused_dgpo_loss(overwritten, **packed, cu_seqlens=cu, backend=backend, inplace=True)
+    inplace_out.loss.backward()
+    torch.testing.assert_close(inplace_out.loss, out.loss)
+    torch.testing.assert_close(inplace_leaf.grad, leaf.grad)
+    torch.testing.assert_close(overwritten.detach(), leaf.grad)  # the logits' storage holds the gradient

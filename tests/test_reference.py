@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import logits_batch
 
 import dgpo_ops
 from dgpo_ops import method_config, reference_loss, token_scales, token_terms
-from helpers import logits_batch
 
 
 def ragged_mask():

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from helpers import logits_batch
 
 import dgpo_ops
 from dgpo_ops.core.aggregation import AGGREGATIONS
@@ -20,7 +21,6 @@ from dgpo_ops.kernels import prologue as prologue_module
 from dgpo_ops.kernels.interface import Plane, SequenceStat, Status
 from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.kernels.torch_twins import logits_grad_torch, logprob_entropy_torch, token_prologue_torch
-from helpers import logits_batch
 
 
 def row_inputs(B, T, V, seed=0, dtype=torch.float32):
@@ -141,8 +141,8 @@ def test_finalize_matches_the_torch_metrics():
 def test_the_finalizing_prologue_equals_the_finalize_kernel(bad):
     # The logits op reduces the loss and metrics in the prologue's last program; the fused-linear op
     # launches finalize_kernel. Both must give the same bits from the same planes.
-    from dgpo_ops.ops.logits import forward_pass, logits_plan
     from dgpo_ops.core.options import LossOptions
+    from dgpo_ops.ops.logits import forward_pass, logits_plan
 
     inputs = logits_batch(5, 9, 40, seed=11)
     if bad:

@@ -26,7 +26,6 @@ import pytest
 pytest.importorskip("trl")
 
 import torch  # noqa: E402
-
 from trainer_fixtures import (  # noqa: E402
     build_dropout_model_dir,
     build_gemma3_model_dir,
@@ -393,11 +392,11 @@ def test_cast_lm_head_to_fp32_multiplies_in_fp32(fused, model_dirs, tmp_path):
 
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_refused_fields_fail_when_the_config_is_made(name, tmp_path):
+    import dataclasses
+
     from trl import GRPOConfig
 
     from dgpo_ops.trainer import DGPOConfig
-
-    import dataclasses
 
     fields, message = REFUSALS[name]
     common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[])

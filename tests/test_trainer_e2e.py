@@ -136,6 +136,7 @@ def _first_hooked(trainer):
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"], ids=["on-device", "host-read"])
 def test_a_nonfinite_gradient_skips_the_step_and_training_goes_on(model_dir, tmp_path, monkeypatch, optim):
     import torch
+
     from dgpo_ops.trainer import trainer as trainer_module
 
     warnings = []
@@ -178,6 +179,7 @@ def test_consecutive_nonfinite_steps_stop_the_run(model_dir, tmp_path, monkeypat
 
 def test_skipped_step_leaves_parameters_and_moments_unchanged(model_dir, tmp_path, monkeypatch):
     import torch
+
     from dgpo_ops.trainer import trainer as trainer_module
 
     original_clip = trainer_module.DGPOTrainer._clip_grad_norm

@@ -7,7 +7,6 @@ import pytest
 pytest.importorskip("trl")
 
 import torch  # noqa: E402
-
 from trainer_fixtures import build_model_dir, first_update_batch, loss_and_grads, make_trainer  # noqa: E402
 
 # TRL loss_type -> (DGPOConfig additions, GRPOConfig additions)

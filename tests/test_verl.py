@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 
 verl = pytest.importorskip("verl", reason="verl runs in its own venv: bash .ci/verl_cpu.sh")
 
+import verl_workers  # noqa: E402
+from helpers import value_error_message  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from verl.trainer.ppo.core_algos import get_policy_loss_fn  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -24,12 +26,9 @@ from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from dgpo_ops import Region, method_config, reference_loss, token_terms  # noqa: E402
-from dgpo_ops.methods.catalog import POLICY_LOSSES, variants  # noqa: E402
 from dgpo_ops.integrations import verl as dgpo_verl  # noqa: E402
 from dgpo_ops.integrations.verl_params import VERL_AGGREGATIONS  # noqa: E402
-
-import verl_workers  # noqa: E402
-from helpers import value_error_message  # noqa: E402
+from dgpo_ops.methods.catalog import POLICY_LOSSES, variants  # noqa: E402
 
 MODES = tuple(VERL_AGGREGATIONS)
 # verl's mode -> the package's aggregation with that per-token weight; the normaliser carries verl's counts

@@ -238,8 +238,9 @@ def run_jobs(results: dict, rank: int, world: int, group, backend: str):
 
 def run_bad_input(results: dict, rank: int, world: int, group):
     """Immediate validation: unequal shares of the vocabulary, a target outside it, a DTensor over another group."""
-    import dgpo_ops
     import torch.distributed as dist
+
+    import dgpo_ops
 
     batch, keywords = inputs_of(EXTRA_JOBS["bf16"])
     logits = batch.pop("logits").float()

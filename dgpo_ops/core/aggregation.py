@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from dgpo_ops.kernels.interface import Denominator, InputError
 from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, MESSAGES
+from dgpo_ops.kernels.interface import Denominator, InputError
 
 # name -> (divide each token by its response length?, default denominator): the prologue kernel
 # reads the same two codes.

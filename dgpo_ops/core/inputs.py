@@ -18,10 +18,15 @@ from typing import NamedTuple
 
 import torch
 
-from dgpo_ops.core.aggregation import TOKEN_LEVEL_AGGREGATIONS, check_normalizer_form, check_normalizer_value, token_scales
+from dgpo_ops.core.aggregation import (
+    TOKEN_LEVEL_AGGREGATIONS,
+    check_normalizer_form,
+    check_normalizer_value,
+    token_scales,
+)
+from dgpo_ops.core.validation import MESSAGES
 from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
 from dgpo_ops.kernels.row_io import TokenInputs
-from dgpo_ops.core.validation import MESSAGES
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")

@@ -14,6 +14,7 @@ import torch
 
 from dgpo_ops.core.inputs import TokenBatch
 from dgpo_ops.core.metrics import policy_metrics
+from dgpo_ops.core.options import LossOptions
 from dgpo_ops.methods.table import (
     LOG_RATIO_CLAMP,
     LOGP_FLOOR,
@@ -22,7 +23,6 @@ from dgpo_ops.methods.table import (
     straight_through_clamp,
     token_terms,
 )
-from dgpo_ops.core.options import LossOptions
 
 
 class ObjectiveTerms(NamedTuple):

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dgpo_ops.core.aggregation import check_aggregation
-from dgpo_ops.methods.table import METHODS, DgpoConfig, MethodConfig, method_config
 from dgpo_ops.core.validation import FLOAT32_MAX, VALIDATION_MODES, float32_magnitude_ok
+from dgpo_ops.methods.table import METHODS, DgpoConfig, MethodConfig, method_config
 
 BACKENDS = ("auto", "triton", "torch")  # which kernels run (dgpo_ops.ops.backends)
 

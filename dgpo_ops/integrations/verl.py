@@ -29,14 +29,21 @@ import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
-from dgpo_ops.methods.catalog import resolve
 from dgpo_ops.core.inputs import TokenBatch
-from dgpo_ops.kernels.interface import Region
-from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 from dgpo_ops.core.metrics import policy_metrics
 from dgpo_ops.core.objective import policy_objective
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS
-from dgpo_ops.integrations.verl_params import LOSS_MODES, POLICY_LOSS, check_method_params, loss_options, read_field, verl_token_scales
+from dgpo_ops.integrations.verl_params import (
+    LOSS_MODES,
+    POLICY_LOSS,
+    check_method_params,
+    loss_options,
+    read_field,
+    verl_token_scales,
+)
+from dgpo_ops.kernels.interface import Region
+from dgpo_ops.methods.catalog import resolve
+from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 
 FUSED_KERNELS_ENV = "DGPO_OPS_VERL_FUSED_KERNELS"
 # Our metrics beside verl's three; entropy and KL are verl's own (ppo_loss logs them).

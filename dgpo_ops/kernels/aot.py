@@ -41,10 +41,10 @@ from triton.backends.compiler import GPUTarget
 from .finalize import FINALIZE_WARPS, finalize_kernel
 from .finalize import MAX_BLOCK as FINALIZE_BLOCK
 from .interface import Denominator, Gate, MethodId, Normalizer
-from .logits_grad import logits_grad_kernel
-from .logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
 from .linear_grad import linear_grad_kernel
 from .linear_logits import LINEAR_GRAD_SHAPE, PARTIALS_SHAPE, linear_partials_kernel, linear_rows_kernel
+from .logits_grad import logits_grad_kernel
+from .logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
 from .prologue import prologue_warps, token_prologue_kernel
 
 KERNELS = {"forward": logprob_entropy_fwd_kernel, "backward": logits_grad_kernel, "prologue": token_prologue_kernel,

@@ -21,7 +21,6 @@ from . import codes
 from .logprob_entropy import BACKWARD_SHAPE, check_vocab_stride, default_block_v, launch_shape, logits_rows
 
 
-
 @triton.jit
 def _one_minus_exp(log_p):
     # 1 - exp(log p) = -expm1(log p) without the cancellation near 0 (Kahan's expm1): once per row.

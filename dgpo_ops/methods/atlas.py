@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from dgpo_ops.methods.table import GATES, METHODS, MethodConfig, method_config, token_terms
 from dgpo_ops.methods.styles import style
+from dgpo_ops.methods.table import GATES, METHODS, MethodConfig, method_config, token_terms
 
 # One curve per row; sapo appears once per gate.
 ATLAS_METHODS: list[tuple[str, dict]] = [(name, {}) for name in METHODS if name != "sapo"] + [

@@ -22,6 +22,7 @@ import torch
 
 # The codes and slots the kernels read are the kernels' own interface (a leaf module); re-exported here.
 from dgpo_ops.kernels.interface import (  # noqa: F401
+    FLOAT32_MAX,
     LOG_RATIO_CLAMP,
     LOGP_FLOOR,
     NUM_KERNEL_PARAMS,
@@ -31,7 +32,6 @@ from dgpo_ops.kernels.interface import (  # noqa: F401
     MethodId,
     Region,
 )
-from dgpo_ops.kernels.interface import FLOAT32_MAX
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import torch
 from dgpo_ops.core.options import BACKENDS
 
 
-
 @dataclass(frozen=True)
 class RowKernels:
     name: str
@@ -35,7 +34,11 @@ def triton_is_interpreted() -> bool:
 @functools.cache  # one immutable set per backend, made once: no imports on the per-call path
 def _kernel_set(name: str) -> RowKernels:
     if name == "torch":
-        from dgpo_ops.kernels.torch_twins import logits_grad_torch, logprob_entropy_torch, token_prologue_torch
+        from dgpo_ops.kernels.torch_twins import (
+            logits_grad_torch,
+            logprob_entropy_torch,
+            token_prologue_torch,
+        )
 
         return RowKernels("torch", token_prologue_torch, logprob_entropy_torch, logits_grad_torch, None,
                           has_epilogue=False)

@@ -25,14 +25,14 @@ import json
 
 import torch
 
-from dgpo_ops.ops.backends import select_kernels
 from dgpo_ops.core.inputs import LossBatch, check_values, per_token_dtype, token_inputs
-from dgpo_ops.kernels.interface import Plane
-from dgpo_ops.kernels.row_io import RowWorkspace
-from dgpo_ops.methods.table import method_config
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.kernels.interface import Plane
+from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.methods.table import method_config
+from dgpo_ops.ops.backends import select_kernels
 from dgpo_ops.ops.linear import Precision, ProjectionOptions, autocast_dtype, linear_forward_pass, linear_plan
 from dgpo_ops.ops.logits import backward_pass, forward_pass, logits_plan
 

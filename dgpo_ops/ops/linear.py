@@ -37,12 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from dgpo_ops.core.inputs import LossBatch, per_token_dtype
-from dgpo_ops.kernels.interface import Plane
-from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.core.metrics import LossMetrics
-from dgpo_ops.core.options import LossOptions, trace_constant
+from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, refuse_double_backward
+from dgpo_ops.kernels.interface import Plane
+from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.ops.pipeline import CallPlan, backward_rows, epilogue_inputs, forward_rows, plan_call
 

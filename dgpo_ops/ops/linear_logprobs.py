@@ -20,6 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from dgpo_ops.core.inputs import LossBatch, per_token_dtype
+from dgpo_ops.core.options import LossOptions
+from dgpo_ops.core.validation import defer, refuse_double_backward
+from dgpo_ops.kernels.interface import Plane, Status
+from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.layouts.rows import CallLayout
+from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
 from dgpo_ops.ops.linear import (
     DEFAULT_MEMORY_BUDGET,
     Precision,
@@ -32,14 +39,8 @@ from dgpo_ops.ops.linear import (
     linear_plan,
     sweep_tiles,
 )
-from dgpo_ops.core.inputs import LossBatch, per_token_dtype
-from dgpo_ops.core.options import LossOptions
-from dgpo_ops.core.validation import defer, refuse_double_backward
-from dgpo_ops.kernels.interface import Plane, Status
-from dgpo_ops.kernels.row_io import RowWorkspace
-from dgpo_ops.layouts.rows import CallLayout
-from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
 from dgpo_ops.ops.pipeline import row_forward, run_prologue
+
 
 class LinearLogProbEntropyFunction(torch.autograd.Function):
     """``(log p(target), entropy)`` of every token of ``hidden`` ``(n, H)``; ``plan`` is a ``LinearPlan`` of

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.ops.backends import RowKernels
 from dgpo_ops.core.inputs import LossBatch
-from dgpo_ops.kernels.interface import Plane
-from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.layouts.rows import CallLayout, RowLayout
-from dgpo_ops.ops.pipeline import CallPlan, backward_rows, forward_rows, plan_call
 from dgpo_ops.core.validation import refuse_double_backward
+from dgpo_ops.kernels.interface import Plane
+from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.layouts.rows import CallLayout, RowLayout
+from dgpo_ops.ops.backends import RowKernels
+from dgpo_ops.ops.pipeline import CallPlan, backward_rows, forward_rows, plan_call
 
 
 def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False):

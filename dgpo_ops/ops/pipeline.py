@@ -26,7 +26,14 @@ from typing import Callable
 import torch
 
 from dgpo_ops.core.aggregation import AGGREGATIONS
-from dgpo_ops.core.inputs import LossBatch, canonical_batch, check_values, normalizer_spec, per_token_dtype, token_inputs
+from dgpo_ops.core.inputs import (
+    LossBatch,
+    canonical_batch,
+    check_values,
+    normalizer_spec,
+    per_token_dtype,
+    token_inputs,
+)
 from dgpo_ops.core.metrics import policy_metrics
 from dgpo_ops.core.objective import check_kl_inputs, policy_objective
 from dgpo_ops.core.options import LossOptions

@@ -13,9 +13,16 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from dgpo_ops.core.aggregation import AGGREGATIONS
-from dgpo_ops.methods.catalog import POLICY_LOSSES, config_default, config_help, config_params, method_params, resolve
-from dgpo_ops.methods.table import METHODS, MethodConfig, method_config
 from dgpo_ops.core.options import LossOptions
+from dgpo_ops.methods.catalog import (
+    POLICY_LOSSES,
+    config_default,
+    config_help,
+    config_params,
+    method_params,
+    resolve,
+)
+from dgpo_ops.methods.table import METHODS, MethodConfig, method_config
 
 FUSED_MODES = ("linear", "logits")
 ADVANTAGE_ESTIMATORS = ("grpo", "dcpo")

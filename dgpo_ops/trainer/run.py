@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from dgpo_ops.core.environment import code_commit
 
+from .console import Console, curve_point, make_callback, pass_text, summary_text
 from .presets import (
     GPU_RL_DEFAULTS,
     METHOD_FIELDS,
@@ -25,7 +26,6 @@ from .presets import (
     TINY_RL_DEFAULTS,
     UsageError,
 )
-from .console import Console, curve_point, make_callback, pass_text, summary_text
 from .report import write_outputs
 from .warm_start import evaluate_distributed
 

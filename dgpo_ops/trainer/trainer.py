@@ -34,17 +34,17 @@ from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
-from dgpo_ops.ops.backends import select_kernels
 from dgpo_ops.api import fused_linear_logprobs, linear_loss_from_options, loss_from_options
-from dgpo_ops.ops.linear import ProjectionOptions
-from dgpo_ops.distributed.head import add_hidden_state_output, fused_linear_on_model
 from dgpo_ops.core.inputs import LossBatch
 from dgpo_ops.core.metrics import METRIC_NAMES
 from dgpo_ops.core.objective import sequence_mean
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import raise_deferred_errors
+from dgpo_ops.distributed.head import add_hidden_state_output, fused_linear_on_model
 from dgpo_ops.methods.table import LOG_RATIO_CLAMP, Region, token_terms
+from dgpo_ops.ops.backends import select_kernels
+from dgpo_ops.ops.linear import ProjectionOptions
 
 from .advantages import SmoothAdvantageStandardizer, prompt_key
 from .config import DGPOConfig
