@@ -120,55 +120,47 @@ def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=No
     local = target - vocab_start
     owned = valid & (local >= 0) & (local < columns)
     workspace.target_index[token_offset:token_offset + n] = torch.where(valid, torch.where(owned, local, columns), -1)
-    if vocab_split is not None:
-        _row_partials_torch(logits, workspace, inv_temperature, token_offset, n, owned, chunk_rows)
-        return
-    _row_planes_torch(logits, workspace, inv_temperature, token_offset, n, chunk_rows)
+    planes = workspace.planes()
+    dtype = _compute_dtype(logits)
+    targets = workspace.target_index[token_offset:token_offset + n]
+    for rows, (chunk,) in _row_chunks([logits], chunk_rows):
+        x = chunk.to(dtype) * inv_temperature
+        chunk_targets = targets[rows]
+        values = (_row_partials(x, chunk_targets, owned[rows]) if vocab_split is not None
+                  else _row_planes(x, chunk_targets))
+        at = slice(token_offset + rows.start, token_offset + rows.stop)
+        for plane, (value, fill) in values.items():  # a token not scored: the kernel's fill
+            planes[plane, at] = torch.where(chunk_targets >= 0, value, fill).to(planes.dtype)
 
 
-def _row_partials_torch(logits, workspace, inv_temperature, token_offset, n, owned, chunk_rows) -> None:
+def _row_partials(x, targets, owned) -> dict:
     """The row partials of ``logprob_entropy(..., vocab_split=...)``: max m, S = sum exp(x - m),
     U = sum exp(x - m) (x - m), and the target logit where this process holds the target."""
-    planes = workspace.planes()
-    dtype = _compute_dtype(logits)
-    targets = workspace.target_index[token_offset:token_offset + n]
-    for rows, (chunk,) in _row_chunks([logits], chunk_rows):
-        x = chunk.to(dtype) * inv_temperature
-        valid = targets[rows] >= 0
-        top = x.amax(dim=-1)
-        shift = torch.where(top == float("-inf"), 0.0, top)
-        centred = x - shift[:, None]
-        e = centred.exp()
-        sum_exp_dx = torch.where(e > 0, e * centred, 0.0).sum(dim=-1)  # 0 * -inf is 0 here, not NaN
-        index = targets[rows].clamp(0, x.shape[-1] - 1)[:, None]
-        target_logit = torch.where(owned[rows], x.gather(1, index)[:, 0], 0.0)
-        at = slice(token_offset + rows.start, token_offset + rows.stop)
-        for plane, values, fill in ((Plane.ROW_MAX, top, float("-inf")), (Plane.LOG_NORM, e.sum(dim=-1), 0.0),
-                                    (Plane.ENTROPY, sum_exp_dx, 0.0), (Plane.LOGP, target_logit, 0.0)):
-            planes[plane, at] = torch.where(valid, values, fill).to(planes.dtype)
+    top = x.amax(dim=-1)
+    shift = torch.where(top == float("-inf"), 0.0, top)
+    centred = x - shift[:, None]
+    e = centred.exp()
+    sum_exp_dx = torch.where(e > 0, e * centred, 0.0).sum(dim=-1)  # 0 * -inf is 0 here, not NaN
+    index = targets.clamp(0, x.shape[-1] - 1)[:, None]
+    target_logit = torch.where(owned, x.gather(1, index)[:, 0], 0.0)
+    return {Plane.ROW_MAX: (top, float("-inf")), Plane.LOG_NORM: (e.sum(dim=-1), 0.0),
+            Plane.ENTROPY: (sum_exp_dx, 0.0), Plane.LOGP: (target_logit, 0.0)}
 
 
-def _row_planes_torch(logits, workspace, inv_temperature, token_offset, n, chunk_rows) -> None:
-    planes = workspace.planes()
-    dtype = _compute_dtype(logits)
-    targets = workspace.target_index[token_offset:token_offset + n]
-    for rows, (chunk,) in _row_chunks([logits], chunk_rows):
-        x = chunk.to(dtype) * inv_temperature
-        valid = targets[rows] >= 0
-        index = targets[rows].clamp(min=0)[:, None]
-        log_probs = torch.log_softmax(x, dim=-1)  # one fused, vectorised pass family: the fastest CPU path
-        top = x.amax(dim=-1, keepdim=True)
-        top = torch.where(top == float("-inf"), 0.0, top)
-        logp = log_probs.gather(1, index)[:, 0]
-        # log S, of the pair (max, log S) the backward needs, is minus the log-prob at the max (exactly:
-        # x_max - max = 0). Not (x_t - max) - log p_t: that is -inf - -inf for a target logit of -inf.
-        log_norm = -log_probs.amax(dim=-1)
-        # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf.
-        entropy = -log_probs.exp().mul_(torch.where(log_probs > float("-inf"), log_probs, 0.0)).sum(dim=-1)
-        at = slice(token_offset + rows.start, token_offset + rows.stop)
-        for plane, values in ((Plane.ROW_MAX, top[:, 0]), (Plane.LOG_NORM, log_norm), (Plane.LOGP, logp),
-                              (Plane.ENTROPY, entropy)):
-            planes[plane, at] = torch.where(valid, values, 0.0).to(planes.dtype)
+def _row_planes(x, targets) -> dict:
+    """The finished rows: (max, log S), the target's log-prob and the entropy."""
+    index = targets.clamp(min=0)[:, None]
+    log_probs = torch.log_softmax(x, dim=-1)  # one fused, vectorised pass family: the fastest CPU path
+    top = x.amax(dim=-1)
+    top = torch.where(top == float("-inf"), 0.0, top)
+    logp = log_probs.gather(1, index)[:, 0]
+    # log S, of the pair (max, log S) the backward needs, is minus the log-prob at the max (exactly:
+    # x_max - max = 0). Not (x_t - max) - log p_t: that is -inf - -inf for a target logit of -inf.
+    log_norm = -log_probs.amax(dim=-1)
+    # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf.
+    entropy = -log_probs.exp().mul_(torch.where(log_probs > float("-inf"), log_probs, 0.0)).sum(dim=-1)
+    return {Plane.ROW_MAX: (top, 0.0), Plane.LOG_NORM: (log_norm, 0.0), Plane.LOGP: (logp, 0.0),
+            Plane.ENTROPY: (entropy, 0.0)}
 
 
 def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_temperature: float, entropy_coef: float,

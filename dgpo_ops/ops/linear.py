@@ -198,13 +198,16 @@ class TileGradients:
     grad_hidden: torch.Tensor | None
     grad_weight: torch.Tensor | None
     grad_bias: torch.Tensor | None
+    backward_view: tuple | None = None  # RowLayout.backward_workspace, made at the first tile (after the prologue)
 
     def add(self, start, stop, tile, entropy_coef: float, dloss_dlogp=None, dloss_dentropy=None):
         grad = self.tiles.grad[: stop - start]
         plan = self.plan
-        backward_rows(plan.rows, plan.kernels, plan.options, tile, grad, self.workspace, plan.grid_seq_len,
-                      self.tiles.kernel_scale, dloss_dlogp=dloss_dlogp, token_offset=start,
-                      dloss_dentropy=dloss_dentropy, entropy_coef=entropy_coef)
+        if self.backward_view is None:
+            self.backward_view = plan.rows.backward_workspace(self.workspace, plan.grid_seq_len)
+        backward_rows(plan.kernels, plan.options, tile, grad, self.backward_view, self.tiles.kernel_scale,
+                      dloss_dlogp=dloss_dlogp, token_offset=start, dloss_dentropy=dloss_dentropy,
+                      entropy_coef=entropy_coef)
         self.tiles.chain_rule(tile, grad)
         self.projection.accumulate_grads(grad, self.hidden[start:stop],
                                          None if self.grad_hidden is None else self.grad_hidden[start:stop],

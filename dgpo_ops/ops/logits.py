@@ -47,8 +47,8 @@ def backward_pass(kernels: RowKernels, options: LossOptions, logits, grad_logits
     logits are the whole vocabulary on the grid (a compiled call)."""
     rows = rows or RowLayout(logits.shape[:-1], logits.shape[-1])
     grid_seq_len = logits.shape[1] if logits.dim() == 3 else logits.shape[0]
-    backward_rows(rows, kernels, options, logits, grad_logits, workspace, grid_seq_len, 1.0 / options.temperature,
-                  dloss_dlogp=coefficient, grad_loss=grad_loss)
+    backward_rows(kernels, options, logits, grad_logits, rows.backward_workspace(workspace, grid_seq_len),
+                  1.0 / options.temperature, dloss_dlogp=coefficient, grad_loss=grad_loss)
     return grad_logits
 
 

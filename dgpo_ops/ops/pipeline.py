@@ -210,12 +210,12 @@ def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
     return ObjectiveResult(loss, dloss_dlogp, metrics.as_tensor())
 
 
-def backward_rows(plan_rows: RowLayout, kernels: RowKernels, options: LossOptions, rows: torch.Tensor,
-                  grad_rows: torch.Tensor, workspace: RowWorkspace, grid_seq_len: int, inv_scale: float,
-                  dloss_dlogp=None, grad_loss=None, token_offset: int = 0, dloss_dentropy=None,
-                  entropy_coef: float | None = None) -> None:
-    """Step 4 on some of the call's rows: d loss / d rows into ``grad_rows``."""
-    workspace, grid_seq_len = plan_rows.backward_workspace(workspace, grid_seq_len)
+def backward_rows(kernels: RowKernels, options: LossOptions, rows: torch.Tensor, grad_rows: torch.Tensor,
+                  backward_view: tuple[RowWorkspace, int], inv_scale: float, dloss_dlogp=None, grad_loss=None,
+                  token_offset: int = 0, dloss_dentropy=None, entropy_coef: float | None = None) -> None:
+    """Step 4 on some of the call's rows: d loss / d rows into ``grad_rows``. ``backward_view`` is
+    ``RowLayout.backward_workspace(...)``, made once per call (packed rows: one O(N) gather of their scales)."""
+    workspace, grid_seq_len = backward_view
     kernels.backward(rows, grad_rows, workspace, grid_seq_len, inv_scale,
                      options.entropy_coef if entropy_coef is None else entropy_coef, grad_loss=grad_loss,
                      dloss_dlogp=dloss_dlogp, token_offset=token_offset, dloss_dentropy=dloss_dentropy)
