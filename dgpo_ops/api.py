@@ -24,9 +24,12 @@ from dgpo_ops.ops.linear import DEFAULT_MEMORY_BUDGET, ProjectionOptions, flatte
 from dgpo_ops.ops.logits import logits_loss
 
 
-def refuse_layout_under_compile(layout: CallLayout) -> None:
+def refuse_under_compile(layout: CallLayout, batch: LossBatch) -> None:
     if not layout.is_default:  # the custom ops take no process group and no packed layout yet
         raise ValueError("vocab_parallel_group and cu_seqlens are not supported under torch.compile yet")
+    if batch.generator is not None:  # a custom op's schema takes no generator
+        raise ValueError("generator is not supported under torch.compile: a random selection draws from torch's "
+                         "default generator there (seed it with torch.manual_seed)")
 
 
 def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: CallLayout = CallLayout()
@@ -35,7 +38,7 @@ def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: Ca
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
     if torch.compiler.is_compiling():
-        refuse_layout_under_compile(layout)
+        refuse_under_compile(layout, batch)
         return compiled_fused_loss(logits, batch, options)
     return logits_loss(logits, batch, options, layout)
 
@@ -56,7 +59,7 @@ def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: Lo
     else:
         weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
     if torch.compiler.is_compiling():
-        refuse_layout_under_compile(layout)
+        refuse_under_compile(layout, batch)
         flat_hidden, _ = flatten_tokens(hidden, weight, bias)
         if options.inplace:
             raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
@@ -83,6 +86,7 @@ def fused_dgpo_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
     inplace: bool = False,
     backend: str = "auto",
     validation: str = "auto",
@@ -96,7 +100,7 @@ def fused_dgpo_loss(
         importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
         validation=validation, **method_params,
     )
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
     return loss_from_options(logits, batch, options, CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 
 
@@ -110,8 +114,10 @@ class DGPOLoss(torch.nn.Module):
         self.vocab_parallel_group = vocab_parallel_group
 
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
-                loss_normalizer=None, rollout_weights=None, cu_seqlens=None, max_seqlen=None) -> PolicyLossOutput:
-        batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+                loss_normalizer=None, rollout_weights=None, cu_seqlens=None, max_seqlen=None,
+                generator=None) -> PolicyLossOutput:
+        batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer,
+                          generator)
         return loss_from_options(logits, batch, self.options,
                                  CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen))
 
@@ -143,6 +149,7 @@ def fused_linear_dgpo_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     logits_on_chip: bool = False,
     backend: str = "auto",
@@ -160,7 +167,7 @@ def fused_linear_dgpo_loss(
         logit_scale, softcap = trace_constant(logit_scale), trace_constant(softcap)
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
                                            logits_on_chip=logits_on_chip)
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
     return linear_loss_from_options(hidden, weight, bias, batch, options, projection_options,
                                     CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 

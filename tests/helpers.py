@@ -41,8 +41,23 @@ def for_method(method: str, options: dict) -> dict:
     return {k: v for k, v in options.items() if k != "importance_sampling_level"}
 
 
-TOKEN_LEVEL_VARIANTS = [v for v in METHOD_VARIANTS
-                        if dgpo_ops.METHODS[catalog.resolve(v[0])[0]].sequence_log_ratio is None]
+# The variants the row kernels' epilogue evaluates: no sequence statistic of their own, no batch-level selection
+TOKEN_LEVEL_VARIANTS = [v for v in METHOD_VARIANTS if dgpo_ops.LossOptions.build(v[0], **v[1]).token_local]
+
+
+required_params = catalog.required_params  # what a call by name alone must add (dro's dro_beta)
+
+
+def required_fields(name: str) -> dict:
+    """``required_params`` as the trainer config's fields (``ParamSpec.config_field``)."""
+    params = {p.name: p for p in catalog.method_params(catalog.resolve(name)[0])}
+    return {params[k].spec.config_field: params[k].spec.to_config(v) for k, v in required_params(name).items()}
+
+
+def by_name(name: str, seed: int = 0) -> dict:
+    """Keywords for calling a loss by ``name`` alone: its required parameters and a generator seeded with
+    ``seed`` (a random selection, clip_cov's, then draws the same tokens on every path)."""
+    return {**required_params(name), "generator": torch.Generator().manual_seed(seed)}
 
 
 def variant_id(variant) -> str:

@@ -16,29 +16,37 @@ from dgpo_ops.kernels.method_table import token_terms as mirror_token_terms
 
 
 @triton.jit
-def evaluate_mirror_kernel(log_ratio_ptr, adv_ptr, old_logp_ptr, params_ptr, loss_ptr, psi_ptr, region_ptr, ratio_ptr, n,
-                           METHOD: tl.constexpr, GATE: tl.constexpr, BLOCK: tl.constexpr):
+def evaluate_mirror_kernel(log_ratio_ptr, adv_ptr, old_logp_ptr, params_ptr, loss_ptr, psi_ptr, region_ptr, ratio_ptr,
+                           dloss_ptr, n, METHOD: tl.constexpr, GATE: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     log_ratio = tl.load(log_ratio_ptr + offsets, mask=inside, other=0.0)
     adv = tl.load(adv_ptr + offsets, mask=inside, other=0.0)
     old_logp = tl.load(old_logp_ptr + offsets, mask=inside, other=0.0)
-    loss, psi, region, ratio = mirror_token_terms(log_ratio, adv, old_logp, log_ratio + old_logp, params_ptr, METHOD,
-                                                  GATE)
+    loss, dloss, psi, region, ratio = mirror_token_terms(log_ratio, adv, old_logp, log_ratio + old_logp, params_ptr,
+                                                         METHOD, GATE)
     tl.store(loss_ptr + offsets, loss, mask=inside)
+    tl.store(dloss_ptr + offsets, dloss, mask=inside)
     tl.store(ratio_ptr + offsets, ratio, mask=inside)
     tl.store(psi_ptr + offsets, psi, mask=inside)
     tl.store(region_ptr + offsets, region.to(tl.int8), mask=inside)
 
 
-def mirror(cfg, log_ratio, adv, old_logp):
+def mirror(cfg, log_ratio, adv, old_logp, with_gradient=False):
+    """The mirror's (L, psi, region, r) of every token, and dL/dl with ``with_gradient``."""
     n = log_ratio.numel()
-    loss, psi, ratio = torch.empty(n), torch.empty(n), torch.empty(n)
+    loss, psi, ratio, dloss = torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n)
     region = torch.empty(n, dtype=torch.int8)
     params = torch.tensor(cfg.kernel_params(), dtype=torch.float32)
-    evaluate_mirror_kernel[(triton.cdiv(n, 64),)](log_ratio, adv, old_logp, params, loss, psi, region, ratio, n,
-                                                  METHOD=int(cfg.method_id), GATE=int(cfg.gate_id), BLOCK=64)
-    return loss, psi, region, ratio
+    evaluate_mirror_kernel[(triton.cdiv(n, 64),)](log_ratio, adv, old_logp, params, loss, psi, region, ratio, dloss,
+                                                  n, METHOD=int(cfg.method_id), GATE=int(cfg.gate_id), BLOCK=64)
+    return (loss, psi, region, ratio) + ((dloss,) if with_gradient else ())
+
+
+def table_terms(cfg, log_ratio, adv, old_logp):
+    """The table's per-token terms; a batch-level selection (clip_cov, kl_cov) is not the mirror's: no token is
+    scored for it, so it selects none."""
+    return dgpo_ops.token_terms(cfg, log_ratio, adv, old_logp, scored=torch.zeros_like(adv, dtype=torch.bool))
 
 
 def fp32_tokens(cfg):
@@ -60,9 +68,12 @@ EXTRA_VARIANTS = [("grpo", {"eps_low": 0.16, "eps_high": 0.09}), ("dgpo", {"eps_
 def test_mirror_matches_the_table(variant):
     cfg = config(variant)
     log_ratio, adv, old_logp = fp32_tokens(cfg)
-    want = dgpo_ops.token_terms(cfg, log_ratio, adv, old_logp)
-    loss, psi, region, ratio = mirror(cfg, log_ratio, adv, old_logp)
+    want = table_terms(cfg, log_ratio, adv, old_logp)
+    loss, psi, region, ratio, dloss = mirror(cfg, log_ratio, adv, old_logp, with_gradient=True)
     assert torch.equal(region, want.region)
+    # the gradient the epilogue writes: -A psi, plus the penalty's slope (dro)
+    slope = 0.0 if want.penalty_slope is None else want.penalty_slope
+    torch.testing.assert_close(dloss, -adv * want.psi + slope, rtol=2e-6, atol=1e-6)
     # the ratio psi was evaluated at: exp of the log ratio clamped to +-20 (the metrics' ratio)
     torch.testing.assert_close(ratio, log_ratio.clamp(-20, 20).exp(), rtol=2e-6, atol=0)
     torch.testing.assert_close(psi, want.psi, rtol=2e-6, atol=1e-7)
@@ -76,7 +87,7 @@ def test_nan_ratio_gives_nan_loss_in_table_and_mirror(variant):
     adv = torch.tensor([1.0, -1.0])
     old_logp = torch.tensor([math.log(0.3)] * 2)
     loss, psi, _, _ = mirror(cfg, log_ratio, adv, old_logp)
-    want = dgpo_ops.token_terms(cfg, log_ratio, adv, old_logp)
+    want = table_terms(cfg, log_ratio, adv, old_logp)
     assert torch.isnan(want.loss).all() and torch.isnan(loss).all()
     assert torch.isnan(psi).all() == torch.isnan(want.psi).all()
 

@@ -8,7 +8,7 @@ import math
 import pathlib
 
 import pytest
-from helpers import METHOD_VARIANTS
+from helpers import METHOD_VARIANTS, required_fields
 
 from dgpo_ops.kernels.interface import MethodId
 from dgpo_ops.methods import catalog
@@ -25,7 +25,14 @@ def test_every_row_is_complete():
         assert spec.summary and callable(spec.token_fn)
         for field in dataclasses.fields(spec.config):
             assert isinstance(field.metadata.get("param"), ParamSpec), f"{name}.{field.name} has no ParamSpec"
-        method_config(name)  # the defaults pass the row's own checks
+        required = [f.name for f in dataclasses.fields(spec.config)
+                    if f.default is None and not f.metadata["param"].optional]
+        if required:  # a parameter without a default (dro's dro_beta, as verl's): leaving it out is an error
+            with pytest.raises(ValueError, match=f"{name}: {required[0]} must be in .*, got None"):
+                method_config(name)
+            assert all(set(required) <= set(params) for params in spec.variants)
+        else:
+            method_config(name)  # the defaults pass the row's own checks
         for params in spec.variants:
             method_config(name, **params)
     for alias, row in ALIASES.items():
@@ -102,7 +109,7 @@ def test_each_config_field_reaches_its_parameter(trainer_modules, tmp_path, name
     """Setting a field to a value other than the default moves exactly the parameter that reads it."""
     config, _ = trainer_modules
     method, alias_params = catalog.resolve(name)
-    presets = catalog.trainer_presets(name)
+    presets = {**catalog.trainer_presets(name), **required_fields(name)}
     base = make_config(config, tmp_path, policy_loss=name, **presets).method()
     assert base.name == method
     for param, value in alias_params.items():

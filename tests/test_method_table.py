@@ -13,10 +13,18 @@ import dgpo_ops
 from dgpo_ops import Region, method_config, token_terms
 from dgpo_ops.methods.table import dcpo_bounds
 
+# Methods without a trust region: every token in M (kl_cov's selection adds a penalty, never a region).
+NO_TRUST_REGION = ("sapo", "gpg", "vespo", "dro", "geo_mean", "kl_cov")
+
+
+def unselected(cfg, log_ratio, adv, old_logp):
+    """The table's per-token terms without a batch-level selection (no token scored for it)."""
+    return token_terms(cfg, log_ratio, adv, old_logp, scored=torch.zeros_like(adv, dtype=torch.bool))
+
 
 def expected_regions(cfg, log_ratio, adv, old_logp):
     r = log_ratio.clamp(-20, 20).exp()
-    if cfg.name in ("sapo", "gpg", "vespo"):  # no trust region: every token in M
+    if cfg.name in NO_TRUST_REGION:
         return torch.zeros_like(r, dtype=torch.int8)
     if cfg.name in ("dppo_tv", "dppo_kl"):  # a trust region in probability space (docs/math.md)
         p, q = (log_ratio + old_logp).exp(), old_logp.exp()
@@ -67,7 +75,10 @@ def test_psi_is_the_derivative_of_the_loss(variant):
     log_ratio.requires_grad_(True)
     terms = token_terms(cfg, log_ratio, adv, old_logp)
     (grad,) = torch.autograd.grad(terms.loss.sum(), log_ratio)
-    torch.testing.assert_close(grad, -adv * terms.psi, rtol=1e-12, atol=1e-12)
+    # a penalty whose slope is not proportional to A (dro's, kl_cov's on its chosen tokens) adds its own
+    slope = 0.0 if terms.penalty_slope is None else terms.penalty_slope
+    assert (terms.penalty_slope is not None) == (cfg.name in ("dro", "kl_cov"))
+    torch.testing.assert_close(grad, -adv * terms.psi + slope, rtol=1e-12, atol=1e-12)
     assert not terms.psi.requires_grad
     assert torch.isfinite(terms.loss).all() and torch.isfinite(terms.psi).all()
 
@@ -76,13 +87,13 @@ def test_psi_is_the_derivative_of_the_loss(variant):
 def test_regions_follow_their_definitions(variant):
     cfg = config(variant)
     log_ratio, adv, old_logp = spanning_tokens(cfg)
-    region = token_terms(cfg, log_ratio, adv, old_logp).region
+    region = unselected(cfg, log_ratio, adv, old_logp).region
     expected = expected_regions(cfg, log_ratio, adv, old_logp)
     assert torch.equal(region, expected)
     assert (region[adv == 0] == Region.M).all()
     if cfg.name in ("dppo_tv", "dppo_kl"):  # tokens are dropped on both sides, weights truncated
         assert {Region.HP, Region.LN, Region.DUAL} <= set(region.tolist())
-    elif cfg.name not in ("sapo", "gpg", "vespo"):  # a ratio trust region: both sides of it are reached
+    elif cfg.name not in NO_TRUST_REGION:  # a ratio trust region: both sides of it are reached
         # (a delta below 1 + eps_high turns every HN token into DUAL: TRL's cap silences them)
         far_side = Region.DUAL if getattr(cfg, "delta", None) is not None and cfg.delta < 1 + cfg.eps_high else Region.HN
         assert {Region.HP, far_side} <= set(region.tolist())
@@ -182,6 +193,8 @@ def test_grpo_with_eps_high_028_is_dapo_clip():
 @pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
 def test_on_policy_gives_ratio_one_and_the_plain_policy_gradient(variant):
     name, params = variant
+    if name == "clip_cov":  # clip_cov cuts a token's gradient on policy too: tests/test_token_selection.py
+        params = {**params, "clip_cov_lb": 1e6, "clip_cov_ub": 2e6}  # a covariance band no token reaches
     B, T, V = 2, 4, 7
     torch.manual_seed(0)
     logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
@@ -194,4 +207,6 @@ def test_on_policy_gives_ratio_one_and_the_plain_policy_gradient(variant):
     # psi = 1 on-policy: the gradient is the plain policy gradient -A (onehot - p) / N.
     onehot = torch.nn.functional.one_hot(target, V).double()
     expected = -adv[:, None, None].double() * (onehot - logits.detach().softmax(-1)) / (B * T)
-    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+    # geo_mean's mean divides by |o_i| + 1e-8, as verl's: a relative 1e-8 / |o_i| off the plain gradient
+    rtol = 1e-8 if name == "geo_mean" else 1e-10
+    torch.testing.assert_close(grad, expected, rtol=rtol, atol=1e-12)

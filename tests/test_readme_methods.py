@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import logits_batch
+from helpers import by_name, logits_batch
 
 import dgpo_ops
 from dgpo_ops.methods.catalog import END, START
@@ -31,9 +31,12 @@ def test_the_readme_table_lists_every_method_and_alias():
 def test_every_readme_name_runs_everywhere(name):
     batch = logits_batch(3, 8, 19, seed=4)
     logits = batch.pop("logits")
-    expected = dgpo_ops.reference_loss(logits, **batch, method=name)
-    outputs = [dgpo_ops.fused_dgpo_loss(logits, **batch, method=name, backend=backend) for backend in ("torch", "triton")]
-    outputs.append(dgpo_ops.DGPOLoss(method=name)(logits, **batch))
+    expected = dgpo_ops.reference_loss(logits, **batch, method=name, **by_name(name))
+    outputs = [dgpo_ops.fused_dgpo_loss(logits, **batch, method=name, backend=backend, **by_name(name))
+               for backend in ("torch", "triton")]
+    call = by_name(name)
+    generator = call.pop("generator")
+    outputs.append(dgpo_ops.DGPOLoss(method=name, **call)(logits, **batch, generator=generator))
     for out in outputs:
         torch.testing.assert_close(out.loss, expected.loss, rtol=2e-5, atol=2e-6)
 
@@ -44,8 +47,8 @@ def test_fused_linear_takes_every_name():
     batch = logits_batch(2, 5, 17, seed=1, logits=hidden @ weight.t())
     batch.pop("logits")
     for name in readme_names():
-        out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **batch, method=name)
-        ref = dgpo_ops.reference_loss(hidden @ weight.t(), **batch, method=name)
+        out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **batch, method=name, **by_name(name))
+        ref = dgpo_ops.reference_loss(hidden @ weight.t(), **batch, method=name, **by_name(name))
         torch.testing.assert_close(out.loss, ref.loss, rtol=2e-5, atol=2e-6)
 
 

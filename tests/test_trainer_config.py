@@ -6,7 +6,9 @@ import pytest
 
 pytest.importorskip("trl")
 
-from dgpo_ops.methods.catalog import POLICY_LOSSES, resolve
+from helpers import required_fields, required_params  # noqa: E402
+
+from dgpo_ops.methods.catalog import POLICY_LOSSES, resolve  # noqa: E402
 from dgpo_ops.methods.catalog import method_params as catalog_method_params
 from dgpo_ops.methods.table import method_config
 from dgpo_ops.trainer import DGPOConfig
@@ -61,12 +63,17 @@ def test_the_chosen_method_names_policy_loss_and_trl_fields(tmp_path):
 @pytest.mark.parametrize("name", POLICY_LOSSES)
 def test_unset_fields_give_every_method_its_table_defaults(tmp_path, name):
     """Every parameter of every method and alias is the table's default (the alias's preset) when no field
-    is set (issue 24, item 5: dcpo's eps_low is 0.16, not TRL's epsilon 0.2)."""
+    is set (issue 24, item 5: dcpo's eps_low is 0.16, not TRL's epsilon 0.2); a parameter without a default
+    (dro's dro_beta, as verl's) is refused unset, naming its field."""
     method, presets = resolve(name)
-    expected = method_config(method, **presets)
-    assert make(tmp_path, policy_loss=name).method() == expected
+    required = required_params(name)
+    if required:
+        with pytest.raises(ValueError, match=f"policy_loss='{name}'.*{next(iter(required))} must be in"):
+            make(tmp_path, policy_loss=name)
+    expected = method_config(method, **presets, **required)
+    assert make(tmp_path, policy_loss=name, **required_fields(name)).method() == expected
     for p in catalog_method_params(method):
-        assert getattr(expected, p.name) == presets.get(p.name, p.default)
+        assert getattr(expected, p.name) == {**presets, **required}.get(p.name, p.default)
 
 
 def test_valid_configs_pass(tmp_path):

@@ -36,8 +36,12 @@ def train(model_dir, output_dir, max_steps=3, resume=None, save_steps=None, **co
 @pytest.mark.parametrize(
     "config",
     [dict(policy_loss="dgpo"), dict(policy_loss="dcpo", advantage_estimator="dcpo"),
-     dict(policy_loss="dispo", fused="logits"), dict(policy_loss="sapo", sapo_gate="erf")],
-    ids=["dgpo", "dcpo", "dispo-logits", "sapo-erf"],
+     dict(policy_loss="dispo", fused="logits"), dict(policy_loss="sapo", sapo_gate="erf"),
+     # verl's losses: a penalty (dro), a sequence statistic (geo_mean), the batch-level selections
+     dict(policy_loss="dro", dro_beta=0.1), dict(policy_loss="geo_mean", fused="logits"),
+     dict(policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-1.0, clip_cov_ub=1.0),
+     dict(policy_loss="kl_cov", kl_cov_ratio=0.2)],
+    ids=["dgpo", "dcpo", "dispo-logits", "sapo-erf", "dro", "geo_mean-logits", "clip_cov", "kl_cov"],
 )
 def test_three_steps_log_finite_metrics(config, model_dir, tmp_path):
     trainer = train(model_dir, tmp_path, **config)

@@ -4,6 +4,7 @@ run in a venv of their own (``.ci/verl_cpu.sh``, which fails if they are skipped
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -23,11 +24,13 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.experimental.torch_functional import FusedLinearForPPO  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
+import dgpo_ops  # noqa: E402
 from dgpo_ops import Region, method_config, reference_loss, token_terms  # noqa: E402
 from dgpo_ops.integrations import verl as dgpo_verl  # noqa: E402
-from dgpo_ops.integrations.verl_params import VERL_AGGREGATIONS  # noqa: E402
+from dgpo_ops.integrations.verl_params import ROW_MEAN, VERL_AGGREGATIONS  # noqa: E402
 from dgpo_ops.methods.catalog import POLICY_LOSSES, variants  # noqa: E402
 
 MODES = tuple(VERL_AGGREGATIONS)
@@ -46,15 +49,17 @@ def actor_config(**fields) -> ActorConfig:
     return config
 
 
-def rollout(seed: int, fully_masked: bool):
-    """A global batch in fp64: logits (a leaf), targets, old and reference log-probs, token advantages
-    (one per response, as verl broadcasts them), a response mask with ragged lengths and, optionally,
-    fully masked responses (an over-long response filtered out), rollout weights."""
+def rollout(seed: int, fully_masked: bool, drift: float = 0.4):
+    """A global batch in fp64: logits (a leaf), targets, old and reference log-probs (``drift`` nats apart
+    from the current ones, in standard deviations), token advantages (one per response, as verl broadcasts
+    them), a response mask with ragged lengths and, optionally, fully masked responses (an over-long response
+    filtered out), rollout weights."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2
     targets = torch.randint(0, V, (B, T), generator=g)
     logp = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-    old = logp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios across every region
+    old = logp + drift * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios across every region
+    old = old.clamp(max=-1e-3)  # a log-prob: a large drift must not make the old probability exceed 1
     ref = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
     advantages = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).contiguous()
     lengths = torch.randint(1, T + 1, (B,), generator=g)
@@ -97,31 +102,44 @@ def policy_loss_and_grad(name, config, mode, logits, targets, old, advantages, m
     return torch.stack(losses).detach(), logits.grad, metrics
 
 
-# verl's name, ours, and the parameters that make ours that loss (verl's defaults otherwise)
+# test id -> verl's name, ours, the fields of our policy_loss that make ours that loss, and verl's policy_loss
+# fields both read (verl's defaults otherwise)
 SAME_LOSSES = {
-    "vanilla": ("dgpo_ops.grpo", {}),  # dual clip from clip_ratio_c, as verl's vanilla
-    "cispo": ("dgpo_ops.cispo", {}),
-    "gspo": ("dgpo_ops.grpo", {"importance_sampling_level": "sequence", "method_params": {"dual_clip": None}}),
-    "sapo": ("dgpo_ops.sapo", {}),
-    "gpg": ("dgpo_ops.gpg", {}),
+    "vanilla": ("vanilla", "dgpo_ops.grpo", {}, {}),  # dual clip from clip_ratio_c, as verl's vanilla
+    "cispo": ("cispo", "dgpo_ops.cispo", {}, {}),
+    "gspo": ("gspo", "dgpo_ops.grpo", {"importance_sampling_level": "sequence", "method_params": {"dual_clip": None}},
+             {}),
+    "sapo": ("sapo", "dgpo_ops.sapo", {}, {}),
+    "gpg": ("gpg", "dgpo_ops.gpg", {}, {}),
     # verl reads clip_ratio_low / clip_ratio_high as the divergence thresholds and clip_ratio_c as the weight cap
-    "dppo_tv": ("dgpo_ops.dppo_tv", {}),
-    "dppo_kl": ("dgpo_ops.dppo_kl", {}),
+    "dppo_tv": ("dppo_tv", "dgpo_ops.dppo_tv", {}, {}),
+    "dppo_kl": ("dppo_kl", "dgpo_ops.dppo_kl", {}, {}),
+    "dro": ("dro", "dgpo_ops.dro", {}, {"dro_beta": 0.3}),
+    "geo_mean": ("geo_mean", "dgpo_ops.geo_mean", {}, {}),
+    # a ratio that cuts every candidate: the random draw (test_clip_cov_draws_as_many_tokens_as_verl) is then moot
+    "clip_cov": ("clip_cov", "dgpo_ops.clip_cov", {}, {"clip_cov_ratio": 1.0}),
+    "clip_cov-band": ("clip_cov", "dgpo_ops.clip_cov", {}, {"clip_cov_ratio": 1.0, "clip_cov_lb": -0.5,
+                                                            "clip_cov_ub": 0.5}),
+    "kl_cov": ("kl_cov", "dgpo_ops.kl_cov", {}, {}),  # verl's defaults: one token per micro-batch
+    "kl_cov-ratio": ("kl_cov", "dgpo_ops.kl_cov", {}, {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.5}),
 }
+DRIFTS = {"drift0.4": 0.4, "drift4": 4.0}  # log-ratios of about 0.4 and 4 nats (up to about 15)
 
 
+@pytest.mark.parametrize("drift", list(DRIFTS))
 @pytest.mark.parametrize("fully_masked", [False, True], ids=["ragged", "fully-masked"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("verl_name", list(SAME_LOSSES))
-def test_same_loss_as_verl(verl_name, mode, fully_masked):
+@pytest.mark.parametrize("case", list(SAME_LOSSES))
+def test_same_loss_as_verl(case, mode, fully_masked, drift):
     """verl's own loss and ours through verl's registry: every micro-batch's loss and the gradient of the
     logits (log-probs by log_softmax), 2 data-parallel ranks x 2 micro-batches, to 1e-6 in fp64."""
-    ours, extra = SAME_LOSSES[verl_name]
-    logits, targets, old, _, advantages, mask, weights = rollout(10 * MODES.index(mode) + len(verl_name), fully_masked)
+    verl_name, ours, extra, shared = SAME_LOSSES[case]
+    logits, targets, old, _, advantages, mask, weights = rollout(10 * MODES.index(mode) + len(verl_name), fully_masked,
+                                                                 DRIFTS[drift])
     fields = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
                   loss_agg_mode=mode)
-    verl_config = actor_config(**fields)
-    policy_loss = dgpo_verl.PolicyLossConfig(loss_mode=ours, **extra)
+    verl_config = actor_config(**fields, policy_loss=VerlPolicyLossConfig(loss_mode=verl_name, **shared))
+    policy_loss = dgpo_verl.PolicyLossConfig(loss_mode=ours, **extra, **shared)
     our_config = actor_config(**fields, policy_loss=policy_loss)
     for config in (verl_config, our_config):
         config.global_batch_info.update(global_batch_info(mask, loss_scale_factor=5 if "norm" in mode else None))
@@ -142,6 +160,8 @@ def test_same_loss_as_verl(verl_name, mode, fully_masked):
     for ours_m, theirs_m in zip(our_metrics, theirs_metrics):
         if verl_name == "gpg":  # verl's gpg reports no metrics
             assert theirs_m == {}
+            continue
+        if verl_name == "kl_cov":  # verl's kl_cov logs the mean |l - l_old| as ppo_kl, ours the signed mean
             continue
         assert ours_m["actor/ppo_kl"] == pytest.approx(theirs_m["actor/ppo_kl"], abs=1e-6)
         if verl_name in ("vanilla", "gspo"):  # the clip fractions mean the same there (cispo counts both sides)
@@ -174,6 +194,87 @@ def test_dppo_drops_and_caps_tokens_as_verl(verl_name):
         assert ours_m["actor/pg_clipfrac_lower"] == pytest.approx(theirs_m["actor/pg_clipfrac_lower"], abs=1e-6)
 
 
+FUSED_LOSSES = ("gpg", "dppo_tv", "dppo_kl", "dro", "geo_mean", "clip_cov", "kl_cov-ratio")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", FUSED_LOSSES)
+def test_fused_ops_equal_verl(case, mode):
+    """``fused_dgpo_loss(logits, method=name)`` and ``fused_linear_dgpo_loss`` (both kernel sets) on each
+    micro-batch, with the aggregation that is verl's mode, equal verl's own loss of that name."""
+    verl_name, _, _, shared = SAME_LOSSES[case]
+    logits, targets, old, _, advantages, mask, weights = rollout(31 + MODES.index(mode), True, drift=1.5)
+    fields = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=mode)
+    verl_config = actor_config(**fields, policy_loss=VerlPolicyLossConfig(loss_mode=verl_name, **shared))
+    info = global_batch_info(mask, loss_scale_factor=5 if "norm" in mode else None)
+    verl_config.global_batch_info.update(info)
+    theirs, theirs_grad, _ = policy_loss_and_grad(verl_name, verl_config, mode, logits, targets, old, advantages,
+                                                  mask, weights)
+    our_config = actor_config(**fields, policy_loss=dgpo_verl.PolicyLossConfig(loss_mode=f"dgpo_ops.{verl_name}",
+                                                                               **shared))
+    method = dgpo_verl.loss_options(f"dgpo_ops.{verl_name}", our_config).method  # verl's fields, read as verl does
+    our_mode = ROW_MEAN if verl_name == "geo_mean" else mode
+    hidden_weight = torch.linalg.qr(torch.randn(V, V, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))[0]
+
+    def linear(logits_rows, *args, **kwargs):  # logits = hidden @ W^T with W orthogonal: hidden = logits @ W
+        weight = hidden_weight.to(logits_rows.dtype)
+        return dgpo_ops.fused_linear_dgpo_loss(logits_rows @ weight, weight, *args, **kwargs)
+
+    # the torch kernels in fp64 (verl's dtype here), the Triton kernels in fp32 (their widest): fp32's tolerance
+    for backend, dtype, tol in (("torch", torch.float64, 1e-6), ("triton", torch.float32, 2e-5)):
+        for op in (dgpo_ops.fused_dgpo_loss, linear):
+            ours, ours_grad = reference_over_micro_batches(
+                our_mode, method, {}, logits.to(dtype), targets, old, None, advantages, mask, weights, 0.0, 0.0, info,
+                loss_fn=functools.partial(op, backend=backend))
+            torch.testing.assert_close(ours.double(), theirs, rtol=tol, atol=tol)
+            torch.testing.assert_close(ours_grad.double(), theirs_grad, rtol=tol, atol=tol)
+
+
+def test_clip_cov_draws_as_many_tokens_as_verl():
+    """At verl's default ratio clip_cov cuts a random few of its candidates. verl draws them with
+    ``torch.randperm(K)`` on the CPU's default generator, which needs their count K on the host; ours ranks
+    random keys on the device, so the same generator state cannot give the same tokens. What must agree: per
+    micro-batch, the number cut (``max(int(ratio N), 1)``, at most K), that every cut token is a candidate, and
+    the gradient of every token neither cut: verl's clip_cov with no candidates (a band no covariance reaches)
+    gives it."""
+    logits, targets, old, _, advantages, mask, weights = rollout(17, False, drift=0.1)
+    ratio, band = 0.2, dict(clip_cov_lb=-1.0, clip_cov_ub=1.0)  # a band with more candidates than are cut
+    cases = {"verl": ("clip_cov", VerlPolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=ratio, **band)),
+             "ours": ("dgpo_ops.clip_cov", dgpo_verl.PolicyLossConfig(loss_mode="dgpo_ops.clip_cov",
+                                                                    clip_cov_ratio=ratio, **band)),
+             "none": ("clip_cov", VerlPolicyLossConfig(loss_mode="clip_cov", clip_cov_lb=1e9, clip_cov_ub=2e9))}
+    per_token = {}
+    for key, (name, policy_loss) in cases.items():
+        config = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean",
+                              policy_loss=policy_loss)
+        config.global_batch_info.update(global_batch_info(mask))
+        grads = torch.zeros(B, T, dtype=torch.float64)
+        for _, rows in micro_batches():
+            log_prob = (logits[rows].log_softmax(-1).gather(-1, targets[rows, :, None])[..., 0]).requires_grad_(True)
+            torch.manual_seed(3)
+            loss, _ = get_policy_loss_fn(name)(old_log_prob=old[rows], log_prob=log_prob, advantages=advantages[rows],
+                                               response_mask=mask[rows], loss_agg_mode="token-mean", config=config,
+                                               rollout_is_weights=weights[rows])
+            (grads[rows],) = torch.autograd.grad(loss, log_prob)
+        per_token[key] = grads
+    plain = per_token["none"]
+    for _, rows in micro_batches():
+        m = mask[rows]
+        log_prob = logits[rows].log_softmax(-1).gather(-1, targets[rows, :, None])[..., 0]
+        r = (log_prob - old[rows]).exp()
+        adv = advantages[rows]
+        clipped = (-adv * r.clamp(0.8, 1.28) > -adv * r) & m
+        a_mean, l_mean = (adv * m).sum() / (m.sum() + 1e-8), (log_prob * m).sum() / (m.sum() + 1e-8)
+        cov = (adv - a_mean) * (log_prob - l_mean)
+        candidates = m & ~clipped & (cov > -1.0) & (cov < 1.0)
+        expected = min(max(int(ratio * int(m.sum())), 1), int(candidates.sum()))
+        assert int(candidates.sum()) > expected >= 1, "the rollout must leave a choice to the draw"
+        for key in ("verl", "ours"):
+            cut = (per_token[key][rows] == 0) & (plain[rows] != 0)
+            assert int(cut.sum()) == expected and not (cut & ~candidates).any(), key
+            torch.testing.assert_close(per_token[key][rows][~cut], plain[rows][~cut], rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_sapo_follows_loss_agg_mode(mode):
     """Ours aggregates SAPO as loss_agg_mode says (verl's sapo always uses seq-mean-token-mean): the
@@ -198,13 +299,19 @@ def our_normalizer(mode, info, T_):
 
 
 def reference_over_micro_batches(mode, method, params, logits, targets, old, ref, advantages, mask, weights, beta,
-                                 entropy_coef, info, sequence_level=False):
+                                 entropy_coef, info, sequence_level=False, loss_fn=reference_loss):
+    """``loss_fn`` (the reference, or a fused op) per micro-batch with verl's normalisation of ``mode``; the mode
+    ``ROW_MEAN`` is verl's geo_mean's mean over the micro-batch's responses."""
     logits = logits.detach().requires_grad_(True)
     losses = []
+    if mode == ROW_MEAN:
+        aggregation, normalizer = "seq_mean_token_mean", PER_MICRO
+    else:
+        aggregation, normalizer = OUR_AGGREGATION[mode], our_normalizer(mode, info, T)
     for _, rows in micro_batches():
-        out = reference_loss(logits[rows], targets[rows], advantages[rows, 0], mask[rows], old[rows],
-                             None if ref is None else ref[rows], method=method, aggregation=OUR_AGGREGATION[mode],
-                             loss_normalizer=our_normalizer(mode, info, T), beta=beta, entropy_coef=entropy_coef,
+        out = loss_fn(logits[rows], targets[rows], advantages[rows, 0], mask[rows], old[rows],
+                             None if ref is None else ref[rows], method=method, aggregation=aggregation,
+                             loss_normalizer=normalizer, beta=beta, entropy_coef=entropy_coef,
                              rollout_weights=None if weights is None else weights[rows],
                              importance_sampling_level="sequence" if sequence_level else "token", **params)
         losses.append(out.loss)
@@ -263,8 +370,17 @@ def test_ppo_loss_equals_reference(method, params, mode):
     (torch.stack(losses).sum() / DP_SIZE).backward()
     # verl's fields the method reads (clip_ratio_* and tau_*: verl's defaults), as the reference takes them
     resolved = dgpo_verl.loss_options(f"dgpo_ops.{method}", config).method
-    expected, expected_grad = reference_over_micro_batches(
-        mode, resolved, {}, logits, targets, old, ref, advantages, mask, weights, 0.05, 0.01, info)
+    if resolved.name == "geo_mean":  # verl's geo_mean: a mean over the micro-batch's rows, its own; the terms
+        # ppo_loss adds (entropy, KL) by loss_agg_mode: the policy term alone, then those with A = 0 (no policy term)
+        policy, policy_grad = reference_over_micro_batches(
+            ROW_MEAN, resolved, {}, logits, targets, old, ref, advantages, mask, weights, 0.0, 0.0, info)
+        terms, terms_grad = reference_over_micro_batches(
+            mode, resolved, {}, logits, targets, old, ref, torch.zeros_like(advantages), mask, weights, 0.05, 0.01,
+            info)
+        expected, expected_grad = policy + terms, policy_grad + terms_grad
+    else:
+        expected, expected_grad = reference_over_micro_batches(
+            mode, resolved, {}, logits, targets, old, ref, advantages, mask, weights, 0.05, 0.01, info)
     torch.testing.assert_close(torch.stack(losses).detach(), expected, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(leaf.grad, expected_grad, rtol=1e-6, atol=1e-9)
     assert "actor/dgpo_ops/eur" in metrics and "kl_loss" in metrics

@@ -44,6 +44,7 @@ class LossBatch(NamedTuple):
     ref_logps: torch.Tensor | None = None
     rollout_weights: torch.Tensor | None = None
     loss_normalizer: float | torch.Tensor | None = None
+    generator: torch.Generator | None = None  # what a random token selection draws from (clip_cov)
 
     def tensors(self) -> tuple:
         """The tensors in the order the custom ops of ``dgpo_ops.ops.compiled`` take them (the normaliser apart)."""
@@ -97,6 +98,8 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
     if logits_shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary axis")
     flat = len(logits_shape) == 2
+    if batch.generator is not None and not isinstance(batch.generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(batch.generator).__name__}")
     if flat and (needs_sequences or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
         raise ValueError(
             "flat (N, V) logits carry no response structure: use (B, T, V) logits for aggregation "

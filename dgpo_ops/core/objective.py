@@ -49,6 +49,22 @@ def sequence_log_ratio_sum(log_ratio: torch.Tensor, mask: torch.Tensor, rollout_
     return total.expand_as(log_ratio)
 
 
+def sequence_clipped_log_ratio_mean(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                                    method, rollout_weights) -> torch.Tensor:
+    """GMPO's log geometric mean as verl's geo_mean forms it, broadcast back to its tokens (differentiable):
+    each token's log-ratio clipped in log space by the sign of its advantage (A > 0: at most ``eps_high``;
+    A < 0: at least ``-eps_low``; A = 0: 0), averaged over the response (its length plus 1e-8), plus the mean
+    of the rollout weights' logs (verl's geometric mean of ``rollout_is_weights``, each plus 1e-10)."""
+    sign = torch.sign(advantages)
+    clipped = log_ratio.clamp(-method.eps_low, method.eps_high)
+    signed_min = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    lengths = mask.sum(dim=1, keepdim=True).to(log_ratio.dtype) + 1e-8
+    mean = torch.where(mask, signed_min, 0.0).sum(dim=1, keepdim=True) / lengths
+    if rollout_weights is not None:
+        mean = mean + torch.where(mask, torch.log(rollout_weights + 1e-10), 0.0).sum(dim=1, keepdim=True) / lengths
+    return mean.expand_as(log_ratio)
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 = exp(d) - d - 1 of d = l_ref - l, d clamped straight-through before the exponential as the
     policy's log ratio is (so 100 nats from the reference give a large finite value, not inf)."""
@@ -63,9 +79,11 @@ def check_kl_inputs(batch, options: LossOptions) -> None:
 
 
 def policy_objective(
-    logp: torch.Tensor, entropy: torch.Tensor | None, batch: TokenBatch, options: LossOptions
+    logp: torch.Tensor, entropy: torch.Tensor | None, batch: TokenBatch, options: LossOptions,
+    generator: torch.Generator | None = None,
 ) -> ObjectiveTerms:
-    """Scalar loss from per-token log-probs ``(B, T)`` and entropies (differentiable in both)."""
+    """Scalar loss from per-token log-probs ``(B, T)`` and entropies (differentiable in both). ``generator``:
+    what a method that selects tokens at random draws from (clip_cov)."""
     # Floored straight-through: a target of probability 0 (log p = -inf) gives finite values, and
     # the on-policy ratio l - l is 1, not -inf - -inf.
     logp = straight_through_clamp(logp, LOGP_FLOOR, None)
@@ -76,9 +94,13 @@ def policy_objective(
         log_ratio = sequence_mean(log_ratio, batch.mask)
     elif statistic == "sum":
         log_ratio = sequence_log_ratio_sum(log_ratio, batch.mask, batch.rollout_weights)
-    tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp)
+    elif statistic == "clipped_mean":
+        log_ratio = sequence_clipped_log_ratio_mean(log_ratio, batch.advantages, batch.mask, options.method,
+                                                    batch.rollout_weights)
+    tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp, scored=batch.mask,
+                         generator=generator)
     per_token = tokens.loss
-    if batch.rollout_weights is not None and statistic != "sum":
+    if batch.rollout_weights is not None and not options.folds_rollout_weights:
         per_token = per_token * batch.rollout_weights
     kl = None
     if options.beta != 0.0:
@@ -96,13 +118,13 @@ def policy_objective(
     return ObjectiveTerms(loss, tokens, clamped, kl)
 
 
-def masked_objective(logp, entropy, batch, options: LossOptions):
+def masked_objective(logp, entropy, batch, options: LossOptions, generator=None):
     """``(loss, logp, entropy, metrics)`` from per-token log-probs and entropies on ``batch``'s grid
     (differentiable): the reference's tail. Masked
     positions take no part (their replacement target may even have a -inf logit): their per-token
     values are 0."""
     logp = torch.where(batch.mask, logp, 0.0)
     entropy = torch.where(batch.mask, entropy, 0.0)
-    terms = policy_objective(logp, entropy, batch, options)
+    terms = policy_objective(logp, entropy, batch, options, generator)
     metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, entropy, terms.kl, batch.mask)
     return terms.loss, logp, entropy, metrics

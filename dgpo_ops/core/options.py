@@ -61,8 +61,8 @@ class LossOptions:
         if self.validation not in VALIDATION_MODES:
             raise ValueError(f"validation must be one of {VALIDATION_MODES}, got {self.validation!r}")
         if METHODS[self.method.name].sequence_log_ratio is not None and self.importance_sampling_level != "token":
-            raise ValueError(f"{self.method.name} is evaluated at its own sequence statistic (the summed log-ratio of "
-                             "each response): leave importance_sampling_level at 'token'")
+            raise ValueError(f"{self.method.name} is evaluated at its own sequence statistic of each response's "
+                             "log-ratios: leave importance_sampling_level at 'token'")
 
     @property
     def sequence_statistic(self) -> str | None:
@@ -74,6 +74,17 @@ class LossOptions:
     @property
     def sequence_level(self) -> bool:
         return self.sequence_statistic is not None
+
+    @property
+    def folds_rollout_weights(self) -> bool:
+        """The rollout weights enter the method's own sequence statistic instead of multiplying its loss."""
+        return METHODS[self.method.name].sequence_log_ratio is not None
+
+    @property
+    def token_local(self) -> bool:
+        """Each token's terms depend on that token alone (no sequence statistic, no batch-level selection), so
+        the row kernels' epilogue can evaluate them where they finish a row."""
+        return not self.sequence_level and METHODS[self.method.name].token_selection is None
 
     @classmethod
     def build(cls, method="dgpo", **kwargs) -> "LossOptions":

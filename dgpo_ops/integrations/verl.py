@@ -36,6 +36,7 @@ from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS
 from dgpo_ops.integrations.verl_params import (
     LOSS_MODES,
     POLICY_LOSS,
+    aggregation_mode,
     check_method_params,
     loss_options,
     read_field,
@@ -103,6 +104,7 @@ def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mas
             return None
         return torch.where(mask, _grid_tensor(name, value, shape, device).detach().to(dtype), 0.0)
 
+    loss_agg_mode = aggregation_mode(options.method.name, loss_agg_mode)
     scale = verl_token_scales(mask, loss_agg_mode, read_field(config, "global_batch_info", default=None), dtype)
     batch = TokenBatch(target_ids=None, mask=mask, advantages=on_grid("advantages", advantages),  # no targets: the
                        old_logps=on_grid("old_log_prob", old_log_prob), ref_logps=None,  # objective reads log-probs

@@ -55,6 +55,10 @@ class VerlAggregation:
     horizon: bool = False
 
 
+# verl's geo_mean: torch.mean over the micro-batch's rows of each response's loss (its length plus 1e-8 divides
+# the token sum), whatever loss_agg_mode and global_batch_info say (MethodSpec.verl_aggregation).
+ROW_MEAN = "row-mean"
+
 VERL_AGGREGATIONS: dict[str, VerlAggregation] = {
     "token-mean": VerlAggregation(False, "batch_num_tokens"),
     "token-sum": VerlAggregation(False, None),
@@ -86,7 +90,11 @@ def verl_token_scales(mask: torch.Tensor, loss_agg_mode: str, global_batch_info,
 
     Without a global count (one process, ``dp_size`` 1) verl counts this micro-batch: its tokens, or its
     responses that have a scored token (fully masked responses are left out of the count, as verl does;
-    ``dgpo_ops.token_scales`` counts them, as TRL does). An empty micro-batch gives 0, not verl's 0/0."""
+    ``dgpo_ops.token_scales`` counts them, as TRL does). An empty micro-batch gives 0, not verl's 0/0.
+    ``ROW_MEAN`` (a method's own, not a ``loss_agg_mode``): ``1 / ((|o_i| + 1e-8) B)``, nothing global."""
+    if loss_agg_mode == ROW_MEAN:
+        lengths = mask.sum(dim=-1, keepdim=True).to(dtype) + 1e-8
+        return mask.to(dtype) / lengths / max(mask.shape[0], 1)
     aggregation = check_aggregation(loss_agg_mode)
     info = dict(global_batch_info or {})
     dp_size = info.get("dp_size")
@@ -165,12 +173,24 @@ def method_params(name: str, config) -> dict:
             values[name] = given[name]
         elif p.spec.verl_field is not None:
             field = p.spec.verl_field
-            value = read_field(config, field)
+            value = read_verl_field(config, field)
             if value is None and field in VERL_FALLBACKS:
                 field = VERL_FALLBACKS[field]
-                value = read_field(config, field)
+                value = read_verl_field(config, field)
             values[name] = _checked(method, name, p.spec, value, f"{ACTOR}.{field}")
     return values
+
+
+def read_verl_field(config, field: str):
+    """A field of verl's actor config, ``policy_loss.<name>`` one of its policy-loss config."""
+    if field.startswith("policy_loss."):
+        return read_field(read_field(config, "policy_loss"), field.split(".", 1)[1], POLICY_LOSS)
+    return read_field(config, field)
+
+
+def aggregation_mode(method: str, loss_agg_mode: str) -> str:
+    """The aggregation of verl's call: ``loss_agg_mode``, unless verl's loss of that name has its own."""
+    return METHODS[method].verl_aggregation or loss_agg_mode
 
 
 def loss_options(mode: str, config) -> LossOptions:

@@ -70,6 +70,7 @@ class MethodId(enum.IntEnum):
     DPPO_TV = 8  # divergence-proximal: drop tokens whose probability moved too far (total variation)
     DPPO_KL = 9  # ... (binary KL)
     VESPO = 10  # a sequence's gamma weight (TRL's vespo), evaluated at the summed log-ratio
+    DRO = 11  # the plain policy gradient plus a quadratic penalty on the log-ratio (verl's dro)
 
 
 class KernelParam(enum.IntEnum):
@@ -98,6 +99,7 @@ class KernelParam(enum.IntEnum):
     K_NEG = 16  # ... and A < 0
     LAMBDA_POS = 17  # vespo's gamma rate for A >= 0 ...
     LAMBDA_NEG = 18  # ... and A < 0
+    PROXIMAL_BETA = 19  # dro's penalty (beta / 2) (l - l_old)^2
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)

@@ -179,9 +179,8 @@ def finish_row(per_token_ptr, token, n_tokens, b, t, valid, row_max, sum_exp, su
                                other=0.0).to(tl.float32)
         else:
             old_logp = logp
-        loss, psi, region, ratio_used = token_terms(logp - old_logp, adv, old_logp, logp, method_params_ptr, METHOD,
-                                                    GATE)
-        dloss_dlogp = -adv * psi
+        loss, dloss_dlogp, psi, region, ratio_used = token_terms(logp - old_logp, adv, old_logp, logp,
+                                                                 method_params_ptr, METHOD, GATE)
         if HAS_ROLLOUT_WEIGHTS:
             weight = tl.load(rollout_weights_ptr + b * rw_stride_b + t * rw_stride_t, mask=valid,
                              other=0.0).to(tl.float32)

@@ -1,7 +1,7 @@
 """Triton mirror of the method table (``dgpo_ops/methods.py``) for the kernels' per-token epilogue.
 
 ``token_terms`` takes one token's scalars and the fp32 parameter vector a ``MethodConfig`` lowers
-to (``kernel_params``), and returns ``(L, psi, region, r)``. The method is a constexpr switch that
+to (``kernel_params``), and returns ``(L, dL/dl, psi, region, r)``. The method is a constexpr switch that
 names every ``MethodId`` and fails to compile on any other value (``tl.static_assert``), so a
 method without a Triton branch is a compile error, never another method's numbers. Every
 hyperparameter is a runtime value. Tests compare this mirror with the torch table row by row.
@@ -219,9 +219,9 @@ def _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
 
 @triton.jit
 def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
-    """(L, psi, region, r) of one token: ``r`` is the ratio psi was evaluated at (exp of the clamped
-    log ratio). ``logp`` is the token's own log-prob (cispo's value uses it). A switch over the method
-    ids that fails to compile on any other."""
+    """(L, dL/dl, psi, region, r) of one token: ``r`` is the ratio psi was evaluated at (exp of the clamped
+    log ratio); dL/dl is -A psi plus a penalty's slope where the method has one (dro). ``logp`` is the token's
+    own log-prob (cispo's value uses it). A switch over the method ids that fails to compile on any other."""
     log_ratio = tl.clamp(log_ratio, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP, propagate_nan=codes.NAN_PROPAGATING)
     r = tl.exp(log_ratio)
     if METHOD == codes.METHOD_GRPO:
@@ -246,6 +246,14 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         loss, psi, region = _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, True)
     elif METHOD == codes.METHOD_VESPO:
         loss, psi, region = _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
+    elif METHOD == codes.METHOD_DRO:
+        loss, psi, region = _reinforce_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     else:
         tl.static_assert(False, "token_terms: unknown METHOD id (add the method's function and branch here)")
-    return loss, psi, region, r
+    dloss_dlogp = -adv * psi
+    if METHOD == codes.METHOD_DRO:  # (beta / 2) (l - l_old)^2: a slope not proportional to A
+        beta = tl.load(params_ptr + codes.PARAM_PROXIMAL_BETA)
+        drift = logp - old_logp  # unclamped, as verl's penalty (and the table's)
+        loss += 0.5 * beta * drift * drift
+        dloss_dlogp += beta * drift
+    return loss, dloss_dlogp, psi, region, r

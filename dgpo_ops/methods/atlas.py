@@ -6,25 +6,29 @@ import math
 
 import torch
 
+from dgpo_ops.methods.catalog import required_params
 from dgpo_ops.methods.styles import style
 from dgpo_ops.methods.table import GATES, METHODS, MethodConfig, method_config, token_terms
 
 # One curve per row; sapo appears once per gate.
-ATLAS_METHODS: list[tuple[str, dict]] = [(name, {}) for name in METHODS if name != "sapo"] + [
+ATLAS_METHODS: list[tuple[str, dict]] = [(name, required_params(name)) for name in METHODS if name != "sapo"] + [
     ("sapo", {"gate": gate}) for gate in GATES
 ]
 OLD_PROB = 0.5
 
 
 def label(name: str, params: dict) -> str:
-    return name + "".join(f" {v}" for v in params.values())
+    """The curve's name: the method's, and the parameters that pick a variant (sapo's gate), not those it needs
+    a value for (dro's dro_beta)."""
+    required = required_params(name)
+    return name + "".join(f" {v}" for k, v in params.items() if k not in required)
 
 
 def psi_curve(cfg: MethodConfig, ratios: torch.Tensor, advantage: float, old_prob: float = OLD_PROB) -> torch.Tensor:
     ratios = ratios.to(torch.float64)
-    return token_terms(
-        cfg, ratios.log(), torch.full_like(ratios, advantage), torch.full_like(ratios, math.log(old_prob))
-    ).psi
+    return token_terms(  # a token's own psi: no token is scored for a batch-level selection (clip_cov's cut)
+        cfg, ratios.log(), torch.full_like(ratios, advantage), torch.full_like(ratios, math.log(old_prob)),
+        scored=torch.zeros_like(ratios, dtype=torch.bool)).psi
 
 
 def psi_table(ratios=(0.05, 0.5, 0.79, 0.8, 0.9, 1.0, 1.1, 1.2, 1.21, 2.0, 5.0)) -> str:

@@ -95,6 +95,14 @@ def trainer_presets(name: str) -> dict:
     return {**presets, **METHODS[method].presets}
 
 
+def required_params(name: str) -> dict:
+    """Values for the parameters a method (or alias) has no default for (dro's ``dro_beta``, as verl's), from its
+    first test variant: what a listing or a test of every method by name passes."""
+    method, _ = resolve(name)
+    required = [p.name for p in method_params(method) if p.default is None and not p.spec.optional]
+    return {param: METHODS[method].variants[0][param] for param in required}
+
+
 def variants() -> list[tuple[str, dict]]:
     """(method, parameters) of every test variant, in table order."""
     return [(name, dict(params)) for name, spec in METHODS.items() for params in spec.variants]

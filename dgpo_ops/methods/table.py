@@ -32,6 +32,7 @@ from dgpo_ops.kernels.interface import (  # noqa: F401
     MethodId,
     Region,
 )
+from dgpo_ops.methods.selection import random_subset, selection_size, token_covariance, top_subset
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,71 @@ class VespoConfig(MethodConfig):
                 KernelParam.LAMBDA_NEG: self.lambda_neg}
 
 
+@dataclass(frozen=True)
+class DroConfig(MethodConfig):
+    name: ClassVar[str] = "dro"
+    method_id: ClassVar[MethodId] = MethodId.DRO
+    # No default, as verl's policy_loss.dro_beta (None raises there too): DRO is its penalty.
+    dro_beta: float | None = param(None, "weight of the penalty (dro_beta / 2) (l - l_old)^2; required", low=0.0,
+                                   low_open=True, config_field="dro_beta", verl_field="policy_loss.dro_beta")
+
+    def _kernel_slots(self):
+        return {KernelParam.PROXIMAL_BETA: self.dro_beta}
+
+
+def _unclipped_bounds() -> dict[KernelParam, float]:
+    """Bounds that clip nothing: the plain ratio -A r in the PPO branch of the kernels."""
+    return {KernelParam.LOW_POS: 0.0, KernelParam.HIGH_POS: math.inf, KernelParam.LOW_NEG: 0.0,
+            KernelParam.HIGH_NEG: math.inf}
+
+
+@dataclass(frozen=True)
+class GeoMeanConfig(MethodConfig):
+    name: ClassVar[str] = "geo_mean"
+    method_id: ClassVar[MethodId] = MethodId.GRPO  # -A R at the response's clipped geometric mean R
+    # GMPO clips each token's log-ratio before the mean, in log space (verl reads its clip_ratio_* as these)
+    eps_low: float = param(0.2, "for A < 0 a token's log-ratio is clipped below at -eps_low", low=0.0,
+                           config_field="epsilon", verl_field="clip_ratio_low")
+    eps_high: float = param(0.2, "for A > 0 a token's log-ratio is clipped above at eps_high", low=0.0,
+                            config_field="epsilon_high", config_fallback="epsilon", verl_field="clip_ratio_high")
+
+    def _kernel_slots(self):
+        return _unclipped_bounds()
+
+
+def _covariance_param(default, what: str, field: str, **spec):
+    return param(default, what, config_field=field, verl_field=f"policy_loss.{field}", **spec)
+
+
+@dataclass(frozen=True)
+class ClipCovConfig(MethodConfig):
+    name: ClassVar[str] = "clip_cov"
+    method_id: ClassVar[MethodId] = MethodId.GRPO  # PPO's single clip; the selection cuts the chosen tokens
+    eps_low: float = _eps_low()
+    eps_high: float = _eps_high()
+    clip_cov_ratio: float = _covariance_param(2e-4, "fraction of the scored tokens whose gradient is cut (at least "
+                                              "one)", "clip_cov_ratio", low=0.0, low_open=True, high=1.0)
+    clip_cov_lb: float = _covariance_param(1.0, "a cut token's covariance is above clip_cov_lb", "clip_cov_lb")
+    clip_cov_ub: float = _covariance_param(5.0, "a cut token's covariance is below clip_cov_ub", "clip_cov_ub")
+
+    def _kernel_slots(self):
+        return _symmetric_bounds(self)
+
+
+@dataclass(frozen=True)
+class KlCovConfig(MethodConfig):
+    name: ClassVar[str] = "kl_cov"
+    method_id: ClassVar[MethodId] = MethodId.GRPO  # the plain ratio; the selection adds the penalty
+    kl_cov_ratio: float = _covariance_param(2e-4, "fraction of the scored tokens (the largest covariances, at "
+                                            "least one) that get the penalty", "kl_cov_ratio", low=0.0,
+                                            low_open=True, high=1.0)
+    ppo_kl_coef: float = _covariance_param(0.1, "weight of the penalty |l - l_old| on the chosen tokens",
+                                           "ppo_kl_coef", low=0.0)
+
+    def _kernel_slots(self):
+        return _unclipped_bounds()
+
+
 GATES = {"sigmoid": Gate.SIGMOID, "erf": Gate.ERF, "arctan": Gate.ARCTAN, "softsign": Gate.SOFTSIGN}
 
 
@@ -383,6 +449,9 @@ class TokenTerms(NamedTuple):
     loss: torch.Tensor
     psi: torch.Tensor
     region: torch.Tensor
+    # dL/dl = -A psi + penalty_slope: a penalty whose slope is not proportional to A (dro's quadratic one,
+    # kl_cov's |l - l_old| on its chosen tokens); None: no penalty
+    penalty_slope: torch.Tensor | None = None
 
 
 def _full(value, like):
@@ -584,6 +653,47 @@ def _vespo(cfg: VespoConfig, x: TokenInputs) -> TokenTerms:
     return TokenTerms(torch.where(silenced, 0.0, -adv * phi * x.logp), phi, torch.zeros_like(rd, dtype=torch.int8))
 
 
+def _dro(cfg: DroConfig, x: TokenInputs) -> TokenTerms:
+    # REINFORCE plus (beta / 2) (l - l_old)^2 on the unclamped log-ratio, as verl's dro; psi is the policy-gradient
+    # part (1), the penalty's slope beta (l - l_old) is apart.
+    rd = x.ratio_detached
+    drift = x.logp - x.old_logp
+    loss = -x.advantage * x.logp + 0.5 * cfg.dro_beta * drift * drift
+    return TokenTerms(loss, torch.ones_like(rd), torch.zeros_like(rd, dtype=torch.int8), cfg.dro_beta * drift.detach())
+
+
+def _unclipped(cfg, x: TokenInputs) -> TokenTerms:
+    # -A r with nothing clipped: geo_mean at its clipped geometric mean, kl_cov's tokens before its selection
+    rd = x.ratio_detached
+    return TokenTerms(-x.advantage * x.ratio, rd, torch.zeros_like(rd, dtype=torch.int8))
+
+
+def _clip_cov(cfg: ClipCovConfig, x: TokenInputs) -> TokenTerms:
+    return _ppo_clip(x, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, math.inf)
+
+
+def _clip_cov_selection(cfg: ClipCovConfig, terms: TokenTerms, x: TokenInputs, scored, generator) -> TokenTerms:
+    """verl's clip_cov: of the scored tokens PPO did not clip whose covariance lies in (lb, ub), a random
+    ``clip_cov_ratio`` of the scored count (at least one) get no loss and no gradient (region DUAL)."""
+    covariance = token_covariance(x.advantage, x.logp.detach(), scored, eps=1e-8)
+    ppo_clipped = (terms.region == Region.LN.value) | (terms.region == Region.HP.value)
+    candidates = scored & ~ppo_clipped & (covariance > cfg.clip_cov_lb) & (covariance < cfg.clip_cov_ub)
+    cut = random_subset(candidates, selection_size(scored, cfg.clip_cov_ratio), generator)
+    return TokenTerms(torch.where(cut, 0.0, terms.loss), torch.where(cut, 0.0, terms.psi),
+                      torch.where(cut, Region.DUAL.value, terms.region).to(torch.int8), terms.penalty_slope)
+
+
+def _kl_cov_selection(cfg: KlCovConfig, terms: TokenTerms, x: TokenInputs, scored, generator) -> TokenTerms:
+    """verl's kl_cov: the ``kl_cov_ratio`` of the scored tokens (at least one) with the largest covariance get
+    ``ppo_kl_coef |l - l_old|`` on top of -A r."""
+    covariance = token_covariance(x.advantage, x.logp.detach(), scored, eps=0.0)
+    chosen = top_subset(covariance, scored, selection_size(scored, cfg.kl_cov_ratio))
+    drift = x.logp - x.old_logp
+    loss = torch.where(chosen, terms.loss + cfg.ppo_kl_coef * drift.abs(), terms.loss)
+    slope = torch.where(chosen, cfg.ppo_kl_coef * torch.sign(drift.detach()), 0.0)  # |x|' at 0 is 0, as torch's
+    return TokenTerms(loss, terms.psi, terms.region, slope)
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """One row of the table: everything about a method that is not its Triton function.
@@ -603,7 +713,14 @@ class MethodSpec:
     # "sum": the method is evaluated at its response's summed token log-ratios (each clamped to +-20), with the
     # rollout weights folded into that sum as log-weights instead of multiplying the loss (TRL's vespo and its
     # vLLM importance ratio). Such a method is sequence-level by itself: the torch objective evaluates it.
+    # "clipped_mean": at the mean over its response of each token's log-ratio clipped in log space by the sign of
+    # its advantage (GMPO's geometric mean), the rollout weights' logs averaged in.
     sequence_log_ratio: str | None = None
+    # A batch-level stage after the per-token terms: (config, terms, inputs, scored, generator) -> terms, with
+    # statistics over every scored token of the call (the torch objective evaluates such a method).
+    token_selection: Callable[..., TokenTerms] | None = None
+    # The aggregation verl's loss of this name uses whatever loss_agg_mode says (dgpo_ops.integrations.verl_params)
+    verl_aggregation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -655,6 +772,28 @@ METHODS: dict[str, MethodSpec] = {
                         "VESPO: TRL 1.16's loss_type='vespo' (GRPOTrainer.get_gamma_weights)",
                         variants=({}, {"k_pos": 1.0, "lambda_pos": 0.5, "k_neg": 4.0, "lambda_neg": 1.0}),
                         sequence_log_ratio="sum"),
+    "dro": MethodSpec(DroConfig, _dro, "plain policy gradient with a quadratic penalty on the log-ratio",
+                      "DRO as verl's policy_loss dro (Direct Reward Optimisation: Richemond et al. 2024, "
+                      "arXiv:2405.19107)", variants=({"dro_beta": 0.1}, {"dro_beta": 2.0})),
+    "geo_mean": MethodSpec(GeoMeanConfig, _unclipped, "the geometric mean of each response's token ratios, "
+                           "clipped per token in log space",
+                           "GMPO: Geometric-Mean Policy Optimization, Zhao et al. 2025, arXiv:2507.20673",
+                           # (not 0.4, GMPO's own: tests/helpers.py's log-ratio grid holds -0.4, a tie in log space)
+                           variants=({}, {"eps_low": 0.3, "eps_high": 0.35}), sequence_log_ratio="clipped_mean",
+                           verl_aggregation="row-mean"),
+    "clip_cov": MethodSpec(ClipCovConfig, _clip_cov, "PPO clip; a random few tokens of high covariance of A and "
+                           "log-prob get no gradient",
+                           "Clip-Cov: Cui et al. 2025, 'The Entropy Mechanism of Reinforcement Learning for "
+                           "Reasoning Language Models', arXiv:2505.22617",
+                           # ratio 1 cuts every candidate: tests comparing two paths then cut the same tokens
+                           # (tests/test_token_selection.py draws at the default ratio)
+                           variants=({"clip_cov_ratio": 1.0}, {"clip_cov_ratio": 1.0, "clip_cov_lb": -1.0,
+                                                               "clip_cov_ub": 1.0}),
+                           token_selection=_clip_cov_selection),
+    "kl_cov": MethodSpec(KlCovConfig, _unclipped, "unclipped ratio; the tokens of highest covariance of A and "
+                         "log-prob get a penalty |l - l_old|",
+                         "KL-Cov: Cui et al. 2025, arXiv:2505.22617",
+                         variants=({}, {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}), token_selection=_kl_cov_selection),
 }
 
 ALIASES: dict[str, MethodAlias] = {
@@ -710,20 +849,28 @@ def token_terms(
     advantage: torch.Tensor,
     old_logp: torch.Tensor,
     logp: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> TokenTerms:
-    """Loss value, gradient weight psi and region of every token.
+    """Loss value, gradient weight psi, region (and penalty slope, ``TokenTerms``) of every token.
 
     ``log_ratio`` may carry autograd (l - l_old, or its sequence mean); ``old_logp`` is detached.
     ``logp`` is the token's own log-prob for the methods whose value uses ``l`` (cispo, dispo,
     aspo's dual branch); it defaults to ``log_ratio + old_logp``, which is ``l`` at token level.
     The log ratio is clamped to [-20, 20] straight-through: values are clamped, the gradient
     passes, so psi is evaluated at the clamped ratio instead of being zeroed (an infinite log
-    ratio too).
+    ratio too). A method with a batch-level selection (``MethodSpec.token_selection``) selects among the
+    ``scored`` tokens (default: all), drawing from ``generator`` where it draws at random.
     """
     if logp is None:
         logp = log_ratio + old_logp
     log_ratio = straight_through_clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     inputs = TokenInputs(log_ratio, ratio, ratio.detach(), advantage, logp, old_logp)
-    terms = METHODS[cfg.name].token_fn(cfg, inputs)
-    return TokenTerms(terms.loss, terms.psi.detach(), terms.region)
+    spec = METHODS[cfg.name]
+    terms = spec.token_fn(cfg, inputs)
+    if spec.token_selection is not None:
+        scored = torch.ones_like(advantage, dtype=torch.bool) if scored is None else scored
+        terms = spec.token_selection(cfg, terms, inputs, scored, generator)
+    slope = terms.penalty_slope
+    return TokenTerms(terms.loss, terms.psi.detach(), terms.region, None if slope is None else slope.detach())

@@ -56,11 +56,12 @@ class CallPlan:
     needs_grad: bool
     rows: RowLayout
     row_inputs: TokenInputs  # what the row forward reads per row (``inputs`` unless the rows are packed)
+    generator: torch.Generator | None = None  # what a random token selection draws from (LossBatch.generator)
 
     @property
     def uses_epilogue(self) -> bool:
         """Token-level methods are evaluated in the forward kernel's epilogue (Triton), where it finishes its rows."""
-        return self.kernels.has_epilogue and not self.options.sequence_level and self.rows.finishes_rows_in_kernel
+        return self.kernels.has_epilogue and self.options.token_local and self.rows.finishes_rows_in_kernel
 
     @property
     def has_kl(self) -> bool:
@@ -91,7 +92,7 @@ def plan_call(token_shape, columns: int, dtype, device, batch: LossBatch, option
     check_kl_inputs(inputs, options)
     kernels = select_kernels(options.backend, kernel_probe)
     plan = CallPlan(inputs, options, kernels, rows.vocab, normalizer_spec(grid_batch.loss_normalizer, device),
-                    deferred, needs_grad, rows, rows.row_inputs(batch, inputs))
+                    deferred, needs_grad, rows, rows.row_inputs(batch, inputs), batch.generator)
     if checked:
         if deferred:
             poll_deferred_errors()
@@ -193,14 +194,15 @@ def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
     batch = canonical_batch(plan.inputs, scored, scale, dtype)
     logp, entropy = planes[Plane.LOGP], planes[Plane.ENTROPY]
     if not plan.needs_grad:  # forward only (no_grad / inference_mode): the loss and metrics, no coefficients
-        terms = policy_objective(on_grid(logp), on_grid(entropy), batch, plan.options)
+        terms = policy_objective(on_grid(logp), on_grid(entropy), batch, plan.options, plan.generator)
         dloss_dlogp = None
     else:
         # Autograd on O(N) vectors. Inside the custom op of a compiled call (dgpo_ops.ops.compiled) the
         # dispatcher has autograd excluded below the op's own autograd node: re-admit it here.
         with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False):
             logp_leaf = logp.detach().requires_grad_(True)
-            terms = policy_objective(on_grid(logp_leaf), on_grid(entropy.detach()), batch, plan.options)
+            terms = policy_objective(on_grid(logp_leaf), on_grid(entropy.detach()), batch, plan.options,
+                                     plan.generator)
             (dloss_dlogp,) = torch.autograd.grad(terms.loss, [logp_leaf], allow_unused=True)
         dloss_dlogp = torch.zeros_like(logp) if dloss_dlogp is None else dloss_dlogp
     metrics = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region, on_grid(entropy), terms.kl, scored)

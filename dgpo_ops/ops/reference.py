@@ -35,6 +35,7 @@ def reference_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     **method_params,
@@ -48,7 +49,7 @@ def reference_loss(
         importance_sampling_level=importance_sampling_level,
         **method_params,
     )
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
     if cu_seqlens is not None or max_seqlen is not None:
         return packed_reference_loss(logits, batch, options, cu_seqlens, max_seqlen)
     return reference_loss_from_options(logits, batch, options)
@@ -70,6 +71,9 @@ def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, c
 
 def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
     compiling = torch.compiler.is_compiling()
+    if compiling and loss_batch.generator is not None:
+        raise ValueError("generator is not supported under torch.compile: a random selection draws from torch's "
+                         "default generator there (seed it with torch.manual_seed)")
     batch = prepare_batch(logits.shape, logits.dtype, logits.device, loss_batch, options.aggregation,
                           options.sequence_level, check=not compiling)
     if compiling:
@@ -85,7 +89,7 @@ def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOpti
     probs = log_probs.exp()
     # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf, in the value and in its gradient.
     entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1)
-    loss, logp, entropy, metrics = masked_objective(logp, entropy, batch, options)
+    loss, logp, entropy, metrics = masked_objective(logp, entropy, batch, options, loss_batch.generator)
 
     def per_token_output(values):  # fp32, 0 on masked tokens (where the fused kernels read nothing)
         return batch.unflatten(values.detach().float())

@@ -156,7 +156,7 @@ class DGPOConfig(GRPOConfig):
         # Every method's fields, whichever method is chosen: a bad value fails here, not when a later run
         # switches policy_loss. Fields read with an offset (cispo's cap) only mean something to their method.
         for method in METHODS:
-            self._build_method(method, skip_offset_fields=True)
+            self._build_method(method, fields_only=True)
         self._check_delta()
         self.loss_options()  # the chosen method with the shared fields (epsilon, ...), now, not at the first step
 
@@ -193,13 +193,15 @@ class DGPOConfig(GRPOConfig):
                 "set dual_clip, its cap on the ratio of negative-advantage tokens" if has_dual
                 else f"{method.name} has no such cap; use policy_loss='grpo' (or leave it unset) with delta"))
 
-    def _build_method(self, name: str, skip_offset_fields: bool = False) -> MethodConfig:
-        """The method config of a method or alias from this config's fields (``ParamSpec.config_field``)."""
+    def _build_method(self, name: str, fields_only: bool = False) -> MethodConfig | None:
+        """The method config of a method or alias from this config's fields (``ParamSpec.config_field``).
+        ``fields_only``: check the values the fields give the method, parameter by parameter, and build nothing
+        (a method that is not chosen may lack a required parameter, dro's ``dro_beta``)."""
         method, alias_params = resolve(name)
         values, sources = {}, {}
         for p in method_params(method):
             spec = p.spec
-            if spec.config_field is None or (skip_offset_fields and spec.config_offset):
+            if spec.config_field is None or (fields_only and spec.config_offset):
                 continue
             field_name, value = spec.config_field, getattr(self, spec.config_field)
             if value is None and p.name in alias_params:
@@ -215,9 +217,14 @@ class DGPOConfig(GRPOConfig):
             values["delta"] = self.delta  # TRL's two-sided clip: the grpo row's delta, read from TRL's field
             sources["delta"] = f"delta={self.delta!r}"
         try:
+            if fields_only:
+                for p in method_params(method):
+                    if p.name in values:
+                        p.spec.check(method, p.name, values[p.name])
+                return None
             return method_config(method, **{**alias_params, **values})
         except ValueError as error:
-            chosen = [] if skip_offset_fields else [f"policy_loss={name!r}"]
+            chosen = [] if fields_only else [f"policy_loss={name!r}"]
             raise ValueError(f"DGPOConfig({', '.join([*chosen, *sources.values()])}): {error}") from None
 
     @property

@@ -558,8 +558,9 @@ class DGPOTrainer(GRPOTrainer):
         if delta is not None:  # TRL's metrics read the ratio its two-sided clip capped
             log_ratio = log_ratio.clamp(max=math.log(delta))
         adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp.dtype).expand_as(logp)
+        # (a batch-level selection draws nothing here: the regions TRL's metrics read are PPO's)
         region = token_terms(self.loss_options.method, log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), adv, old,
-                             logp=logp).region
+                             logp=logp, scored=torch.zeros_like(scored)).region
         counts = scored.sum(-1).float()
         low = ((region == Region.LN.value) & scored).sum(-1) / counts
         high = ((region == Region.HP.value) & scored).sum(-1) / counts
