@@ -570,6 +570,24 @@ def test_linear_cross_entropy_contract():
         lambda: dgpo_verl.linear_cross_entropy(hidden, weight, labels, 1.0, "mean"))
 
 
+def test_fp32_head_projects_in_fp32_under_autocast():
+    """An fp32 lm_head with bf16 hidden states under bf16 autocast (TRL's cast_lm_head_to_fp32; a head kept in
+    fp32): the projection runs in fp32, values and the hidden states' gradient, not in autocast's bf16."""
+    hidden, weight, labels, _ = fused_pair(torch.float32, (4, 16))
+    hidden = (hidden * 3).to(torch.bfloat16).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, entropy = dgpo_verl.linear_cross_entropy(hidden, weight, labels, 1.0, "none")
+    wide = hidden.detach().float().requires_grad_(True)
+    expected = (wide @ weight.t()).log_softmax(-1).gather(-1, labels[..., None]).reshape(-1)
+    torch.testing.assert_close(logp, expected, rtol=1e-5, atol=1e-5)
+    bf16 = (hidden.detach() @ weight.to(torch.bfloat16).t()).float().log_softmax(-1).gather(-1, labels[..., None])
+    assert (bf16.reshape(-1) - expected).abs().max() > 1e-3  # what autocast's products would have given
+    (logp.sum() + entropy.sum()).backward()
+    probs = (wide @ weight.t()).softmax(-1)
+    (expected.sum() - (probs * probs.log()).sum()).backward()
+    torch.testing.assert_close(hidden.grad.float(), wide.grad, rtol=2e-2, atol=2e-2)  # a bf16 gradient
+
+
 def test_fused_backend_with_a_split_vocabulary(tmp_path):
     """2 gloo processes, each with half the lm_head's rows and ``dist_process_group``: log-probs,
     entropies, the hidden state's gradient and each process's rows of the weight's gradient equal verl's

@@ -170,6 +170,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if flat_labels.shape[0] != flat_hidden.shape[0]:
         raise ValueError(f"labels hold {flat_labels.shape[0]} tokens but hidden holds {flat_hidden.shape[0]}")
+    if weight.is_floating_point() and torch.finfo(weight.dtype).bits > torch.finfo(flat_hidden.dtype).bits:
+        # A head kept wider than the hidden states (an fp32 lm_head, TRL's cast_lm_head_to_fp32): the projection
+        # runs in the head's dtype, as verl's own kernel multiplies the operands it is given, not autocast's.
+        with torch.autocast(flat_hidden.device.type, enabled=False):
+            return linear_logprob_entropy(flat_hidden.to(weight.dtype), weight, flat_labels,
+                                          temperature=float(temperature), vocab_parallel_group=dist_process_group)
     logp, entropy = linear_logprob_entropy(flat_hidden, weight, flat_labels, temperature=float(temperature),
                                            vocab_parallel_group=dist_process_group)
     return logp, entropy
