@@ -126,16 +126,19 @@ SAME_LOSSES = {
 DRIFTS = {"drift0.4": 0.4, "drift4": 4.0}  # log-ratios of about 0.4 and 4 nats (up to about 15)
 
 
+@pytest.mark.parametrize("with_weights", [True, False], ids=["rollout-weights", "no-weights"])
 @pytest.mark.parametrize("drift", list(DRIFTS))
 @pytest.mark.parametrize("fully_masked", [False, True], ids=["ragged", "fully-masked"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", list(SAME_LOSSES))
-def test_same_loss_as_verl(case, mode, fully_masked, drift):
+def test_same_loss_as_verl(case, mode, fully_masked, drift, with_weights):
     """verl's own loss and ours through verl's registry: every micro-batch's loss and the gradient of the
     logits (log-probs by log_softmax), 2 data-parallel ranks x 2 micro-batches, to 1e-6 in fp64."""
     verl_name, ours, extra, shared = SAME_LOSSES[case]
     logits, targets, old, _, advantages, mask, weights = rollout(10 * MODES.index(mode) + len(verl_name), fully_masked,
                                                                  DRIFTS[drift])
+    if not with_weights:
+        weights = None
     fields = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
                   loss_agg_mode=mode)
     verl_config = actor_config(**fields, policy_loss=VerlPolicyLossConfig(loss_mode=verl_name, **shared))
@@ -145,7 +148,7 @@ def test_same_loss_as_verl(case, mode, fully_masked, drift):
         config.global_batch_info.update(global_batch_info(mask, loss_scale_factor=5 if "norm" in mode else None))
     # verl's sapo aggregates by seq-mean-token-mean whatever loss_agg_mode says; ours follows loss_agg_mode
     our_mode = "seq-mean-token-mean" if verl_name == "sapo" else mode
-    if verl_name == "gspo":
+    if verl_name == "gspo" and weights is not None:
         # verl's gspo is GSPO-token: token t's ratio carries the gradient of its own log-prob only, so a
         # per-token rollout weight weighs that token's gradient; ours differentiates the sequence ratio, whose
         # gradient spreads over the response. The two agree for weights constant over a response.
