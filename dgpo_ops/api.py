@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dgpo_ops.core.docstrings import documented
-from dgpo_ops.core.inputs import LossBatch
+from dgpo_ops.core.inputs import LossBatch, check_generator
 from dgpo_ops.core.options import LossOptions, trace_constant
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.distributed.head import head_forward
@@ -27,9 +27,7 @@ from dgpo_ops.ops.logits import logits_loss
 def refuse_under_compile(layout: CallLayout, batch: LossBatch) -> None:
     if not layout.is_default:  # the custom ops take no process group and no packed layout yet
         raise ValueError("vocab_parallel_group and cu_seqlens are not supported under torch.compile yet")
-    if batch.generator is not None:  # a custom op's schema takes no generator
-        raise ValueError("generator is not supported under torch.compile: a random selection draws from torch's "
-                         "default generator there (seed it with torch.manual_seed)")
+    check_generator(batch.generator, batch.target_ids.device if torch.is_tensor(batch.target_ids) else "cpu")
 
 
 def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: CallLayout = CallLayout()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import METHOD_VARIANTS, TOKEN_LEVEL_VARIANTS, variant_id
+from helpers import TOKEN_LEVEL_VARIANTS, variant_id
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dgpo_ops

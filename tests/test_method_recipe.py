@@ -23,8 +23,10 @@ def test_every_row_is_complete():
         assert spec.config.name == name
         assert isinstance(spec.config.method_id, MethodId)
         assert spec.summary and callable(spec.token_fn)
+        assert "|" not in spec.summary + spec.paper, f"{name}: a '|' splits its row of the README's table"
         for field in dataclasses.fields(spec.config):
             assert isinstance(field.metadata.get("param"), ParamSpec), f"{name}.{field.name} has no ParamSpec"
+            assert "|" not in field.metadata["param"].help, f"{name}.{field.name}: a '|' splits a README row"
         required = [f.name for f in dataclasses.fields(spec.config)
                     if f.default is None and not f.metadata["param"].optional]
         if required:  # a parameter without a default (dro's dro_beta, as verl's): leaving it out is an error

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import logits_batch
+from helpers import logits_batch, requires_cuda
 
 import dgpo_ops
 
@@ -82,9 +82,16 @@ def test_clip_cov_cut_tokens_are_dual_and_without_loss():
     logits, inputs = batch()
     out = dgpo_ops.reference_loss(logits, **inputs, method="clip_cov", generator=torch.Generator().manual_seed(1),
                                   **CLIP_COV)
+    _, grad = logp_gradient("clip_cov", logits, inputs, generator=torch.Generator().manual_seed(1), **CLIP_COV)
+    plain_loss, plain = logp_gradient("clip_cov", logits, inputs, clip_cov_lb=1e9, clip_cov_ub=2e9)
     _, count = clip_cov_candidates(logits, inputs)
     scored = scored_mask(inputs)
     assert out.metrics["dual_clip_fraction"].item() == pytest.approx(count / int(scored.sum()))
+    # a cut token (never one PPO clipped) loses its -A r from the token mean, nothing else changes
+    cut = (grad == 0) & (plain != 0)
+    ratio = (current_logps(logits, inputs) - inputs["old_logps"]).exp()
+    removed = (-inputs["advantages"] * ratio)[cut].sum() / int(scored.sum())
+    torch.testing.assert_close(out.loss.detach(), plain_loss - removed)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -103,9 +110,16 @@ def test_clip_cov_draws_the_same_tokens_on_every_path(backend):
     linear = dgpo_ops.fused_linear_dgpo_loss(logits32, weight, **inputs32, method="clip_cov", generator=seeded(),
                                              backend=backend, **CLIP_COV)
     module = dgpo_ops.DGPOLoss("clip_cov", backend=backend, **CLIP_COV)(logits32, **inputs32, generator=seeded())
-    for out in (fused, linear, module):
+    for out in (fused, linear, module):  # (the loss tells draws apart: each token's -A r differs)
         torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out.metrics["dual_clip_fraction"], expected.metrics["dual_clip_fraction"])
+    # the gradient of the logits: the same tokens cut (a cut token's row is 0 there and nowhere else)
+    grads = []
+    for loss_fn, kwargs in ((dgpo_ops.reference_loss, {}), (dgpo_ops.fused_dgpo_loss, {"backend": backend})):
+        leaf = logits32.clone().requires_grad_(True)
+        loss_fn(leaf, **inputs32, method="clip_cov", generator=seeded(), **CLIP_COV, **kwargs).loss.backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
 
 
 def test_clip_cov_generator_must_be_a_generator():
@@ -191,14 +205,34 @@ def test_dro_needs_its_beta():
         dgpo_ops.fused_dgpo_loss(logits, **inputs, method="dro")
 
 
-def test_a_generator_is_refused_under_compile():
-    """The compiled ops are custom ops whose schema takes no generator: refused, with what to do instead."""
-    from dgpo_ops.api import refuse_under_compile
-    from dgpo_ops.core.inputs import LossBatch
-    from dgpo_ops.layouts.rows import CallLayout
-
+@pytest.mark.parametrize("loss_fn", [dgpo_ops.fused_dgpo_loss, dgpo_ops.reference_loss], ids=["fused", "reference"])
+def test_a_generator_is_refused_under_compile(loss_fn):
+    """The compiled ops are custom ops whose schema takes no generator: refused, saying what to do instead."""
     logits, inputs = batch()
-    refuse_under_compile(CallLayout(), LossBatch(inputs["target_ids"], inputs["advantages"]))
-    seeded = LossBatch(inputs["target_ids"], inputs["advantages"], generator=torch.Generator())
-    with pytest.raises(ValueError, match="generator is not supported under torch.compile.*torch.manual_seed"):
-        refuse_under_compile(CallLayout(), seeded)
+    torch._dynamo.reset()
+    generator = torch.Generator()  # made outside the compiled region, as torch.compile wants
+    compiled = torch.compile(lambda x: loss_fn(x, **inputs, method="clip_cov", generator=generator).loss,
+                             fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="generator is not supported under torch.compile.*torch.manual_seed"):
+        compiled(logits.float())
+
+
+def test_the_default_grid_of_a_per_response_advantage():
+    """token_terms called directly with a per-response advantage ``(B, 1)``: the selection counts every token of
+    the grid the terms are on, as with the advantage broadcast."""
+    cfg = dgpo_ops.method_config("kl_cov", kl_cov_ratio=0.5)
+    g = torch.Generator().manual_seed(0)
+    log_ratio, old = torch.randn(4, 10, generator=g, dtype=torch.float64), -torch.rand(4, 10, generator=g) - 0.5
+    adv = torch.randn(4, 1, generator=g, dtype=torch.float64)
+    narrow = dgpo_ops.token_terms(cfg, log_ratio, adv, old.double())
+    wide = dgpo_ops.token_terms(cfg, log_ratio, adv.expand(4, 10), old.double())
+    assert int((narrow.penalty_slope != 0).sum()) == 20
+    torch.testing.assert_close(narrow.loss, wide.loss)
+
+
+@requires_cuda
+def test_a_generator_on_another_device_is_refused():
+    logits, inputs = batch()
+    inputs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    with pytest.raises(ValueError, match="generator is on cpu but logits are on cuda"):
+        dgpo_ops.fused_dgpo_loss(logits.float().cuda(), **inputs, method="clip_cov", generator=torch.Generator())

@@ -54,9 +54,11 @@ ARGUMENTS = {
                        "and geo_mean fold them into their sequence statistic instead, as TRL folds vLLM's "
                        "importance ratio and verl its rollout weights' geometric mean.",
     "generator": "what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a "
-                 "``torch.Generator`` on the logits' device (another device's is copied from); None: torch's "
-                 "default generator. With ``vocab_parallel_group`` it must be in the same state on every process "
-                 "of the group (they cut the same tokens). Not taken under ``torch.compile``.",
+                 "``torch.Generator`` on the logits' device; None: torch's default generator of that device. A "
+                 "key is drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens "
+                 "for the same grid (another padding draws others). With ``vocab_parallel_group`` the generator, "
+                 "or the default one, must be in the same state on every process of the group (they must cut the "
+                 "same tokens; nothing checks it). Not taken under ``torch.compile``.",
     "inplace": "write d(loss)/d(logits) into the logits' storage during backward (no extra logits-sized "
                "buffer); the logits must be a non-leaf you do not read again.",
     "memory_budget": "bytes of logits and gradient tiles alive at once (the token chunk follows from it).",

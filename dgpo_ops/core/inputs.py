@@ -70,6 +70,21 @@ class TokenBatch:
         return per_token.reshape(-1) if self.flat else per_token.reshape(self.mask.shape)
 
 
+def check_generator(generator, device) -> None:
+    """A ``torch.Generator`` on the logits' device, or None. Keys drawn on another device would be copied over,
+    and a copy from the host blocks until the device has caught up: a synchronisation on every call."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type != torch.device(device).type:
+        raise ValueError(f"generator is on {generator.device} but logits are on {device}: pass a generator on the "
+                         f"logits' device, torch.Generator(device={str(device)!r})")
+    if torch.compiler.is_compiling():  # the compiled ops are custom ops whose schema takes no generator
+        raise ValueError("generator is not supported under torch.compile: a random selection draws from torch's "
+                         "default generator there (seed it with torch.manual_seed)")
+
+
 def _check_float_input(name, value, grid_shape, device, allow_per_response):
     if value is None:
         return None
@@ -98,8 +113,7 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
     if logits_shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary axis")
     flat = len(logits_shape) == 2
-    if batch.generator is not None and not isinstance(batch.generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(batch.generator).__name__}")
+    check_generator(batch.generator, device)
     if flat and (needs_sequences or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
         raise ValueError(
             "flat (N, V) logits carry no response structure: use (B, T, V) logits for aggregation "

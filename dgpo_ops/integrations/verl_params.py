@@ -188,6 +188,11 @@ def read_verl_field(config, field: str):
     return read_field(config, field)
 
 
+for _method, _spec in METHODS.items():  # a method's own aggregation must be one this module computes
+    if _spec.verl_aggregation not in (None, ROW_MEAN, *VERL_AGGREGATIONS):
+        raise AssertionError(f"{_method}: verl_aggregation {_spec.verl_aggregation!r} is not {ROW_MEAN!r} or a mode")
+
+
 def aggregation_mode(method: str, loss_agg_mode: str) -> str:
     """The aggregation of verl's call: ``loss_agg_mode``, unless verl's loss of that name has its own."""
     return METHODS[method].verl_aggregation or loss_agg_mode

@@ -36,12 +36,10 @@ def _ranks(keys: torch.Tensor) -> torch.Tensor:
 
 
 def random_subset(candidates: torch.Tensor, size: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """``min(size, candidates)`` of the ``candidates`` (bool), uniformly at random: each draws a key from
-    ``generator`` (torch's default generator of the tensors' device when None) and the smallest keys win. A
-    generator on another device draws there and the keys are copied over."""
-    device = candidates.device
-    draw_on = device if generator is None else generator.device
-    keys = torch.rand(candidates.shape, generator=generator, device=draw_on, dtype=torch.float32).to(device)
+    """``min(size, candidates)`` of the ``candidates`` (bool), uniformly at random: each token of the grid draws
+    a key from ``generator`` (torch's default generator of the tensors' device when None; the callers check it is
+    on that device) and the smallest keys win."""
+    keys = torch.rand(candidates.shape, generator=generator, device=candidates.device, dtype=torch.float32)
     keys = torch.where(candidates, keys, 2.0)  # every non-candidate after every candidate
     return candidates & (_ranks(keys) < size)
 

@@ -403,7 +403,7 @@ class KlCovConfig(MethodConfig):
     kl_cov_ratio: float = _covariance_param(2e-4, "fraction of the scored tokens (the largest covariances, at "
                                             "least one) that get the penalty", "kl_cov_ratio", low=0.0,
                                             low_open=True, high=1.0)
-    ppo_kl_coef: float = _covariance_param(0.1, "weight of the penalty |l - l_old| on the chosen tokens",
+    ppo_kl_coef: float = _covariance_param(0.1, "weight of the penalty abs(l - l_old) on the chosen tokens",
                                            "ppo_kl_coef", low=0.0)
 
     def _kernel_slots(self):
@@ -791,7 +791,7 @@ METHODS: dict[str, MethodSpec] = {
                                                                "clip_cov_ub": 1.0}),
                            token_selection=_clip_cov_selection),
     "kl_cov": MethodSpec(KlCovConfig, _unclipped, "unclipped ratio; the tokens of highest covariance of A and "
-                         "log-prob get a penalty |l - l_old|",
+                         "log-prob get a penalty on the log-ratio's absolute value",
                          "KL-Cov: Cui et al. 2025, arXiv:2505.22617",
                          variants=({}, {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}), token_selection=_kl_cov_selection),
 }
@@ -870,7 +870,9 @@ def token_terms(
     spec = METHODS[cfg.name]
     terms = spec.token_fn(cfg, inputs)
     if spec.token_selection is not None:
-        scored = torch.ones_like(advantage, dtype=torch.bool) if scored is None else scored
+        if scored is None:  # every token, on the grid the terms are on (advantages may be per response, (B, 1))
+            scored = torch.ones(torch.broadcast_shapes(log_ratio.shape, advantage.shape), dtype=torch.bool,
+                                device=log_ratio.device)
         terms = spec.token_selection(cfg, terms, inputs, scored, generator)
     slope = terms.penalty_slope
     return TokenTerms(terms.loss, terms.psi.detach(), terms.region, None if slope is None else slope.detach())

@@ -71,9 +71,6 @@ def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, c
 
 def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
     compiling = torch.compiler.is_compiling()
-    if compiling and loss_batch.generator is not None:
-        raise ValueError("generator is not supported under torch.compile: a random selection draws from torch's "
-                         "default generator there (seed it with torch.manual_seed)")
     batch = prepare_batch(logits.shape, logits.dtype, logits.device, loss_batch, options.aggregation,
                           options.sequence_level, check=not compiling)
     if compiling:
