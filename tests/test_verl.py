@@ -233,6 +233,26 @@ def test_fused_ops_equal_verl(case, mode):
             torch.testing.assert_close(ours_grad.double(), theirs_grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("verl_name", ["clip_cov", "kl_cov"])
+def test_null_fields_are_read_as_verl_reads_them(verl_name):
+    """verl's clip_cov and kl_cov read a null policy_loss field as their code's constant (kl_cov's ppo_kl_coef as
+    1.0, not the config's 0.1): so does dgpo_ops.<name>."""
+    logits, targets, old, _, advantages, mask, weights = rollout(23, False, drift=0.3)
+    nulls = {"clip_cov": dict(clip_cov_ratio=1.0, clip_cov_lb=None, clip_cov_ub=None),
+             "kl_cov": dict(kl_cov_ratio=None, ppo_kl_coef=None)}[verl_name]
+    fields = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean")
+    verl_config = actor_config(**fields, policy_loss=VerlPolicyLossConfig(loss_mode=verl_name, **nulls))
+    our_config = actor_config(**fields, policy_loss=dgpo_verl.PolicyLossConfig(loss_mode=f"dgpo_ops.{verl_name}",
+                                                                               **nulls))
+    theirs = policy_loss_and_grad(verl_name, verl_config, "token-mean", logits, targets, old, advantages, mask, weights)
+    ours = policy_loss_and_grad(f"dgpo_ops.{verl_name}", our_config, "token-mean", logits, targets, old, advantages,
+                                mask, weights)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-6, atol=1e-6)
+    if verl_name == "kl_cov":
+        assert dgpo_verl.loss_options(f"dgpo_ops.{verl_name}", our_config).method.ppo_kl_coef == 1.0
+
+
 def test_clip_cov_draws_as_many_tokens_as_verl():
     """At verl's default ratio clip_cov cuts a random few of its candidates. verl draws them with
     ``torch.randperm(K)`` on the CPU's default generator, which needs their count K on the host; ours ranks

@@ -177,6 +177,8 @@ def method_params(name: str, config) -> dict:
             if value is None and field in VERL_FALLBACKS:
                 field = VERL_FALLBACKS[field]
                 value = read_verl_field(config, field)
+            if value is None and p.spec.verl_none is not None:
+                value = p.spec.verl_none  # what verl's own loss reads a null field as
             values[name] = _checked(method, name, p.spec, value, f"{ACTOR}.{field}")
     return values
 

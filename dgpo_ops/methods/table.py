@@ -47,8 +47,10 @@ class ParamSpec:
     ``epsilon_high=None`` means ``epsilon``). ``config_offset`` is added on the way to the config (CISPO's
     cap ``1 + eps_high`` is TRL's ``epsilon_high``). Parameters with no ``config_field`` keep their
     default under the trainer. ``verl_field`` names the field of verl's actor config
-    (``actor_rollout_ref.actor``) that means the same (``dgpo_ops.integrations.verl``); parameters without
-    one are read from ``policy_loss.method_params``.
+    (``actor_rollout_ref.actor``, or ``policy_loss.<name>`` of its policy-loss config) that means the same
+    (``dgpo_ops.integrations.verl``); parameters without one are read from ``policy_loss.method_params``.
+    ``verl_none``: the value verl's own loss uses where that field is null (verl's code constant, which may
+    differ from its config's default).
     """
 
     help: str
@@ -61,6 +63,7 @@ class ParamSpec:
     config_fallback: str | None = None
     config_offset: float = 0.0
     verl_field: str | None = None
+    verl_none: float | None = None
 
     def check(self, method: str, name: str, value) -> None:
         if value is None:
@@ -377,8 +380,10 @@ class GeoMeanConfig(MethodConfig):
         return _unclipped_bounds()
 
 
-def _covariance_param(default, what: str, field: str, **spec):
-    return param(default, what, config_field=field, verl_field=f"policy_loss.{field}", **spec)
+def _covariance_param(default, what: str, field: str, verl_none=None, **spec):
+    # verl's clip_cov / kl_cov read a null field as their code's constant: the default, but for ppo_kl_coef
+    return param(default, what, config_field=field, verl_field=f"policy_loss.{field}",
+                 verl_none=default if verl_none is None else verl_none, **spec)
 
 
 @dataclass(frozen=True)
@@ -404,7 +409,7 @@ class KlCovConfig(MethodConfig):
                                             "least one) that get the penalty", "kl_cov_ratio", low=0.0,
                                             low_open=True, high=1.0)
     ppo_kl_coef: float = _covariance_param(0.1, "weight of the penalty abs(l - l_old) on the chosen tokens",
-                                           "ppo_kl_coef", low=0.0)
+                                           "ppo_kl_coef", verl_none=1.0, low=0.0)
 
     def _kernel_slots(self):
         return _unclipped_bounds()
