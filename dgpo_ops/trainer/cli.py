@@ -217,5 +217,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["complete"] else 1
 
 
+def exit_process(code: int) -> None:
+    """Exit with ``code``. In a process group (torchrun, accelerate launch) the exit handlers run and the streams
+    are flushed, then the process ends without the interpreter's teardown: there gloo's worker threads can abort
+    the process ("terminate called without an active exception", pytorch/pytorch#179291), which the launcher
+    reports as a failed run after it finished."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        sys.exit(code)
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
