@@ -5,12 +5,14 @@ tensor-core products in the on-chip fused-linear kernels."""
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 KINDS = {"forward", "backward", "prologue", "finalize", "linear_partials", "linear_rows", "linear_grad"}
 ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
                  r"\s+(\d+)\s+([0-9.]+|-)\s+(\d+)$")
@@ -19,7 +21,7 @@ ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s
 @pytest.fixture(scope="module")
 def report():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "dgpo_ops.kernels.aot", "--arch", "80", "90"], env=env,
+    result = subprocess.run([sys.executable, "-m", "bench.aot", "--arch", "80", "90"], env=env, cwd=REPO,
                             capture_output=True, text=True)
     return result
 
@@ -33,7 +35,7 @@ def test_aot_report_exits_zero(report):
 
 
 def test_every_specialisation_compiled_for_both_architectures(report):
-    from dgpo_ops.kernels.aot import specialisations
+    from bench.aot import specialisations
 
     lines = [line for line in report.stdout.splitlines() if re.match(r"sm_\d+ ", line)]
     expected = len(specialisations())
@@ -88,5 +90,5 @@ def test_on_chip_linear_products_run_on_tensor_cores(report):
 
 def test_aot_refuses_to_run_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "dgpo_ops.kernels.aot"], env=env, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "bench.aot"], env=env, cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0 and "unset TRITON_INTERPRET" in result.stderr

@@ -1,4 +1,4 @@
-"""The Triton mirror of the method table (dgpo_ops/kernels/method_table.py) against the torch table, row by
+"""The Triton mirror of the method table (kernels/method_table.py) against the torch table, row by
 row, on tokens in every region, exactly on the fp32 boundaries, and with NaN ratios."""
 
 from __future__ import annotations

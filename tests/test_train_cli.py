@@ -21,7 +21,7 @@ HAVE_RG = importlib.util.find_spec("reasoning_gym") is not None
 
 def _command() -> list[str]:
     exe = shutil.which("dgpo-ops")
-    return [exe] if exe else [sys.executable, "-m", "dgpo_ops.cli"]
+    return [exe] if exe else [sys.executable, "-m", "dgpo_ops.trainer.command"]
 
 
 def _run(args, tmp_path, timeout=300, **env):
@@ -260,7 +260,7 @@ def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch)
 
 
 def test_help_lists_the_method_parameters_and_passthrough(capsys):
-    from dgpo_ops import cli
+    from dgpo_ops.trainer import command as cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--help"])

@@ -70,7 +70,7 @@ for stage in "$@"; do
     for batch in 0 1; do
       for i in $(seq 0 9); do
         run=$((batch * 10 + i))
-        (timeout 260 python3 -m dgpo_ops.cli train --tokenizer chars --generator builtin --max-steps 20 --eval-size 100 \
+        (timeout 260 python3 -m dgpo_ops.trainer.command train --tokenizer chars --generator builtin --max-steps 20 --eval-size 100 \
            --no-progress --output-dir /tmp/mj/$run > /tmp/mj-$run.log 2>&1; echo "run $run rc $?" >> /tmp/mj-rc) &
       done
       wait

@@ -8,7 +8,7 @@ launch is replaced by a no-op that only records it, and validation is ``"deferre
 what is timed (this thread's CPU time, which other processes on the machine do not inflate; the wall time
 too) is everything the host does around the launches: options, the plan, the checks from metadata,
 allocations, the autograd Function and engine, the deferred-check bookkeeping. Not timed: Triton's own
-per-launch binding (60-110 us per launch on the H100 VM, docs/design.md "Host time") and the CUDA caching
+per-launch binding (60-110 us per launch on the H100 VM, csrc_notes.md, "Host time") and the CUDA caching
 allocator. The inputs are tiny, so torch's CPU kernels for the few O(N) ops cost next to nothing.
 """
 

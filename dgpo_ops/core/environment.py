@@ -25,14 +25,14 @@ def _git(*args: str) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def code_commit(short: bool = True) -> tuple[str | None, bool]:
-    """(commit, worktree dirty in dgpo_ops/ or kernels/), read once per process: a commit made while a long
+    """(commit, worktree dirty in dgpo_ops/, kernels/ or trainer/), read once per process: a commit made while a long
     run goes on must not be recorded as the one it ran. A tree copied to another machine without its
     history (a GPU lent for one run) names its commit in ``DGPO_OPS_COMMIT``; the copy's own git metadata
     would name another."""
     if os.environ.get("DGPO_OPS_COMMIT"):
         return os.environ["DGPO_OPS_COMMIT"], False
     commit = _git("rev-parse", *(["--short"] if short else []), "HEAD")
-    return commit, bool(commit and _git("status", "--porcelain", "--", "dgpo_ops", "kernels"))
+    return commit, bool(commit and _git("status", "--porcelain", "--", "dgpo_ops", "kernels", "trainer"))
 
 
 def version(dist: str) -> str | None:

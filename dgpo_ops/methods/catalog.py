@@ -2,7 +2,7 @@
 
 ``methods.METHODS`` (one row per method) and ``methods.ALIASES`` are the only lists of methods. From
 them come: the names a user may pass (``POLICY_LOSSES``), the trainer's config fields and their
-meaning (``config_params``, read by ``dgpo_ops/trainer/config.py``), the presets of ``dgpo-ops train``
+meaning (``config_params``, read by ``trainer/config.py``), the presets of ``dgpo-ops train``
 (``trainer_presets``), the parameter sets the tests run (``variants``) and the README's method table
 (``method_table_markdown``; ``python -m dgpo_ops.methods.catalog`` rewrites it).
 """

@@ -16,7 +16,7 @@ weight.T + bias`` the model would hand to ``fused_dgpo_loss``, in the same dtype
 log-sum-exp and every per-token quantity are fp32. The gradient tile is written over the logits
 tile in the operands' dtype, so each logit element costs 8 bytes of HBM traffic besides the GEMMs'
 operand reads (2 written by the GEMM, 2 + 2 read by the row kernels, 2 written back) for bf16,
-16 for fp32 (docs/design.md, "Memory traffic per token"). With ``softcap`` the tile is fp32 (tanh of the unrounded product).
+16 for fp32 (csrc_notes.md, "Memory traffic per token"). With ``softcap`` the tile is fp32 (tanh of the unrounded product).
 
 Every token goes through the GEMMs (picking the unmasked ones would need their count on the
 host); rows not scored read nothing in the row kernels and get a zero gradient. Peak extra memory:
@@ -24,8 +24,8 @@ the tile buffers (``memory_budget`` bytes), the fp32 gradient accumulators, a co
 in the compute dtype when it differs from the weight's (autocast over fp32 weights), and O(N)
 per-token vectors.
 
-``logits_on_chip=True`` replaces the tiles with the Triton kernels of ``dgpo_ops/kernels/linear_logits.py``
-and ``dgpo_ops/kernels/linear_grad.py``: the logits only ever in registers, operands rounded to the compute
+``logits_on_chip=True`` replaces the tiles with the Triton kernels of ``kernels/linear_logits.py``
+and ``kernels/linear_grad.py``: the logits only ever in registers, operands rounded to the compute
 dtype as they are loaded (no weight copy), one more pass of products, gradients summed with atomics.
 """
 
@@ -60,7 +60,7 @@ class ProjectionOptions:
     logit_scale: float = 1.0
     softcap: float | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET
-    # True: the Triton kernels of dgpo_ops/kernels/linear_logits.py and linear_grad.py, where the logits exist
+    # True: the Triton kernels of kernels/linear_logits.py and linear_grad.py, where the logits exist
     # only in registers (no tile buffers, no copy of the weight in the compute dtype; one more pass of
     # products). Not yet measured against the tile path on a GPU, so not the default.
     logits_on_chip: bool = False

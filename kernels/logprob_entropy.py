@@ -39,7 +39,7 @@ class LaunchShape:
     num_stages: int
 
 
-# Chosen from H100 measurements (docs/design.md, "Launch shapes"). The forward: 4096 x 4 warps ran
+# Chosen from H100 measurements (csrc_notes.md, "Launch shapes"). The forward: 4096 x 4 warps ran
 # the whole op as fast as 8192 x 8 warps and its forward alone faster (0.79 vs 0.84 ms at V = 151,936),
 # and it compiles without a spill where 8192 x 8 warps spills one register for dcpo and aspo on sm_90.
 # The backward: 8192 x 8 warps was the fastest bare gradient kernel at V = 32,000 to 262,144.

@@ -1,4 +1,5 @@
-"""The ``dgpo-ops`` command."""
+"""The ``dgpo-ops`` command: ``train`` (``cli.py``, TRL imported only then), ``table`` and ``plot`` (the psi
+atlas of ``dgpo_ops.methods.atlas``). It lives in the trainer, the top part, the one that may import both."""
 
 from __future__ import annotations
 

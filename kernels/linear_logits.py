@@ -248,7 +248,7 @@ class GemmShape:
                          self.num_warps, self.num_stages)
 
 
-# Not tuned on a GPU yet (docs/design.md, "On-chip fused linear"): common tensor-core GEMM tiles that
+# Not tuned on a GPU yet (csrc_notes.md, "On-chip fused linear"): common tensor-core GEMM tiles that
 # compile for sm_80 and sm_90 without spills. The backward holds the gradient tile too: fewer rows.
 PARTIALS_SHAPE = GemmShape(block_n=128, block_v=128, block_k=32, num_warps=8, num_stages=3)
 LINEAR_GRAD_SHAPE = GemmShape(block_n=64, block_v=128, block_k=32, num_warps=8, num_stages=2)

@@ -1,6 +1,6 @@
 """Ahead-of-time compile report: every kernel specialisation for real GPUs, without one.
 
-    python -m dgpo_ops.kernels.aot [--arch 80 90] [--full] [--jobs 2]
+    python -m bench.aot [--arch 80 90] [--full] [--jobs 2]
 
 Compiles each specialisation with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch,
 32))`` using the specialisation hints the JIT would give on real tensors (16-byte aligned
@@ -38,14 +38,14 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from .finalize import FINALIZE_WARPS, finalize_kernel
-from .finalize import MAX_BLOCK as FINALIZE_BLOCK
-from .interface import Denominator, Gate, MethodId, Normalizer
-from .linear_grad import linear_grad_kernel
-from .linear_logits import LINEAR_GRAD_SHAPE, PARTIALS_SHAPE, linear_partials_kernel, linear_rows_kernel
-from .logits_grad import logits_grad_kernel
-from .logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
-from .prologue import prologue_warps, token_prologue_kernel
+from dgpo_ops.kernels.finalize import FINALIZE_WARPS, finalize_kernel
+from dgpo_ops.kernels.finalize import MAX_BLOCK as FINALIZE_BLOCK
+from dgpo_ops.kernels.interface import Denominator, Gate, MethodId, Normalizer
+from dgpo_ops.kernels.linear_grad import linear_grad_kernel
+from dgpo_ops.kernels.linear_logits import LINEAR_GRAD_SHAPE, PARTIALS_SHAPE, linear_partials_kernel, linear_rows_kernel
+from dgpo_ops.kernels.logits_grad import logits_grad_kernel
+from dgpo_ops.kernels.logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
+from dgpo_ops.kernels.prologue import prologue_warps, token_prologue_kernel
 
 KERNELS = {"forward": logprob_entropy_fwd_kernel, "backward": logits_grad_kernel, "prologue": token_prologue_kernel,
            "finalize": finalize_kernel, "linear_partials": linear_partials_kernel, "linear_rows": linear_rows_kernel,
@@ -323,7 +323,7 @@ def problems(rows: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dgpo_ops.kernels.aot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--full", action="store_true", help="the whole method x dtype x flag product")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
                         help="also write the report between the aot markers of this markdown file (docs/aot_report.md)")
     args = parser.parse_args(argv)
     if not isinstance(logprob_entropy_fwd_kernel, triton.JITFunction):
-        sys.exit("dgpo_ops.kernels.aot compiles real kernels: unset TRITON_INTERPRET")
+        sys.exit("bench.aot compiles real kernels: unset TRITON_INTERPRET")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     rows = run(args.arch, args.full, args.jobs)
     found = problems(rows)
