@@ -36,16 +36,20 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-
 from dgpo_ops.kernels.finalize import FINALIZE_WARPS, finalize_kernel
 from dgpo_ops.kernels.finalize import MAX_BLOCK as FINALIZE_BLOCK
 from dgpo_ops.kernels.interface import Denominator, Gate, MethodId, Normalizer
 from dgpo_ops.kernels.linear_grad import linear_grad_kernel
-from dgpo_ops.kernels.linear_logits import LINEAR_GRAD_SHAPE, PARTIALS_SHAPE, linear_partials_kernel, linear_rows_kernel
+from dgpo_ops.kernels.linear_logits import (
+    LINEAR_GRAD_SHAPE,
+    PARTIALS_SHAPE,
+    linear_partials_kernel,
+    linear_rows_kernel,
+)
 from dgpo_ops.kernels.logits_grad import logits_grad_kernel
 from dgpo_ops.kernels.logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
 from dgpo_ops.kernels.prologue import prologue_warps, token_prologue_kernel
+from triton.backends.compiler import GPUTarget
 
 KERNELS = {"forward": logprob_entropy_fwd_kernel, "backward": logits_grad_kernel, "prologue": token_prologue_kernel,
            "finalize": finalize_kernel, "linear_partials": linear_partials_kernel, "linear_rows": linear_rows_kernel,

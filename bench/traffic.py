@@ -44,9 +44,9 @@ def _flags(*names: str) -> tuple:
 
 
 def _specs():
-    from bench import aot
+    from dgpo_ops.kernels.interface import Gate, MethodId
 
-    from dgpo_ops.methods.table import Gate, MethodId
+    from bench import aot
 
     def backward(dtype, entropy):
         return aot._backward(dtype, entropy)
@@ -88,6 +88,7 @@ def derived(kind: str, spec, method: str | None) -> dict:
     loaded by ``method_table.token_terms`` (PARAM_WORDS), called with ``method_params_ptr``. A helper of
     the kernel's own module called as a statement (``finish_row``) is walked as part of the kernel."""
     import triton
+
     from bench import aot
 
     source = aot._source(spec)
@@ -216,8 +217,9 @@ def sass_traffic(sass: str, spec) -> dict:
 
 def _compile_sass(spec) -> str:
     import triton
-    from bench import aot
     from triton.backends.compiler import GPUTarget
+
+    from bench import aot
 
     compiled = triton.compile(aot._source(spec), target=GPUTarget("cuda", ARCH, 32), options=spec.launch)
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,6 +281,7 @@ def _pick(rows, label_start):
 
 def render(rows: list[dict]) -> tuple[str, dict]:
     import triton
+
     from bench import aot
 
     fwd = _pick(rows, "bf16 forward + dgpo epilogue, old log-probs")

@@ -146,9 +146,8 @@ def build_trainer(path: str, model_name: str, completion_length: int, workdir: s
     in autocast and returns fp32 outputs, as in a real run)."""
     import torch
     from datasets import Dataset
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from dgpo_ops.trainer.tiny_model import build_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     spec = PATHS[path]
     tokenizer = build_tokenizer("chars")

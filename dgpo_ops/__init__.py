@@ -6,44 +6,26 @@ from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import raise_deferred_errors
-from dgpo_ops.methods.table import (
-    METHODS,
-    AspoConfig,
-    CeGppoConfig,
-    CispoConfig,
-    DcpoConfig,
-    DgpoConfig,
-    DispoConfig,
-    GppoConfig,
-    GrpoConfig,
-    MethodConfig,
-    Region,
-    SapoConfig,
-    TokenTerms,
-    method_config,
-    token_terms,
-)
+from dgpo_ops.kernels.interface import Region
+from dgpo_ops.methods.base import MethodConfig, TokenTerms
+from dgpo_ops.methods.table import METHODS, method_config, token_terms
 from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 from dgpo_ops.ops.reference import reference_loss
 
+# Every method's config class (GrpoConfig, DgpoConfig, ...), from the table: a new method is exported by its row.
+METHOD_CONFIGS = {spec.config.__name__: spec.config for spec in METHODS.values()}
+globals().update(METHOD_CONFIGS)
+
 __all__ = [
+    *METHOD_CONFIGS,
     "AGGREGATIONS",
     "METHODS",
-    "AspoConfig",
-    "CeGppoConfig",
-    "CispoConfig",
     "DGPOLoss",
-    "DcpoConfig",
-    "DgpoConfig",
-    "DispoConfig",
-    "GppoConfig",
-    "GrpoConfig",
     "LossMetrics",
     "LossOptions",
     "MethodConfig",
     "PolicyLossOutput",
     "Region",
-    "SapoConfig",
     "TokenTerms",
     "fused_dgpo_loss",
     "fused_linear_dgpo_loss",

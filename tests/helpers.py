@@ -36,7 +36,7 @@ def for_method(method: str, options: dict) -> dict:
     """``options`` as a method takes them: a method evaluated at its own sequence statistic (vespo) is already
     sequence-level and takes no importance_sampling_level (GSPO's option sets then run its sequence path)."""
     spec = dgpo_ops.METHODS[catalog.resolve(method)[0]]
-    if spec.sequence_log_ratio is None:
+    if spec.sequence_statistic is None:
         return options
     return {k: v for k, v in options.items() if k != "importance_sampling_level"}
 

@@ -6,9 +6,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from trainer_fixtures import build_tokenizer, length_reward, prompt_dataset  # noqa: E402
-
 from dgpo_ops.trainer import DGPOConfig, DGPOTrainer  # noqa: E402
+from trainer_fixtures import build_tokenizer, length_reward, prompt_dataset  # noqa: E402
 
 model_dir, out = sys.argv[1], pathlib.Path(sys.argv[2])
 args = DGPOConfig(output_dir=str(out / "run"), per_device_train_batch_size=4, num_generations=4,

@@ -8,7 +8,6 @@ import statistics
 
 import pytest
 import torch
-
 from dgpo_ops.trainer.advantages import (
     TRL_STD_EPS,
     SmoothAdvantageStandardizer,

@@ -1,6 +1,6 @@
 import pytest
-
 from dgpo_ops.trainer import command as cli
+
 from dgpo_ops.methods.table import GATES, METHODS
 
 

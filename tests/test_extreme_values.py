@@ -14,11 +14,11 @@ import math
 
 import pytest
 import torch
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP
 from helpers import METHOD_VARIANTS, config, variant_id
 from test_method_mirror import mirror, table_terms
 
 import dgpo_ops
-from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP
 
 B, T, V = 2, 3, 16
 BACKENDS = ["torch", "triton"]

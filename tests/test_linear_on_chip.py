@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dgpo_ops.kernels.linear_logits import PARTIALS_SHAPE, check_hidden_strides, vocabulary_splits
 from test_fused_linear import linear_case, make_logits
 from test_row_kernels import largest_allocations
 
 import dgpo_ops
-from dgpo_ops.kernels.linear_logits import PARTIALS_SHAPE, check_hidden_strides, vocabulary_splits
 
 
 def test_vocabulary_splits_cover_the_vocabulary_once():

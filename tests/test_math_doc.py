@@ -9,10 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, LOGP_FLOOR
 
 from dgpo_ops.core.aggregation import AGGREGATIONS
 from dgpo_ops.core.metrics import METRIC_NAMES
-from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, LOGP_FLOOR
 from dgpo_ops.methods.table import ALIASES, METHODS
 
 ROOT = Path(__file__).resolve().parent.parent

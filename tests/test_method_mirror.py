@@ -9,10 +9,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from dgpo_ops.kernels.method_table import token_terms as mirror_token_terms
 from helpers import METHOD_VARIANTS, config, spanning_tokens, trust_region, variant_id
 
 import dgpo_ops
-from dgpo_ops.kernels.method_table import token_terms as mirror_token_terms
 
 
 @triton.jit

@@ -8,12 +8,13 @@ import math
 import pathlib
 
 import pytest
+from dgpo_ops.kernels.interface import MethodId
 from helpers import METHOD_VARIANTS, required_fields
 
-from dgpo_ops.kernels.interface import MethodId
 from dgpo_ops.methods import catalog
+from dgpo_ops.methods.base import ParamSpec
 from dgpo_ops.methods.styles import STYLES, style
-from dgpo_ops.methods.table import ALIASES, GATES, METHODS, ParamSpec, method_config
+from dgpo_ops.methods.table import ALIASES, GATES, METHODS, method_config
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 

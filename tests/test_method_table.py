@@ -11,7 +11,7 @@ from helpers import METHOD_VARIANTS, config, spanning_tokens, variant_id
 
 import dgpo_ops
 from dgpo_ops import Region, method_config, token_terms
-from dgpo_ops.methods.table import dcpo_bounds
+from dgpo_ops.methods.dcpo import dcpo_bounds
 
 # Methods without a trust region: every token in M (kl_cov's selection adds a penalty, never a region).
 NO_TRUST_REGION = ("sapo", "gpg", "vespo", "dro", "geo_mean", "kl_cov")

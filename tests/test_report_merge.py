@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from dgpo_ops.trainer.report import final_numbers, final_table, main, merge_results
 
 METHODS = ["dgpo", "grpo"]

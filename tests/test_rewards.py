@@ -12,7 +12,6 @@ import threading
 import time
 
 import pytest
-
 from dgpo_ops.trainer import rewards
 from dgpo_ops.trainer.rewards import (
     accuracy_reward,

@@ -9,11 +9,6 @@ import sys
 
 import pytest
 import torch
-from helpers import logits_batch
-
-import dgpo_ops
-from dgpo_ops.core.aggregation import AGGREGATIONS
-from dgpo_ops.core.inputs import LossBatch, normalizer_spec, token_inputs
 from dgpo_ops.kernels import finalize as finalize_module
 from dgpo_ops.kernels import logits_grad as grad_module
 from dgpo_ops.kernels import logprob_entropy as forward_module
@@ -21,6 +16,11 @@ from dgpo_ops.kernels import prologue as prologue_module
 from dgpo_ops.kernels.interface import Plane, SequenceStat, Status
 from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.kernels.torch_twins import logits_grad_torch, logprob_entropy_torch, token_prologue_torch
+from helpers import logits_batch
+
+import dgpo_ops
+from dgpo_ops.core.aggregation import AGGREGATIONS
+from dgpo_ops.core.inputs import LossBatch, normalizer_spec, token_inputs
 
 
 def row_inputs(B, T, V, seed=0, dtype=torch.float32):
@@ -295,7 +295,6 @@ def test_host_launch_arithmetic_equals_tritons():
     # The launch wrappers size grids and blocks with plain-Python twins of triton.next_power_of_2 and
     # triton.cdiv (Triton's are ConstexprFunction objects, several microseconds a call on the host).
     import triton
-
     from dgpo_ops.kernels.interface import cdiv, next_power_of_2
 
     for n in [*range(0, 5000), 65_535, 65_536, 65_537, 151_936, 262_144, 2**31 - 1, 2**31]:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dgpo_ops.kernels.interface import NUM_PLANES
 
 CODE = ("import json\nfrom bench import traffic\n"

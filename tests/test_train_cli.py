@@ -182,10 +182,9 @@ def test_pass_k_sampling_is_reproducible_and_leaves_the_global_rng_alone(tmp_pat
     """pass@k's samples come from a fixed seed in a forked RNG: two evaluations agree, and the global random
     stream (the training's sampling) is where it would be without them."""
     import torch
+    from dgpo_ops.trainer.warm_start import evaluate
     from trainer_fixtures import build_model_dir, build_tokenizer
     from transformers import AutoModelForCausalLM
-
-    from dgpo_ops.trainer.warm_start import evaluate
 
     model = AutoModelForCausalLM.from_pretrained(build_model_dir(tmp_path / "m"))
     rows = [{"prompt": f"{a} + {b} = ?", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (5, 6))]
@@ -243,7 +242,6 @@ def test_pass_at_k_is_the_unbiased_estimator():
 )
 def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
     import torch
-
     from dgpo_ops.trainer import cli
 
     if torch.cuda.is_available() and args[0] in ("--use-vllm", "--bf16"):
@@ -340,9 +338,8 @@ def test_qwen_tokenizer_is_rebuilt_offline_and_restricts_exactly():
 @pytest.mark.parametrize("dataset, message", [("missing.jsonl", "missing.jsonl: no such file"),
                                               ("no-such-org/no-such-data", "cannot load dataset 'no-such-org/no-such-data'")])
 def test_dataset_errors_are_one_clear_line(dataset, message, tmp_path, capsys, monkeypatch):
-    from trainer_fixtures import build_model_dir
-
     from dgpo_ops.trainer import cli
+    from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -399,9 +396,8 @@ def test_worked_fraction_mixes_worked_solutions_and_bare_answers():
 
 
 def test_chat_yes_without_a_template_is_one_clear_line(tmp_path, capsys, monkeypatch):
-    from trainer_fixtures import build_model_dir
-
     from dgpo_ops.trainer import cli
+    from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -470,7 +466,6 @@ def test_a_cuda_run_routes_attention_away_from_cudnn(monkeypatch):
     # fully masked (left-pad) rows at lengths 64 mod 128 (pytorch/pytorch#196678); a CUDA run turns
     # that backend off before anything else. The setting is process-wide, so it is restored here.
     import torch
-
     from dgpo_ops.trainer import cli, run
 
     before = torch.backends.cuda.cudnn_sdp_enabled()

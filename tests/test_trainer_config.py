@@ -6,12 +6,12 @@ import pytest
 
 pytest.importorskip("trl")
 
+from dgpo_ops.trainer import DGPOConfig
 from helpers import required_fields, required_params
 
 from dgpo_ops.methods.catalog import POLICY_LOSSES, resolve
 from dgpo_ops.methods.catalog import method_params as catalog_method_params
 from dgpo_ops.methods.table import method_config
-from dgpo_ops.trainer import DGPOConfig
 
 
 def make(tmp_path, **fields):

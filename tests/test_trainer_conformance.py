@@ -304,9 +304,8 @@ def test_every_grpo_config_field_is_covered():
 
 def test_dgpo_trainer_overrides_only_the_loss():
     """Every other GRPOTrainer and Trainer method is inherited: the fields marked TRL(...) act as in TRL."""
-    from trl import GRPOTrainer
-
     from dgpo_ops.trainer import DGPOTrainer
+    from trl import GRPOTrainer
 
     overridden = {name for name, value in vars(DGPOTrainer).items()
                   if hasattr(GRPOTrainer, name) and (callable(value) or isinstance(value, property))
@@ -325,9 +324,8 @@ def _close(ours, theirs, rtol, what):
 
 
 def _first_updates(case: Case, model_dir, tmp_path, fused="linear"):
-    from trl import GRPOConfig, GRPOTrainer
-
     from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 
     theirs = make_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", **case.fields)
     ours = make_trainer(DGPOTrainer, DGPOConfig, model_dir, tmp_path / "ours", fused=fused, **case.fields)
@@ -394,9 +392,8 @@ def test_cast_lm_head_to_fp32_multiplies_in_fp32(fused, model_dirs, tmp_path):
 def test_refused_fields_fail_when_the_config_is_made(name, tmp_path):
     import dataclasses
 
-    from trl import GRPOConfig
-
     from dgpo_ops.trainer import DGPOConfig
+    from trl import GRPOConfig
 
     fields, message = REFUSALS[name]
     common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[])
@@ -412,9 +409,8 @@ def test_refused_fields_fail_when_the_config_is_made(name, tmp_path):
 def test_a_grpo_config_or_none_is_taken(model_dirs, tmp_path, monkeypatch):
     """DGPOTrainer(model, reward_funcs, args=GRPOConfig(...)) trains what GRPOTrainer trains (the config's
     loss_type names the objective); args=None takes DGPOConfig's defaults, which are GRPOConfig's."""
-    from trl import GRPOConfig, GRPOTrainer
-
     from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 
     fields = dict(loss_type="cispo", epsilon_high=5.0, entropy_coef=0.2, top_entropy_quantile=0.5)
     theirs = make_trainer(GRPOTrainer, GRPOConfig, model_dirs["qwen2"], tmp_path / "trl", **fields)
@@ -452,9 +448,8 @@ def test_two_training_steps_log_what_grpo_trainer_logs(model, model_dirs, tmp_pa
     """Whole steps (TRL's generation, rewards, old log-probs, the loss, the optimizer): the same completions, so
     the same logs; TRL's masks are applied through TRL's own functions, as often as GRPOTrainer calls them
     (the off-policy mask was never applied before: GRPOTrainer called get_off_policy_mask twice, DGPOTrainer never)."""
-    from trl import GRPOConfig, GRPOTrainer
-
     from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 
     fields = dict(off_policy_mask_threshold=0.01, top_entropy_quantile=0.5, entropy_coef=0.1)
     logs, calls = {}, {}
@@ -480,9 +475,8 @@ def test_two_training_steps_log_what_grpo_trainer_logs(model, model_dirs, tmp_pa
 def test_generate_keeps_the_models_signature(model_dirs):
     """Gemma3's prepare_inputs_for_generation takes **kwargs: generate() then checks attention_mask,
     pixel_values and token_type_ids against the forward's signature, which the fused head keeps."""
-    from trl import GRPOConfig
-
     from dgpo_ops.trainer import DGPOTrainer
+    from trl import GRPOConfig
 
     trainer = make_trainer(DGPOTrainer, GRPOConfig, model_dirs["gemma3"], model_dirs["gemma3"] + "-out")
     inputs = first_update_batch(trainer, vision=True)

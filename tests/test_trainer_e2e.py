@@ -74,7 +74,6 @@ def test_dcpo_statistics_survive_save_and_resume(model_dir, tmp_path):
 def test_peft_lora_trains_only_the_adapters(model_dir, tmp_path):
     peft = pytest.importorskip("peft")
     import torch
-
     from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
 
     args = DGPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
@@ -140,7 +139,6 @@ def _first_hooked(trainer):
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"], ids=["on-device", "host-read"])
 def test_a_nonfinite_gradient_skips_the_step_and_training_goes_on(model_dir, tmp_path, monkeypatch, optim):
     import torch
-
     from dgpo_ops.trainer import trainer as trainer_module
 
     warnings = []
@@ -183,7 +181,6 @@ def test_consecutive_nonfinite_steps_stop_the_run(model_dir, tmp_path, monkeypat
 
 def test_skipped_step_leaves_parameters_and_moments_unchanged(model_dir, tmp_path, monkeypatch):
     import torch
-
     from dgpo_ops.trainer import trainer as trainer_module
 
     original_clip = trainer_module.DGPOTrainer._clip_grad_norm

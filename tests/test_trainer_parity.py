@@ -29,9 +29,8 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("fused", ["linear", "logits"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_step_matches_grpo_trainer(case, fused, model_dir, tmp_path):
-    from trl import GRPOConfig, GRPOTrainer
-
     from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 
     ours_extra, trl_extra = CASES[case]
     ours = make_trainer(DGPOTrainer, DGPOConfig, model_dir, tmp_path / "ours", fused=fused, **trl_extra,

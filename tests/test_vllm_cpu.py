@@ -64,9 +64,8 @@ def trainer(request, tmp_path_factory):
     _vllm_cpu_or_skip()
     import functools
 
-    from trl.generation import vllm_generation
-
     from dgpo_ops.trainer import DGPOTrainer
+    from trl.generation import vllm_generation
 
     # head_dim 32 (hidden 128, 4 heads): vLLM's CPU attention needs >= 32. Tied embeddings: the lm_head whose packed
     # CPU GEMM a plain reload leaves stale.
@@ -117,7 +116,6 @@ def _max_diff(trainer, ids):
 
 def test_weight_sync_matches_hf_logprobs(trainer):
     import torch
-
     from dgpo_ops.trainer.vllm_cpu import cpu_sync_weights
 
     generation, atol = trainer.vllm_generation, trainer.logprob_atol

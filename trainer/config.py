@@ -14,6 +14,7 @@ from trl import GRPOConfig
 
 from dgpo_ops.core.aggregation import AGGREGATIONS
 from dgpo_ops.core.options import LossOptions
+from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.catalog import (
     POLICY_LOSSES,
     config_default,
@@ -22,7 +23,7 @@ from dgpo_ops.methods.catalog import (
     method_params,
     resolve,
 )
-from dgpo_ops.methods.table import METHODS, MethodConfig, method_config
+from dgpo_ops.methods.table import METHODS, method_config
 
 FUSED_MODES = ("linear", "logits")
 ADVANTAGE_ESTIMATORS = ("grpo", "dcpo")

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, Region
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
@@ -37,12 +38,13 @@ from trl.trainer.utils import nanmax, nanmin
 from dgpo_ops.api import fused_linear_logprobs, linear_loss_from_options, loss_from_options
 from dgpo_ops.core.inputs import LossBatch
 from dgpo_ops.core.metrics import METRIC_NAMES
-from dgpo_ops.core.objective import sequence_mean
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import raise_deferred_errors
 from dgpo_ops.distributed.head import add_hidden_state_output, fused_linear_on_model
-from dgpo_ops.methods.table import LOG_RATIO_CLAMP, Region, token_terms
+from dgpo_ops.methods import gspo
+from dgpo_ops.methods.base import SequenceInputs
+from dgpo_ops.methods.table import token_terms
 from dgpo_ops.ops.backends import select_kernels
 from dgpo_ops.ops.linear import ProjectionOptions
 
@@ -553,7 +555,7 @@ class DGPOTrainer(GRPOTrainer):
         log_ratio = logp - old
         sequence_level = self.args.importance_sampling_level == "sequence"  # TRL's coef_1
         if sequence_level:
-            log_ratio = sequence_mean(log_ratio, scored)
+            log_ratio = gspo.mean_log_ratio(self.loss_options.method, SequenceInputs(log_ratio, None, scored, None))
         delta = getattr(self.loss_options.method, "delta", None)
         if delta is not None:  # TRL's metrics read the ratio its two-sided clip capped
             log_ratio = log_ratio.clamp(max=math.log(delta))

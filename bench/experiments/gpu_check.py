@@ -31,8 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
-import dgpo_ops  # noqa: E402
 from helpers import METHOD_VARIANTS, logits_batch, variant_id  # noqa: E402
+
+import dgpo_ops  # noqa: E402
 
 DEV = "cuda"
 RESULTS: dict = {}

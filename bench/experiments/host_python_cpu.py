@@ -58,10 +58,11 @@ def python_calls(fn) -> int:
 def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
     """This thread's CPU time of each host stage of the forward alone (us per call), cumulative: each
     stage runs everything before it too, so the differences are what a stage adds."""
-    from dgpo_ops.ops.logits import FusedPolicyLossFunction, logits_plan
-    from dgpo_ops.core.inputs import LossBatch
     from dgpo_ops.kernels.row_io import RowWorkspace
+
+    from dgpo_ops.core.inputs import LossBatch
     from dgpo_ops.core.options import LossOptions
+    from dgpo_ops.ops.logits import FusedPolicyLossFunction, logits_plan
 
     def options():
         return LossOptions.build("dgpo", backend="triton", validation="deferred")

@@ -15,14 +15,9 @@ import torch
 from dgpo_ops.core.inputs import TokenBatch
 from dgpo_ops.core.metrics import policy_metrics
 from dgpo_ops.core.options import LossOptions
-from dgpo_ops.methods.table import (
-    LOG_RATIO_CLAMP,
-    LOGP_FLOOR,
-    VESPO_LOG_W_MIN,
-    TokenTerms,
-    straight_through_clamp,
-    token_terms,
-)
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, LOGP_FLOOR
+from dgpo_ops.methods.base import SequenceInputs, TokenTerms, straight_through_clamp
+from dgpo_ops.methods.table import token_terms
 
 
 class ObjectiveTerms(NamedTuple):
@@ -30,39 +25,6 @@ class ObjectiveTerms(NamedTuple):
     tokens: TokenTerms  # the method's per-token L (differentiable), psi, region
     log_ratio: torch.Tensor  # what psi was evaluated at (sequence mean under GSPO), detached
     kl: torch.Tensor | None  # per-token k3 value, detached
-
-
-def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked mean over each response, broadcast back to its tokens."""
-    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
-    return (torch.where(mask, values, 0.0).sum(dim=1, keepdim=True) / lengths).expand_as(values)
-
-
-def sequence_log_ratio_sum(log_ratio: torch.Tensor, mask: torch.Tensor, rollout_weights) -> torch.Tensor:
-    """Each response's summed token log-ratios, each clamped to +-20, plus its rollout weights' logs (floored at
-    log 1e-8, at most 20), broadcast back to its tokens, detached: TRL's vespo log-weight (get_gamma_weights,
-    where the rollout weights are vLLM's importance ratio)."""
-    total = torch.where(mask, log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0).sum(1, keepdim=True)
-    if rollout_weights is not None:
-        log_weights = torch.log(rollout_weights).clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
-        total = total + torch.where(mask, log_weights, 0.0).sum(1, keepdim=True)
-    return total.expand_as(log_ratio)
-
-
-def sequence_clipped_log_ratio_mean(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                                    method, rollout_weights) -> torch.Tensor:
-    """GMPO's log geometric mean as verl's geo_mean forms it, broadcast back to its tokens (differentiable):
-    each token's log-ratio clipped in log space by the sign of its advantage (A > 0: at most ``eps_high``;
-    A < 0: at least ``-eps_low``; A = 0: 0), averaged over the response (its length plus 1e-8), plus the mean
-    of the rollout weights' logs (verl's geometric mean of ``rollout_is_weights``, each plus 1e-10)."""
-    sign = torch.sign(advantages)
-    clipped = log_ratio.clamp(-method.eps_low, method.eps_high)
-    signed_min = sign * torch.minimum(sign * log_ratio, sign * clipped)
-    lengths = mask.sum(dim=1, keepdim=True).to(log_ratio.dtype) + 1e-8
-    mean = torch.where(mask, signed_min, 0.0).sum(dim=1, keepdim=True) / lengths
-    if rollout_weights is not None:
-        mean = mean + torch.where(mask, torch.log(rollout_weights + 1e-10), 0.0).sum(dim=1, keepdim=True) / lengths
-    return mean.expand_as(log_ratio)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -90,13 +52,9 @@ def policy_objective(
     old_logp = batch.old_logps if batch.old_logps is not None else logp.detach()
     log_ratio = logp - old_logp
     statistic = options.sequence_statistic
-    if statistic == "mean":
-        log_ratio = sequence_mean(log_ratio, batch.mask)
-    elif statistic == "sum":
-        log_ratio = sequence_log_ratio_sum(log_ratio, batch.mask, batch.rollout_weights)
-    elif statistic == "clipped_mean":
-        log_ratio = sequence_clipped_log_ratio_mean(log_ratio, batch.advantages, batch.mask, options.method,
-                                                    batch.rollout_weights)
+    if statistic is not None:
+        log_ratio = statistic(options.method, SequenceInputs(log_ratio, batch.advantages, batch.mask,
+                                                             batch.rollout_weights))
     tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp, scored=batch.mask,
                          generator=generator)
     per_token = tokens.loss

@@ -11,7 +11,10 @@ import torch
 
 from dgpo_ops.core.aggregation import check_aggregation
 from dgpo_ops.core.validation import FLOAT32_MAX, VALIDATION_MODES, float32_magnitude_ok
-from dgpo_ops.methods.table import METHODS, DgpoConfig, MethodConfig, method_config
+from dgpo_ops.methods import gspo
+from dgpo_ops.methods.base import MethodConfig
+from dgpo_ops.methods.dgpo import DgpoConfig
+from dgpo_ops.methods.table import METHODS, method_config
 
 BACKENDS = ("auto", "triton", "torch")  # which kernels run (dgpo_ops.ops.backends)
 
@@ -60,16 +63,17 @@ class LossOptions:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.validation not in VALIDATION_MODES:
             raise ValueError(f"validation must be one of {VALIDATION_MODES}, got {self.validation!r}")
-        if METHODS[self.method.name].sequence_log_ratio is not None and self.importance_sampling_level != "token":
+        if METHODS[self.method.name].sequence_statistic is not None and self.importance_sampling_level != "token":
             raise ValueError(f"{self.method.name} is evaluated at its own sequence statistic of each response's "
                              "log-ratios: leave importance_sampling_level at 'token'")
 
     @property
-    def sequence_statistic(self) -> str | None:
-        """How token log-ratios become the one a method is evaluated at: None (per token), ``"mean"`` (GSPO's
-        sequence ratio) or ``"sum"`` (the method's own: ``MethodSpec.sequence_log_ratio``)."""
-        own = METHODS[self.method.name].sequence_log_ratio
-        return own if own is not None else ("mean" if self.importance_sampling_level == "sequence" else None)
+    def sequence_statistic(self):
+        """How token log-ratios become the one a method is evaluated at, ``(config, SequenceInputs) -> log-ratio``:
+        None (per token), the method's own (``MethodSpec.sequence_statistic``) or GSPO's mean (importance sampling
+        at sequence level)."""
+        own = METHODS[self.method.name].sequence_statistic
+        return own if own is not None else (gspo.mean_log_ratio if self.importance_sampling_level == "sequence" else None)
 
     @property
     def sequence_level(self) -> bool:
@@ -78,7 +82,7 @@ class LossOptions:
     @property
     def folds_rollout_weights(self) -> bool:
         """The rollout weights enter the method's own sequence statistic instead of multiplying its loss."""
-        return METHODS[self.method.name].sequence_log_ratio is not None
+        return METHODS[self.method.name].sequence_statistic is not None
 
     @property
     def token_local(self) -> bool:

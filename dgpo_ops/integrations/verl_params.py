@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
+from dgpo_ops.methods.base import ParamSpec
 from dgpo_ops.methods.catalog import POLICY_LOSSES, resolve
 from dgpo_ops.methods.catalog import method_params as table_params
-from dgpo_ops.methods.table import ALIASES, METHODS, ParamSpec
+from dgpo_ops.methods.table import ALIASES, METHODS
 
 PREFIX = "dgpo_ops."
 ACTOR = "actor_rollout_ref.actor"

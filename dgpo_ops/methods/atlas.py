@@ -6,9 +6,10 @@ import math
 
 import torch
 
+from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.catalog import required_params
 from dgpo_ops.methods.styles import style
-from dgpo_ops.methods.table import GATES, METHODS, MethodConfig, method_config, token_terms
+from dgpo_ops.methods.table import GATES, METHODS, method_config, token_terms
 
 # One curve per row; sapo appears once per gate.
 ATLAS_METHODS: list[tuple[str, dict]] = [(name, required_params(name)) for name in METHODS if name != "sapo"] + [

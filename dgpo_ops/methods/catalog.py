@@ -14,7 +14,8 @@ import pathlib
 import re
 from dataclasses import dataclass
 
-from dgpo_ops.methods.table import ALIASES, METHODS, ParamSpec
+from dgpo_ops.methods.base import ParamSpec
+from dgpo_ops.methods.table import ALIASES, METHODS
 
 POLICY_LOSSES: tuple[str, ...] = (*METHODS, *ALIASES)
 

@@ -41,7 +41,7 @@ from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode
 from dgpo_ops.kernels.interface import Plane, Status
 from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
-from dgpo_ops.methods.table import MethodConfig
+from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.ops.backends import RowKernels, select_kernels
 
 

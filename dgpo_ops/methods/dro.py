@@ -1,0 +1,39 @@
+"""DRO (verl's dro): the plain policy gradient plus a quadratic penalty on the log-ratio."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from dgpo_ops.kernels.interface import KernelParam, MethodId
+from dgpo_ops.methods.base import MethodConfig, MethodSpec, TokenInputs, TokenTerms, param
+
+
+@dataclass(frozen=True)
+class DroConfig(MethodConfig):
+    name: ClassVar[str] = "dro"
+    method_id: ClassVar[MethodId] = MethodId.DRO
+    # No default, as verl's policy_loss.dro_beta (None raises there too): DRO is its penalty.
+    dro_beta: float | None = param(None, "weight of the penalty (dro_beta / 2) (l - l_old)^2; required", low=0.0,
+                                   low_open=True, config_field="dro_beta", verl_field="policy_loss.dro_beta")
+
+    def _kernel_slots(self):
+        return {KernelParam.PROXIMAL_BETA: self.dro_beta}
+
+
+def _dro(cfg: DroConfig, x: TokenInputs) -> TokenTerms:
+    # REINFORCE plus (beta / 2) (l - l_old)^2 on the unclamped log-ratio, as verl's dro; psi is the policy-gradient
+    # part (1), the penalty's slope beta (l - l_old) is apart.
+    rd = x.ratio_detached
+    drift = x.logp - x.old_logp
+    loss = -x.advantage * x.logp + 0.5 * cfg.dro_beta * drift * drift
+    return TokenTerms(loss, torch.ones_like(rd), torch.zeros_like(rd, dtype=torch.int8), cfg.dro_beta * drift.detach())
+
+
+SPECS = (
+    MethodSpec(DroConfig, _dro, "plain policy gradient with a quadratic penalty on the log-ratio",
+                          "DRO as verl's policy_loss dro (Direct Reward Optimisation: Richemond et al. 2024, "
+                          "arXiv:2405.19107)", variants=({"dro_beta": 0.1}, {"dro_beta": 2.0})),
+)

@@ -1,0 +1,66 @@
+"""VESPO (TRL's loss_type='vespo'): a response's gamma weight of its ratio product times the log-prob, evaluated at its own sequence statistic, the summed log-ratio."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, VESPO_LOG_W_MIN, KernelParam, MethodId
+from dgpo_ops.methods.base import MethodConfig, MethodSpec, SequenceInputs, TokenInputs, TokenTerms, param
+from dgpo_ops.methods.clip import full_like
+
+
+def _vespo_param(default, what: str, sign: str):
+    side = "pos" if sign == ">=" else "neg"
+    symbol = "k" if what == "shape" else "lambda"
+    return param(default, f"gamma {what} for A {sign} 0", low=0.0, config_field=f"vespo_{symbol}_{side}")
+
+
+@dataclass(frozen=True)
+class VespoConfig(MethodConfig):
+    name: ClassVar[str] = "vespo"
+    method_id: ClassVar[MethodId] = MethodId.VESPO
+    k_pos: float = _vespo_param(2.0, "shape", ">=")
+    lambda_pos: float = _vespo_param(3.0, "rate", ">=")
+    k_neg: float = _vespo_param(3.0, "shape", "<")
+    lambda_neg: float = _vespo_param(2.0, "rate", "<")
+
+    def _kernel_slots(self):
+        return {KernelParam.K_POS: self.k_pos, KernelParam.LAMBDA_POS: self.lambda_pos, KernelParam.K_NEG: self.k_neg,
+                KernelParam.LAMBDA_NEG: self.lambda_neg}
+
+
+def summed_log_ratio(cfg: VespoConfig, x: SequenceInputs) -> torch.Tensor:
+    """Each response's summed token log-ratios, each clamped to +-20, plus its rollout weights' logs (floored at
+    log 1e-8, at most 20), broadcast back to its tokens, detached: TRL's vespo log-weight (get_gamma_weights,
+    where the rollout weights are vLLM's importance ratio)."""
+    mask = x.mask
+    total = torch.where(mask, x.log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0).sum(1, keepdim=True)
+    if x.rollout_weights is not None:
+        log_weights = torch.log(x.rollout_weights).clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+        total = total + torch.where(mask, log_weights, 0.0).sum(1, keepdim=True)
+    return total.expand_as(x.log_ratio)
+
+
+def _vespo(cfg: VespoConfig, x: TokenInputs) -> TokenTerms:
+    # x.log_ratio is the response's summed token log-ratios (summed_log_ratio, its sequence statistic): w is the product of
+    # its ratios, phi = w^k e^(lambda (1 - w)) its gamma weight (phi(1) = 1), detached as in TRL's get_gamma_weights.
+    rd, adv = x.ratio_detached, x.advantage
+    pos = adv >= 0
+    k = torch.where(pos, full_like(cfg.k_pos, rd), full_like(cfg.k_neg, rd))
+    rate = torch.where(pos, full_like(max(cfg.lambda_pos, 1e-4), rd), full_like(max(cfg.lambda_neg, 1e-4), rd))
+    log_w = x.log_ratio.detach().clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+    phi = torch.exp(rate + k * log_w - rate * log_w.exp())
+    # A weight of exactly 0 (w far above its peak) silences the token, also where l is infinite (not 0 * inf)
+    silenced = (phi == 0) & x.logp.detach().isinf()
+    return TokenTerms(torch.where(silenced, 0.0, -adv * phi * x.logp), phi, torch.zeros_like(rd, dtype=torch.int8))
+
+
+SPECS = (
+    MethodSpec(VespoConfig, _vespo, "a sequence's gamma weight of its ratio product times the log-prob",
+                            "VESPO: TRL 1.16's loss_type='vespo' (GRPOTrainer.get_gamma_weights)",
+                            variants=({}, {"k_pos": 1.0, "lambda_pos": 0.5, "k_neg": 4.0, "lambda_neg": 1.0}),
+                            sequence_statistic=summed_log_ratio),
+)
