@@ -61,7 +61,7 @@ def _specs():
         ("forward", "bf16 forward + dgpo epilogue, old log-probs (the benchmark's call)",
          forward("bf16", MethodId.DGPO, "HAS_OLD_LOGPS"), "dgpo"),
         ("forward", "bf16 forward + grpo epilogue, old log-probs",
-         forward("bf16", MethodId.GRPO, "HAS_OLD_LOGPS"), "grpo"),
+         forward("bf16", MethodId.PPO_CLIP, "HAS_OLD_LOGPS"), "grpo"),
         ("forward", "bf16 forward + dgpo epilogue, every per-token input and flag",
          forward("bf16", MethodId.DGPO, *aot.FORWARD_FLAGS), "dgpo"),
         ("backward", "bf16 backward (the benchmark's call)", backward("bf16", False), None),

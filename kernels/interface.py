@@ -59,7 +59,7 @@ class Gate(enum.IntEnum):
 class MethodId(enum.IntEnum):
     """Kernel-side method switch (a constexpr); several table rows may share one id."""
 
-    GRPO = 0
+    PPO_CLIP = 0  # PPO's clipped ratio: grpo, and geo_mean, clip_cov and kl_cov (with bounds that clip nothing or a selection)
     DCPO = 1
     CAPPED_IS = 2  # cispo and dispo
     GRADIENT_PRESERVING = 3  # gppo and ce_gppo
@@ -84,14 +84,14 @@ class KernelParam(enum.IntEnum):
     HIGH_POS = 1
     LOW_NEG = 2  # ... and for A < 0
     HIGH_NEG = 3
-    EPS_LOW = 4  # dcpo's raw eps for its q-dependent bounds; dppo's divergence threshold for A <= 0
-    EPS_HIGH = 5  # ... and for A > 0
+    THRESHOLD_LOW = 4  # dcpo's eps of its bound on the old probability; dppo's divergence threshold for A <= 0
+    THRESHOLD_HIGH = 5  # ... and for A > 0
     DUAL_CLIP = 6  # +inf when off
     LN_WEIGHT = 7  # gppo: beta1 * low
     HP_WEIGHT = 8  # gppo: beta2 * high
     N = 9
     M = 10
-    R_MAX = 11  # dcpo's ratio cap; dppo's importance-weight cap
+    RATIO_CAP = 11  # dcpo's ratio cap (r_max); dppo's importance-weight cap (is_cap)
     TAU_POS = 12
     TAU_NEG = 13
     DELTA = 14  # TRL's cap on the ratio (grpo); +inf when off

@@ -1,4 +1,4 @@
-"""Triton mirror of the method table (``dgpo_ops/methods.py``) for the kernels' per-token epilogue.
+"""Triton mirror of the method table (``dgpo_ops/methods/``, one file per method or family) for the kernels' per-token epilogue.
 
 ``token_terms`` takes one token's scalars and the fp32 parameter vector a ``MethodConfig`` lowers
 to (``kernel_params``), and returns ``(L, dL/dl, psi, region, r)``. The method is a constexpr switch that
@@ -92,7 +92,7 @@ def _sapo_gate(r, tau, GATE: tl.constexpr):
 
 
 @triton.jit
-def _grpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+def _ppo_clip_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     low = tl.load(params_ptr + codes.PARAM_LOW_POS)
     high = tl.load(params_ptr + codes.PARAM_HIGH_POS)
     return _ppo_clip(r, adv, low, high, tl.load(params_ptr + codes.PARAM_DUAL_CLIP),
@@ -102,9 +102,9 @@ def _grpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
 @triton.jit
 def _dcpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     q = tl.exp(old_logp)
-    eps_low = tl.load(params_ptr + codes.PARAM_EPS_LOW)
-    eps_high = tl.load(params_ptr + codes.PARAM_EPS_HIGH)
-    r_max = tl.load(params_ptr + codes.PARAM_R_MAX)
+    eps_low = tl.load(params_ptr + codes.PARAM_THRESHOLD_LOW)
+    eps_high = tl.load(params_ptr + codes.PARAM_THRESHOLD_HIGH)
+    r_max = tl.load(params_ptr + codes.PARAM_RATIO_CAP)
     low = 0.5 + 0.5 * tl.sqrt_rn(tl.maximum(1.0 - tl.div_rn(4.0 * eps_low, q), 0.0))
     high = tl.minimum(0.5 + 0.5 * tl.sqrt_rn(1.0 + tl.div_rn(4.0 * eps_high, q)), r_max)
     return _ppo_clip(r, adv, low, high, r_max, tl.load(params_ptr + codes.PARAM_DELTA))  # +inf: no delta
@@ -185,9 +185,9 @@ def _reinforce_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
 
 @triton.jit
 def _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, BINARY_KL: tl.constexpr):
-    delta_low = tl.load(params_ptr + codes.PARAM_EPS_LOW)
-    delta_high = tl.load(params_ptr + codes.PARAM_EPS_HIGH)
-    cap = tl.load(params_ptr + codes.PARAM_R_MAX)
+    delta_low = tl.load(params_ptr + codes.PARAM_THRESHOLD_LOW)
+    delta_high = tl.load(params_ptr + codes.PARAM_THRESHOLD_HIGH)
+    cap = tl.load(params_ptr + codes.PARAM_RATIO_CAP)
     p = tl.exp(logp)
     q = tl.exp(old_logp)
     pos = adv > 0
@@ -224,8 +224,8 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
     own log-prob (cispo's value uses it). A switch over the method ids that fails to compile on any other."""
     log_ratio = tl.clamp(log_ratio, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP, propagate_nan=codes.NAN_PROPAGATING)
     r = tl.exp(log_ratio)
-    if METHOD == codes.METHOD_GRPO:
-        loss, psi, region = _grpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
+    if METHOD == codes.METHOD_PPO_CLIP:
+        loss, psi, region = _ppo_clip_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_DCPO:
         loss, psi, region = _dcpo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_CAPPED_IS:

@@ -10,6 +10,12 @@ import torch
 from .interface import NUM_PLANES, NUM_SEQUENCE_STATS, NUM_STATS, NUM_STATUS
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the per-token math and the workspace for inputs of ``dtype``: fp32, or fp64 for fp64 inputs
+    (gradcheck). The one home of this rule: every op and kernel set reads it here."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass
 class TokenInputs:
     """The per-token inputs of one call on its ``(B, T)`` grid, as the caller passed them.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .interface import IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, SequenceStat, Status
+from .row_io import compute_dtype
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
 
@@ -103,10 +104,6 @@ def _row_chunks(tensors: list[torch.Tensor], chunk_rows: int | None):
         yield slice(start, stop), [f[start:stop] for f in flats]
 
 
-def _compute_dtype(logits):
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
 def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=None, token_offset: int = 0,
                           chunk_rows=None, vocab_split=None) -> None:
     """Twin of ``logprob_entropy`` without the epilogue: the target index and the row planes of ``workspace``
@@ -121,7 +118,7 @@ def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=No
     owned = valid & (local >= 0) & (local < columns)
     workspace.target_index[token_offset:token_offset + n] = torch.where(valid, torch.where(owned, local, columns), -1)
     planes = workspace.planes()
-    dtype = _compute_dtype(logits)
+    dtype = compute_dtype(logits.dtype)
     targets = workspace.target_index[token_offset:token_offset + n]
     for rows, (chunk,) in _row_chunks([logits], chunk_rows):
         x = chunk.to(dtype) * inv_temperature
@@ -166,7 +163,7 @@ def _row_planes(x, targets) -> dict:
 def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_temperature: float, entropy_coef: float,
                       grad_loss=None, dloss_dlogp=None, token_offset: int = 0, chunk_rows=None, dloss_dentropy=None):
     """Twin of ``logits_grad``."""
-    dtype = _compute_dtype(logits)
+    dtype = compute_dtype(logits.dtype)
     n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
     at = slice(token_offset, token_offset + n)
     planes = workspace.planes()[:, at].to(dtype)

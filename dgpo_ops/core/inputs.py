@@ -26,7 +26,7 @@ from dgpo_ops.core.aggregation import (
 )
 from dgpo_ops.core.validation import MESSAGES
 from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
-from dgpo_ops.kernels.row_io import TokenInputs
+from dgpo_ops.kernels.row_io import TokenInputs, compute_dtype
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
@@ -103,8 +103,10 @@ def _check_float_input(name, value, grid_shape, device, allow_per_response):
 
 
 def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregation="token_mean",
-                 needs_sequences=False) -> TokenInputs:
-    """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``."""
+                 sequence_reason: str | None = None) -> TokenInputs:
+    """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``. ``sequence_reason``:
+    why the call needs each response's tokens together (``LossOptions.sequence_reason``), None where it does
+    not."""
     target_ids, advantages, mask = batch.target_ids, batch.advantages, batch.mask
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits_shape)}")
@@ -114,11 +116,9 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
         raise ValueError("logits must have a non-empty vocabulary axis")
     flat = len(logits_shape) == 2
     check_generator(batch.generator, device)
-    if flat and (needs_sequences or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
-        raise ValueError(
-            "flat (N, V) logits carry no response structure: use (B, T, V) logits for aggregation "
-            f"{aggregation!r} or for importance_sampling_level='sequence'"
-        )
+    if flat and (sequence_reason is not None or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
+        reason = sequence_reason if sequence_reason is not None else f"aggregation {aggregation!r}"
+        raise ValueError(f"flat (N, V) logits carry no response structure: use (B, T, V) logits for {reason}")
     token_shape = torch.Size(logits_shape[:-1])
     grid = (1, logits_shape[0]) if flat else (logits_shape[0], logits_shape[1])
 
@@ -181,8 +181,7 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=to
         value = getattr(inputs, name)
         if value is None:
             continue
-        if value.dim() == 1 and not inputs.flat:
-            value = value[:, None].expand(scored.shape)
+        value = on_token_grid(value, inputs.flat, scored.shape)
         if not torch.isfinite(value[scored].to(dtype)).all():
             raise ValueError(MESSAGES[InputError[name.upper()]])
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
@@ -190,9 +189,12 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=to
         check_normalizer_value(float(tensor))
 
 
-def per_token_dtype(logits_dtype) -> torch.dtype:
-    """Per-token math runs in fp32, or fp64 for fp64 logits (gradcheck)."""
-    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+def on_token_grid(value: torch.Tensor, flat: bool, grid: tuple[int, int]) -> torch.Tensor:
+    """A per-token input on the ``(B, T)`` grid, without a copy: a per-response ``(B,)`` value expanded over its
+    tokens, a flat call's ``(N,)`` reshaped to ``(1, N)``. The one place this rule is written."""
+    if flat:
+        return value.reshape(grid)
+    return value[:, None].expand(grid) if value.dim() == 1 else value
 
 
 def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tensor, dtype) -> TokenBatch:
@@ -202,10 +204,7 @@ def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tens
     def on_grid(value):
         if value is None:
             return None
-        if inputs.flat:
-            value = value.reshape(B, T)
-        elif value.dim() == 1:
-            value = value[:, None].expand(B, T)
+        value = on_token_grid(value, inputs.flat, (B, T))
         return torch.where(scored, value.to(dtype), 0.0).contiguous()  # the kernels index ptr + token
 
     target_ids = inputs.target_ids.reshape(B, T).to(torch.int64)
@@ -221,13 +220,13 @@ def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tens
     )
 
 
-def prepare_batch(logits_shape, logits_dtype, device, batch: LossBatch, aggregation, needs_sequences,
+def prepare_batch(logits_shape, logits_dtype, device, batch: LossBatch, aggregation, sequence_reason,
                   check: bool = True) -> TokenBatch:
     """Structure, values (checked now unless ``check`` is False: the compiled reference checks them
     in a custom op) and the canonical layout, with torch's aggregation scales: the reference's path,
     and the ground truth for the prologue kernel."""
-    inputs = token_inputs(logits_shape, logits_dtype, device, batch, aggregation, needs_sequences)
-    dtype = per_token_dtype(logits_dtype)
+    inputs = token_inputs(logits_shape, logits_dtype, device, batch, aggregation, sequence_reason)
+    dtype = compute_dtype(logits_dtype)
     loss_normalizer = batch.loss_normalizer
     if check:
         check_values(inputs, logits_shape[-1], loss_normalizer, dtype)

@@ -76,6 +76,13 @@ class LossOptions:
         return own if own is not None else (gspo.mean_log_ratio if self.importance_sampling_level == "sequence" else None)
 
     @property
+    def sequence_reason(self) -> str | None:
+        """Why each response's tokens must come together (for an error that names it), None at token level."""
+        if METHODS[self.method.name].sequence_statistic is not None:
+            return f"method {self.method.name!r} (evaluated at a statistic of each response's log-ratios)"
+        return "importance_sampling_level='sequence'" if self.importance_sampling_level == "sequence" else None
+
+    @property
     def sequence_level(self) -> bool:
         return self.sequence_statistic is not None
 

@@ -6,8 +6,8 @@ Importing this module registers every method and alias of the table as the verl 
 package's ``verl.plugins`` entry point is loaded by ``import verl``. Choose a loss with
 ``actor_rollout_ref.actor.policy_loss.loss_mode=dgpo_ops.dgpo``; the parameters verl has no field for
 (DGPO's ``n`` and ``m``, DISPO's four bounds, ...) go in ``policy_loss.method_params`` once
-``policy_loss._target_`` names this module's ``PolicyLossConfig`` (``verl_params``; the README's "Training
-with verl" has the command lines).
+``policy_loss._target_`` names this module's ``PolicyLossConfig`` (``verl_params``; docs/integrations.md, "Training
+with verl", has the command lines).
 
 verl calls a policy loss on padded ``(batch, response_length)`` tensors and adds the entropy bonus and
 the KL term itself (``verl.workers.utils.losses.ppo_loss``); the loss here is the package's torch objective
@@ -43,7 +43,7 @@ from dgpo_ops.integrations.verl_params import (
     verl_token_scales,
 )
 from dgpo_ops.kernels.interface import Region
-from dgpo_ops.methods.catalog import resolve
+from dgpo_ops.methods.table import resolve
 from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 
 FUSED_KERNELS_ENV = "DGPO_OPS_VERL_FUSED_KERNELS"

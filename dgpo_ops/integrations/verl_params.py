@@ -23,15 +23,13 @@ import torch
 
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
 from dgpo_ops.methods.base import ParamSpec
-from dgpo_ops.methods.catalog import POLICY_LOSSES, resolve
+from dgpo_ops.methods.catalog import POLICY_LOSSES, format_value
 from dgpo_ops.methods.catalog import method_params as table_params
-from dgpo_ops.methods.table import ALIASES, METHODS
+from dgpo_ops.methods.table import ALIASES, METHODS, resolve
 
 PREFIX = "dgpo_ops."
 ACTOR = "actor_rollout_ref.actor"
 POLICY_LOSS = f"{ACTOR}.policy_loss"
-# verl builds the actor config with hydra's instantiate: this _target_ adds our two fields to policy_loss.
-POLICY_LOSS_TARGET = "dgpo_ops.integrations.verl.PolicyLossConfig"
 # verl's clip_ratio_low / clip_ratio_high: None means clip_ratio (as verl's own losses read them).
 VERL_FALLBACKS = {"clip_ratio_low": "clip_ratio", "clip_ratio_high": "clip_ratio"}
 
@@ -69,7 +67,7 @@ VERL_AGGREGATIONS: dict[str, VerlAggregation] = {
 }
 
 
-def check_aggregation(loss_agg_mode) -> VerlAggregation:
+def check_loss_agg_mode(loss_agg_mode) -> VerlAggregation:
     if loss_agg_mode not in VERL_AGGREGATIONS:
         raise ValueError(f"{ACTOR}.loss_agg_mode: verl has no aggregation {loss_agg_mode!r}; "
                          f"its aggregations are {', '.join(VERL_AGGREGATIONS)}")
@@ -96,7 +94,7 @@ def verl_token_scales(mask: torch.Tensor, loss_agg_mode: str, global_batch_info,
     if loss_agg_mode == ROW_MEAN:
         lengths = mask.sum(dim=-1, keepdim=True).to(dtype) + 1e-8
         return mask.to(dtype) / lengths / max(mask.shape[0], 1)
-    aggregation = check_aggregation(loss_agg_mode)
+    aggregation = check_loss_agg_mode(loss_agg_mode)
     info = dict(global_batch_info or {})
     dp_size = info.get("dp_size")
     dp_size = 1 if dp_size is None else dp_size
@@ -160,7 +158,7 @@ def check_method_params(method: str, given) -> dict:
             for name, value in given.items()}
 
 
-def method_params(name: str, config) -> dict:
+def params_from_verl(name: str, config) -> dict:
     """The parameters of the method or alias ``name`` from verl's actor ``config``: ``policy_loss.method_params``
     first, then the alias's presets, then the verl field that means the same, else the table's default (left
     out here)."""
@@ -211,11 +209,8 @@ def loss_options(mode: str, config) -> LossOptions:
     if level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"{POLICY_LOSS}.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                          f"got {level!r}")
-    return LossOptions.build(resolve(name)[0], importance_sampling_level=level, **method_params(name, config))
+    return LossOptions.build(resolve(name)[0], importance_sampling_level=level, **params_from_verl(name, config))
 
-
-def _format(value) -> str:
-    return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def verl_table_markdown() -> str:
@@ -229,11 +224,11 @@ def verl_table_markdown() -> str:
             if p.spec.verl_field is not None:
                 fallback = VERL_FALLBACKS.get(p.spec.verl_field)
                 verl.append(f"`{p.name}` <- `{p.spec.verl_field}`" + (f" (None: `{fallback}`)" if fallback else ""))
-        own = [f"`{p.name}={_format(p.default)}`" for p in params if p.spec.verl_field is None]
+        own = [f"`{p.name}={format_value(p.default)}`" for p in params if p.spec.verl_field is None]
         lines.append(f"| `{loss_mode(method)}` | {spec.paper} | {'<br>'.join(verl) or '-'} | "
                      f"{', '.join(own) or '-'} |")
     for name, alias in ALIASES.items():
-        presets = ", ".join(f"`{k}={_format(v)}`" for k, v in alias.params.items())
+        presets = ", ".join(f"`{k}={format_value(v)}`" for k, v in alias.params.items())
         lines.append(f"| `{loss_mode(name)}` | {alias.summary}: `{loss_mode(alias.method)}` with {presets} (over "
                      f"verl's field) | as `{loss_mode(alias.method)}` | as `{loss_mode(alias.method)}` |")
     return "\n".join(lines) + "\n"

@@ -15,18 +15,9 @@ import re
 from dataclasses import dataclass
 
 from dgpo_ops.methods.base import ParamSpec
-from dgpo_ops.methods.table import ALIASES, METHODS
+from dgpo_ops.methods.table import ALIASES, METHODS, resolve
 
 POLICY_LOSSES: tuple[str, ...] = (*METHODS, *ALIASES)
-
-
-def resolve(name: str) -> tuple[str, dict]:
-    """The method a name stands for and the parameters its alias presets (none for a method)."""
-    if name in METHODS:
-        return name, {}
-    if name in ALIASES:
-        return ALIASES[name].method, dict(ALIASES[name].params)
-    raise ValueError(f"unknown method {name!r}; known methods: {', '.join(POLICY_LOSSES)}")
 
 
 @dataclass(frozen=True)
@@ -109,7 +100,7 @@ def variants() -> list[tuple[str, dict]]:
     return [(name, dict(params)) for name, spec in METHODS.items() for params in spec.variants]
 
 
-def _format(value) -> str:
+def format_value(value) -> str:
     return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -133,13 +124,13 @@ def method_table_markdown() -> str:
 
     for name, spec in METHODS.items():
         params = method_params(name)
-        described = "<br>".join(f"`{p.name}={_format(p.default)}`: {p.spec.describe()}" for p in params) or "none"
+        described = "<br>".join(f"`{p.name}={format_value(p.default)}`: {p.spec.describe()}" for p in params) or "none"
         fields = "<br>".join(source(p) for p in params) or "-"
-        presets = ", ".join(f"`{k}={_format(v)}`" for k, v in trainer_presets(name).items())
+        presets = ", ".join(f"`{k}={format_value(v)}`" for k, v in trainer_presets(name).items())
         lines.append(f"| `{name}` | {spec.summary}" + (f"; `dgpo-ops train` presets {presets}" if presets else "")
                      + f" | {described} | {fields} |")
     for name, alias in ALIASES.items():
-        params = ", ".join(f"`{k}={_format(v)}`" for k, v in alias.params.items())
+        params = ", ".join(f"`{k}={format_value(v)}`" for k, v in alias.params.items())
         lines.append(f"| `{name}` | {alias.summary}: `{alias.method}` with {params} where unset | as `{alias.method}` "
                      f"| as `{alias.method}` |")
     return "\n".join(lines) + "\n"

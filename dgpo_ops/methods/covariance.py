@@ -30,7 +30,7 @@ def _covariance_param(default, what: str, field: str, verl_none=None, **spec):
 @dataclass(frozen=True)
 class ClipCovConfig(MethodConfig):
     name: ClassVar[str] = "clip_cov"
-    method_id: ClassVar[MethodId] = MethodId.GRPO  # PPO's single clip; the selection cuts the chosen tokens
+    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # PPO's single clip; the selection cuts the chosen tokens
     eps_low: float = eps_low_param()
     eps_high: float = eps_high_param()
     clip_cov_ratio: float = _covariance_param(2e-4, "fraction of the scored tokens whose gradient is cut (at least "
@@ -45,7 +45,7 @@ class ClipCovConfig(MethodConfig):
 @dataclass(frozen=True)
 class KlCovConfig(MethodConfig):
     name: ClassVar[str] = "kl_cov"
-    method_id: ClassVar[MethodId] = MethodId.GRPO  # the plain ratio; the selection adds the penalty
+    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # the plain ratio; the selection adds the penalty
     kl_cov_ratio: float = _covariance_param(2e-4, "fraction of the scored tokens (the largest covariances, at "
                                             "least one) that get the penalty", "kl_cov_ratio", low=0.0,
                                             low_open=True, high=1.0)

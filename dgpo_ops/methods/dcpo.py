@@ -22,7 +22,7 @@ class DcpoConfig(MethodConfig):
     r_max: float = param(10.0, "ratio cap (and dual clip)", low=1.0, low_open=True, config_field="dcpo_r_max")
 
     def _kernel_slots(self):
-        return {KernelParam.EPS_LOW: self.eps_low, KernelParam.EPS_HIGH: self.eps_high, KernelParam.R_MAX: self.r_max}
+        return {KernelParam.THRESHOLD_LOW: self.eps_low, KernelParam.THRESHOLD_HIGH: self.eps_high, KernelParam.RATIO_CAP: self.r_max}
 
 
 def dcpo_bounds(cfg: DcpoConfig, old_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,8 +29,8 @@ class DppoTvConfig(MethodConfig):
                           config_field="dppo_is_cap", verl_field="clip_ratio_c")
 
     def _kernel_slots(self):
-        return {KernelParam.EPS_LOW: self.delta_low, KernelParam.EPS_HIGH: self.delta_high,
-                KernelParam.R_MAX: self.is_cap}
+        return {KernelParam.THRESHOLD_LOW: self.delta_low, KernelParam.THRESHOLD_HIGH: self.delta_high,
+                KernelParam.RATIO_CAP: self.is_cap}
 
 
 @dataclass(frozen=True)

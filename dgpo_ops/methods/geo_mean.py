@@ -15,7 +15,7 @@ from dgpo_ops.methods.clip import unclipped_bounds, unclipped_ratio
 @dataclass(frozen=True)
 class GeoMeanConfig(MethodConfig):
     name: ClassVar[str] = "geo_mean"
-    method_id: ClassVar[MethodId] = MethodId.GRPO  # -A R at the response's clipped geometric mean R
+    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # -A R at the response's clipped geometric mean R
     # GMPO clips each token's log-ratio before the mean, in log space (verl reads its clip_ratio_* as these)
     eps_low: float = param(0.2, "for A < 0 a token's log-ratio is clipped below at -eps_low", low=0.0,
                            config_field="epsilon", verl_field="clip_ratio_low")

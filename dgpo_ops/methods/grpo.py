@@ -14,7 +14,7 @@ from dgpo_ops.methods.clip import dual_clip_param, eps_high_param, eps_low_param
 @dataclass(frozen=True)
 class GrpoConfig(MethodConfig):
     name: ClassVar[str] = "grpo"
-    method_id: ClassVar[MethodId] = MethodId.GRPO
+    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP
     eps_low: float = eps_low_param()
     eps_high: float = eps_high_param()
     dual_clip: float | None = dual_clip_param(None)

@@ -25,12 +25,12 @@ import json
 
 import torch
 
-from dgpo_ops.core.inputs import LossBatch, check_values, per_token_dtype, token_inputs
+from dgpo_ops.core.inputs import LossBatch, check_values, token_inputs
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.kernels.interface import Plane
-from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.methods.table import method_config
 from dgpo_ops.ops.backends import select_kernels
 from dgpo_ops.ops.linear import Precision, ProjectionOptions, autocast_dtype, linear_forward_pass, linear_plan
@@ -125,7 +125,7 @@ def _(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weight
     # The structure checks (shapes, dtypes, devices) run here, at trace time, with the eager messages.
     batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
     plan = _logits_plan(logits, batch, spec, needs_grad, checked=False)
-    dtype = per_token_dtype(logits.dtype)
+    dtype = compute_dtype(logits.dtype)
     workspace = RowWorkspace.allocate(logits.shape[:-1], plan.inputs.grid[0], logits.device, dtype)
     n_coefficients = workspace.n_tokens if needs_grad and not plan.uses_epilogue else 0
     return (workspace.loss, workspace.per_token, workspace.stats, workspace.target_index, workspace.sequence_stats,
@@ -221,7 +221,7 @@ def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, 
     call = plan.call
     token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
     workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
-                                      per_token_dtype(precision.tile))
+                                      compute_dtype(precision.tile))
     grads = [torch.empty(t.shape, dtype=precision.accumulate, device=t.device) if w and t is not None
              else workspace.stats.new_empty(0) for t, w in zip((hidden, weight, bias), wants)]
     return (workspace.loss, workspace.per_token, workspace.stats, *grads)
@@ -252,7 +252,7 @@ def compiled_fused_linear_loss(flat_hidden, weight, bias, batch: LossBatch, opti
     loss, per_token, stats, *_ = fused_linear_policy_loss_op(
         flat_hidden, weight, bias, *batch.tensors(), *split_normalizer(batch.loss_normalizer),
         options_spec(options, projection), wants, "" if cast is None else str(cast).split(".")[-1])
-    loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
+    loss = loss.to(compute_dtype(weight.dtype))
     per_token, stats = per_token.detach(), stats.detach()
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
 
@@ -270,12 +270,12 @@ def checked_inputs_op(
     device = target_ids.device
     batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
     inputs = token_inputs(torch.Size(logits_shape), logits_dtype, device, batch, options.aggregation,
-                          options.sequence_level)
-    check_values(inputs, logits_shape[-1], batch.loss_normalizer, per_token_dtype(logits_dtype))
-    return torch.ones((), device=device, dtype=per_token_dtype(logits_dtype))
+                          options.sequence_reason)
+    check_values(inputs, logits_shape[-1], batch.loss_normalizer, compute_dtype(logits_dtype))
+    return torch.ones((), device=device, dtype=compute_dtype(logits_dtype))
 
 
 @checked_inputs_op.register_fake
 def _(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value,
       logits_shape, logits_dtype, spec):
-    return target_ids.new_empty((), dtype=per_token_dtype(logits_dtype))
+    return target_ids.new_empty((), dtype=compute_dtype(logits_dtype))

@@ -36,13 +36,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.core.inputs import LossBatch, per_token_dtype
+from dgpo_ops.core.inputs import LossBatch
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, refuse_double_backward
 from dgpo_ops.kernels.interface import Plane
-from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.ops.pipeline import CallPlan, backward_rows, epilogue_inputs, forward_rows, plan_call
 
@@ -282,7 +282,7 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
         projection = TileProjection(weight, bias, precision)
         tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
         workspace = RowWorkspace.allocate(call.rows.token_shape, call.inputs.grid[0], hidden.device,
-                                          per_token_dtype(precision.tile), zero_planes)
+                                          compute_dtype(precision.tile), zero_planes)
         accumulate = precision.accumulate
 
         def zeros_like(t, wanted):
@@ -370,7 +370,7 @@ def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, pr
     if projection_options.logits_on_chip and not layout.is_default:
         raise ValueError("logits_on_chip=True does not take vocab_parallel_group or cu_seqlens yet: pass "
                          "logits_on_chip=False (the tile path runs every layout)")
-    tile_probe = torch.empty(0, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
+    tile_probe = torch.empty(0, dtype=compute_dtype(weight.dtype),
                              device=weight.device)
     if projection_options.logits_on_chip and weight.dtype == torch.float64:
         raise ValueError("logits_on_chip=True multiplies float32, bfloat16 or float16 weights; float64 weights "
@@ -393,5 +393,5 @@ def linear_loss(hidden, weight, bias, batch: LossBatch, options: LossOptions,
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     plan = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad, layout=layout)
     loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias, plan)
-    loss = loss.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
+    loss = loss.to(compute_dtype(weight.dtype))
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.core.inputs import LossBatch, per_token_dtype
+from dgpo_ops.core.inputs import LossBatch
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, refuse_double_backward
 from dgpo_ops.kernels.interface import Plane, Status
-from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
 from dgpo_ops.ops.linear import (
@@ -55,7 +55,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
             projection = TileProjection(weight, bias, precision)
             tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, call.options.temperature)
-            workspace = RowWorkspace.allocate((n_tokens,), 1, hidden.device, per_token_dtype(precision.tile))
+            workspace = RowWorkspace.allocate((n_tokens,), 1, hidden.device, compute_dtype(precision.tile))
             run_prologue(call, workspace)
             forward = row_forward(call, workspace, with_epilogue=False)  # the method is not this op's
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: forward(tile, tiles.kernel_scale, start))

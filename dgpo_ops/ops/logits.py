@@ -22,7 +22,7 @@ from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import refuse_double_backward
 from dgpo_ops.kernels.interface import Plane
-from dgpo_ops.kernels.row_io import RowWorkspace
+from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
 from dgpo_ops.ops.backends import RowKernels
 from dgpo_ops.ops.pipeline import CallPlan, backward_rows, forward_rows, plan_call
@@ -31,7 +31,7 @@ from dgpo_ops.ops.pipeline import CallPlan, backward_rows, forward_rows, plan_ca
 def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False):
     """The forward kernels of one call: ``(workspace, loss, stats, dloss_dlogp)``; the last is None
     after an epilogue (the coefficients are in the workspace) and under no_grad."""
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(logits.dtype)
     workspace = RowWorkspace.allocate(logits.shape[:-1], plan.inputs.grid[0], logits.device, dtype, zero_planes)
     inv_temperature = 1.0 / plan.options.temperature
     # The row forward first: it waits for no other kernel, so the long pass over the logits

@@ -31,7 +31,6 @@ from dgpo_ops.core.inputs import (
     canonical_batch,
     check_values,
     normalizer_spec,
-    per_token_dtype,
     token_inputs,
 )
 from dgpo_ops.core.metrics import policy_metrics
@@ -39,7 +38,7 @@ from dgpo_ops.core.objective import check_kl_inputs, policy_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode
 from dgpo_ops.kernels.interface import Plane, Status
-from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs
+from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.ops.backends import RowKernels, select_kernels
@@ -88,7 +87,7 @@ def plan_call(token_shape, columns: int, dtype, device, batch: LossBatch, option
     rows = RowLayout.build(layout, token_shape, columns, device, check=checked and not deferred)
     grid_batch = rows.grid_batch(batch)
     inputs = token_inputs(rows.grid_logits_shape(), dtype, device, grid_batch, options.aggregation,
-                          options.sequence_level)
+                          options.sequence_reason)
     check_kl_inputs(inputs, options)
     kernels = select_kernels(options.backend, kernel_probe)
     plan = CallPlan(inputs, options, kernels, rows.vocab, normalizer_spec(grid_batch.loss_normalizer, device),
@@ -97,12 +96,12 @@ def plan_call(token_shape, columns: int, dtype, device, batch: LossBatch, option
         if deferred:
             poll_deferred_errors()
         else:
-            check_values(inputs, plan.vocab, grid_batch.loss_normalizer, per_token_dtype(kernel_probe.dtype))
+            check_values(inputs, plan.vocab, grid_batch.loss_normalizer, compute_dtype(kernel_probe.dtype))
     return plan
 
 
 @functools.lru_cache(maxsize=256)
-def method_params(config: MethodConfig, device: torch.device) -> torch.Tensor:
+def kernel_params_on(config: MethodConfig, device: torch.device) -> torch.Tensor:
     """The method's fp32 parameter vector on ``device``, made once per (config, device): later calls
     copy nothing. The copy to a GPU is asynchronous (pinned source), so even the first call does not
     synchronise."""
@@ -116,7 +115,7 @@ def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
     return EpilogueInputs(
         method_id=int(options.method.method_id),
         gate_id=int(options.method.gate_id),
-        method_params=method_params(options.method, torch.device(device)),
+        method_params=kernel_params_on(options.method, torch.device(device)),
         beta=float(options.beta),
         entropy_coef=float(options.entropy_coef),
         kl_ratio_correction=options.kl_ratio_correction,

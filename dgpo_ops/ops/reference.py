@@ -14,6 +14,7 @@ from dgpo_ops.core.objective import masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.layouts.packed import PackedLayout
+from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.ops.compiled import checked_inputs_op, options_spec, split_normalizer
 
 
@@ -60,8 +61,7 @@ def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, c
     it materialises), per-token outputs back in packed order."""
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
-    if cu_seqlens is None:
-        raise ValueError("max_seqlen goes with cu_seqlens (packed sequences)")
+    CallLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)  # refuses a max_seqlen without cu_seqlens
     if logits.dim() != 2:
         raise ValueError(f"packed tokens (cu_seqlens) are (total_tokens, V) logits, got shape {tuple(logits.shape)}")
     packed = PackedLayout.build(cu_seqlens, logits.shape[0], logits.device, max_seqlen)
@@ -72,7 +72,7 @@ def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, c
 def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
     compiling = torch.compiler.is_compiling()
     batch = prepare_batch(logits.shape, logits.dtype, logits.device, loss_batch, options.aggregation,
-                          options.sequence_level, check=not compiling)
+                          options.sequence_reason, check=not compiling)
     if compiling:
         # The value checks (host reads) as one op that returns 1.0 or raises; the logits are scaled
         # by it so that it runs before anything reads them (an out-of-range target, say).
