@@ -49,9 +49,11 @@ required_params = catalog.required_params  # what a call by name alone must add 
 
 
 def required_fields(name: str) -> dict:
-    """``required_params`` as the trainer config's fields (``ParamSpec.config_field``)."""
-    params = {p.name: p for p in catalog.method_params(catalog.resolve(name)[0])}
-    return {params[k].spec.config_field: params[k].spec.to_config(v) for k, v in required_params(name).items()}
+    """``required_params`` as the trainer config's fields (``trainer/method_fields.py``)."""
+    from dgpo_ops.trainer.method_fields import config_method_params
+
+    params = {p.name: p for p in config_method_params(catalog.resolve(name)[0])}
+    return {params[k].field.name: params[k].field.to_config(v) for k, v in required_params(name).items()}
 
 
 def by_name(name: str, seed: int = 0) -> dict:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from dgpo_ops.trainer.method_fields import END, START
 from helpers import by_name, logits_batch
 
 import dgpo_ops
-from dgpo_ops.methods.catalog import END, START
 from dgpo_ops.methods.table import ALIASES, METHODS
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()

@@ -1,8 +1,8 @@
 """``DGPOConfig``: TRL's ``GRPOConfig`` plus the policy loss of any method of the family.
 
-The method fields are not written here: each method parameter's ``ParamSpec`` (``dgpo_ops/methods.py``)
-names the config field it is read from, and every such field TRL's ``GRPOConfig`` lacks is added to
-``DGPOConfig`` with its default and help from the table (``_add_method_fields``).
+The method fields are not written here: ``method_fields.py`` names the config field each method parameter is
+read from, and every such field TRL's ``GRPOConfig`` lacks is added to ``DGPOConfig`` with its default and help
+from the method table's specs (``_add_method_fields``).
 """
 
 from __future__ import annotations
@@ -15,15 +15,10 @@ from trl import GRPOConfig
 from dgpo_ops.core.aggregation import AGGREGATIONS
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.methods.base import MethodConfig
-from dgpo_ops.methods.catalog import (
-    POLICY_LOSSES,
-    config_default,
-    config_help,
-    config_params,
-    method_params,
-    resolve,
-)
-from dgpo_ops.methods.table import METHODS, method_config
+from dgpo_ops.methods.catalog import POLICY_LOSSES, method_params
+from dgpo_ops.methods.table import METHODS, method_config, resolve
+
+from .method_fields import config_default, config_help, config_method_params, config_params
 
 FUSED_MODES = ("linear", "logits")
 ADVANTAGE_ESTIMATORS = ("grpo", "dcpo")
@@ -195,25 +190,25 @@ class DGPOConfig(GRPOConfig):
                 else f"{method.name} has no such cap; use policy_loss='grpo' (or leave it unset) with delta"))
 
     def _build_method(self, name: str, fields_only: bool = False) -> MethodConfig | None:
-        """The method config of a method or alias from this config's fields (``ParamSpec.config_field``).
+        """The method config of a method or alias from this config's fields (``method_fields.config_field``).
         ``fields_only``: check the values the fields give the method, parameter by parameter, and build nothing
         (a method that is not chosen may lack a required parameter, dro's ``dro_beta``)."""
         method, alias_params = resolve(name)
         values, sources = {}, {}
-        for p in method_params(method):
-            spec = p.spec
-            if spec.config_field is None or (fields_only and spec.config_offset):
+        for p in config_method_params(method):
+            source = p.field
+            if source is None or (fields_only and source.offset):
                 continue
-            field_name, value = spec.config_field, getattr(self, spec.config_field)
+            field_name, value = source.name, getattr(self, source.name)
             if value is None and p.name in alias_params:
                 continue  # the alias's preset
-            if value is None and spec.config_fallback is not None:
-                field_name, value = spec.config_fallback, getattr(self, spec.config_fallback)
+            if value is None and source.fallback is not None:
+                field_name, value = source.fallback, getattr(self, source.fallback)
             if value is None:
                 continue  # the method's own default
-            values[p.name] = spec.from_config(value)
+            values[p.name] = source.from_config(value)
             sources[field_name] = f"{field_name}={value!r}" + (
-                f" (-> {p.name}={values[p.name]!r})" if spec.config_offset else "")
+                f" (-> {p.name}={values[p.name]!r})" if source.offset else "")
         if self.delta is not None and "delta" not in values and any(p.name == "delta" for p in method_params(method)):
             values["delta"] = self.delta  # TRL's two-sided clip: the grpo row's delta, read from TRL's field
             sources["delta"] = f"delta={self.delta!r}"

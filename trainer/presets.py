@@ -4,9 +4,10 @@ them, ``run.py`` runs with them."""
 
 from __future__ import annotations
 
-from dgpo_ops.methods.catalog import POLICY_LOSSES, trainer_presets
+from dgpo_ops.methods.catalog import POLICY_LOSSES
 
 from .config import method_field_names
+from .method_fields import trainer_presets
 
 METHODS = POLICY_LOSSES
 

@@ -7,8 +7,8 @@ from here).
   apart from verl's, now and later. An alias's parameters (dapo's ``eps_high=0.28``) win over verl's
   fields, as ``method_params`` does, since verl's fields always hold a value.
 * A parameter comes from ``policy_loss.method_params.<name>`` when set there, else from the field of
-  verl's actor config that means the same (``ParamSpec.verl_field``: ``clip_ratio_low/high``,
-  ``clip_ratio_c``, ``tau_pos/neg``), else it keeps the table's default.
+  verl's actor config that means the same (``VERL_FIELDS``: ``clip_ratio_low/high``, ``clip_ratio_c``,
+  ``tau_pos/neg``, ``policy_loss.<field>``), else it keeps the table's default.
 * verl's five aggregations (``agg_loss``) are per-token scales with verl's normalisation across
   data-parallel ranks and micro-batches (``global_batch_info``).
 """
@@ -23,7 +23,7 @@ import torch
 
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
 from dgpo_ops.methods.base import ParamSpec
-from dgpo_ops.methods.catalog import POLICY_LOSSES, format_value
+from dgpo_ops.methods.catalog import POLICY_LOSSES, MethodParam, format_value
 from dgpo_ops.methods.catalog import method_params as table_params
 from dgpo_ops.methods.table import ALIASES, METHODS, resolve
 
@@ -32,6 +32,46 @@ ACTOR = "actor_rollout_ref.actor"
 POLICY_LOSS = f"{ACTOR}.policy_loss"
 # verl's clip_ratio_low / clip_ratio_high: None means clip_ratio (as verl's own losses read them).
 VERL_FALLBACKS = {"clip_ratio_low": "clip_ratio", "clip_ratio_high": "clip_ratio"}
+
+
+@dataclass(frozen=True)
+class VerlField:
+    """A field of verl's actor config (``policy_loss.<name>``: of its policy-loss config) that means a method
+    parameter; ``when_null``: the value verl's own loss uses where the field is null (verl's code constant, which
+    may differ from its config's default)."""
+
+    path: str
+    when_null: float | None = None
+
+
+# The verl field of each method parameter, by the parameter's name; a parameter without one is read from
+# policy_loss.method_params only.
+VERL_FIELDS: dict[str, VerlField] = {
+    "eps_low": VerlField("clip_ratio_low"),
+    "eps_high": VerlField("clip_ratio_high"),
+    "dual_clip": VerlField("clip_ratio_c"),
+    # dppo's divergence thresholds and weight cap are what verl's dppo losses read its clip fields as
+    "delta_low": VerlField("clip_ratio_low"),
+    "delta_high": VerlField("clip_ratio_high"),
+    "is_cap": VerlField("clip_ratio_c"),
+    "tau_pos": VerlField("tau_pos"),
+    "tau_neg": VerlField("tau_neg"),
+    "dro_beta": VerlField("policy_loss.dro_beta"),  # no constant: None raises in verl too
+    "clip_cov_ratio": VerlField("policy_loss.clip_cov_ratio", when_null=2e-4),
+    "clip_cov_lb": VerlField("policy_loss.clip_cov_lb", when_null=1.0),
+    "clip_cov_ub": VerlField("policy_loss.clip_cov_ub", when_null=5.0),
+    "kl_cov_ratio": VerlField("policy_loss.kl_cov_ratio", when_null=2e-4),
+    "ppo_kl_coef": VerlField("policy_loss.ppo_kl_coef", when_null=1.0),  # the config's default is 0.1
+}
+# A method whose parameter of that name verl's field does not mean: DCPO's eps bound the old probability.
+METHOD_VERL_FIELDS: dict[tuple[str, str], VerlField | None] = {("dcpo", "eps_low"): None, ("dcpo", "eps_high"): None}
+# verl's loss of this name aggregates its own way, whatever loss_agg_mode says.
+METHOD_AGGREGATIONS: dict[str, str] = {"geo_mean": "row-mean"}
+
+
+def verl_field(param: MethodParam) -> VerlField | None:
+    """The verl field that means ``param``, None where only ``policy_loss.method_params`` sets it."""
+    return METHOD_VERL_FIELDS.get((param.method, param.name), VERL_FIELDS.get(param.name))
 
 
 def loss_mode(name: str) -> str:
@@ -55,7 +95,7 @@ class VerlAggregation:
 
 
 # verl's geo_mean: torch.mean over the micro-batch's rows of each response's loss (its length plus 1e-8 divides
-# the token sum), whatever loss_agg_mode and global_batch_info say (MethodSpec.verl_aggregation).
+# the token sum), whatever loss_agg_mode and global_batch_info say (METHOD_AGGREGATIONS).
 ROW_MEAN = "row-mean"
 
 VERL_AGGREGATIONS: dict[str, VerlAggregation] = {
@@ -170,14 +210,14 @@ def params_from_verl(name: str, config) -> dict:
     for name, p in ((p.name, p) for p in table_params(method)):
         if name in given:
             values[name] = given[name]
-        elif p.spec.verl_field is not None:
-            field = p.spec.verl_field
+        elif (source := verl_field(p)) is not None:
+            field = source.path
             value = read_verl_field(config, field)
             if value is None and field in VERL_FALLBACKS:
                 field = VERL_FALLBACKS[field]
                 value = read_verl_field(config, field)
-            if value is None and p.spec.verl_none is not None:
-                value = p.spec.verl_none  # what verl's own loss reads a null field as
+            if value is None and source.when_null is not None:
+                value = source.when_null  # what verl's own loss reads a null field as
             values[name] = _checked(method, name, p.spec, value, f"{ACTOR}.{field}")
     return values
 
@@ -189,14 +229,14 @@ def read_verl_field(config, field: str):
     return read_field(config, field)
 
 
-for _method, _spec in METHODS.items():  # a method's own aggregation must be one this module computes
-    if _spec.verl_aggregation not in (None, ROW_MEAN, *VERL_AGGREGATIONS):
-        raise AssertionError(f"{_method}: verl_aggregation {_spec.verl_aggregation!r} is not {ROW_MEAN!r} or a mode")
+for _method, _mode in METHOD_AGGREGATIONS.items():  # a method's own aggregation must be one this module computes
+    if _method not in METHODS or _mode not in (ROW_MEAN, *VERL_AGGREGATIONS):
+        raise AssertionError(f"METHOD_AGGREGATIONS[{_method!r}] = {_mode!r}: not a method, or not {ROW_MEAN!r} or a mode")
 
 
 def aggregation_mode(method: str, loss_agg_mode: str) -> str:
     """The aggregation of verl's call: ``loss_agg_mode``, unless verl's loss of that name has its own."""
-    return METHODS[method].verl_aggregation or loss_agg_mode
+    return METHOD_AGGREGATIONS.get(method, loss_agg_mode)
 
 
 def loss_options(mode: str, config) -> LossOptions:
@@ -221,10 +261,10 @@ def verl_table_markdown() -> str:
         params = table_params(method)
         verl = []
         for p in params:
-            if p.spec.verl_field is not None:
-                fallback = VERL_FALLBACKS.get(p.spec.verl_field)
-                verl.append(f"`{p.name}` <- `{p.spec.verl_field}`" + (f" (None: `{fallback}`)" if fallback else ""))
-        own = [f"`{p.name}={format_value(p.default)}`" for p in params if p.spec.verl_field is None]
+            if (source := verl_field(p)) is not None:
+                fallback = VERL_FALLBACKS.get(source.path)
+                verl.append(f"`{p.name}` <- `{source.path}`" + (f" (None: `{fallback}`)" if fallback else ""))
+        own = [f"`{p.name}={format_value(p.default)}`" for p in params if verl_field(p) is None]
         lines.append(f"| `{loss_mode(method)}` | {spec.paper} | {'<br>'.join(verl) or '-'} | "
                      f"{', '.join(own) or '-'} |")
     for name, alias in ALIASES.items():
@@ -239,7 +279,7 @@ START, END = "<!-- verl-methods:start -->", "<!-- verl-methods:end -->"
 
 def main() -> None:
     """``python -m dgpo_ops.integrations.verl_params``: rewrite the verl table of docs/integrations.md (the
-    README's method table is ``python -m dgpo_ops.methods.catalog``'s)."""
+    README's method table is ``python -m dgpo_ops.trainer.method_fields``'s)."""
     from dgpo_ops.methods.catalog import README, readme_with_section
 
     page = README.parent / "docs" / "integrations.md"

@@ -14,21 +14,10 @@ from dgpo_ops.kernels.interface import FLOAT32_MAX, NUM_KERNEL_PARAMS, Gate, Ker
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """What a method parameter accepts and where the trainer reads it from.
-
-    ``low``/``high`` bound the value (``low_open``: strictly above ``low``); ``optional``: None is allowed
-    (it turns the feature off); ``choices``: the allowed strings. ``config_field`` names the
-    ``DGPOConfig`` (or TRL ``GRPOConfig``) field the trainer reads the parameter from: a field TRL
-    already has keeps TRL's meaning, any other is added to ``DGPOConfig`` from this table; None in that
-    field means the method's default, except ``config_fallback``, the field whose value stands in (TRL's
-    ``epsilon_high=None`` means ``epsilon``). ``config_offset`` is added on the way to the config (CISPO's
-    cap ``1 + eps_high`` is TRL's ``epsilon_high``). Parameters with no ``config_field`` keep their
-    default under the trainer. ``verl_field`` names the field of verl's actor config
-    (``actor_rollout_ref.actor``, or ``policy_loss.<name>`` of its policy-loss config) that means the same
-    (``dgpo_ops.integrations.verl``); parameters without one are read from ``policy_loss.method_params``.
-    ``verl_none``: the value verl's own loss uses where that field is null (verl's code constant, which may
-    differ from its config's default).
-    """
+    """What a method parameter accepts: ``low``/``high`` bound the value (``low_open``: strictly above ``low``);
+    ``optional``: None is allowed (it turns the feature off); ``choices``: the allowed strings. Where a framework's
+    config reads the parameter from is the integration's business (``trainer/method_fields.py`` for TRL,
+    ``dgpo_ops.integrations.verl_params`` for verl)."""
 
     help: str
     low: float | None = None
@@ -36,11 +25,6 @@ class ParamSpec:
     low_open: bool = False
     optional: bool = False
     choices: tuple[str, ...] | None = None
-    config_field: str | None = None
-    config_fallback: str | None = None
-    config_offset: float = 0.0
-    verl_field: str | None = None
-    verl_none: float | None = None
 
     def check(self, method: str, name: str, value) -> None:
         if value is None:
@@ -63,14 +47,6 @@ class ParamSpec:
             closing = ")" if high is None else "]"
             raise ValueError(f"{method}: {name} must be in {bracket}{'-inf' if low is None else low}, "
                              f"{'inf' if high is None else high}{closing}, got {value!r}")
-
-    def to_config(self, value):
-        """The parameter's value in its config field's terms (``config_offset`` added)."""
-        return value if value is None or isinstance(value, str) else value + self.config_offset
-
-    def from_config(self, value):
-        """The parameter's value from its config field's value."""
-        return value if value is None or isinstance(value, str) else value - self.config_offset
 
     def describe(self) -> str:
         """The accepted values in words, for the README table and ``--help``."""
@@ -148,9 +124,7 @@ class MethodSpec:
     """One row of the table: everything about a method that is not its Triton function.
 
     ``variants``: the parameter sets the tests run for it (the defaults first; every value of a
-    ``choices`` parameter somewhere). ``presets``: other ``DGPOConfig`` values that ``dgpo-ops train``
-    applies for this method unless given (a parameter read with an offset gets its default there by
-    itself: TRL's default of that field means something else). ``paper``: where the method comes from.
+    ``choices`` parameter somewhere). ``paper``: where the method comes from.
     """
 
     config: type[MethodConfig]
@@ -158,7 +132,6 @@ class MethodSpec:
     summary: str
     paper: str
     variants: tuple[dict, ...] = ({},)
-    presets: dict = dataclasses.field(default_factory=dict)
     # How a method that is evaluated at a statistic of its response's token log-ratios forms it:
     # (config, SequenceInputs) -> that statistic on the token grid. The rollout weights enter the statistic (as TRL's
     # vespo folds vLLM's importance ratio into its log-weight) instead of multiplying the loss. Such a method is
@@ -167,8 +140,6 @@ class MethodSpec:
     # A batch-level stage after the per-token terms: (config, terms, inputs, scored, generator) -> terms, with
     # statistics over every scored token of the call (the torch objective evaluates such a method).
     token_selection: Callable[..., TokenTerms] | None = None
-    # The aggregation verl's loss of this name uses whatever loss_agg_mode says (dgpo_ops.integrations.verl_params)
-    verl_aggregation: str | None = None
 
     @property
     def name(self) -> str:

@@ -17,10 +17,8 @@ class CispoConfig(MethodConfig):
     name: ClassVar[str] = "cispo"
     method_id: ClassVar[MethodId] = MethodId.CAPPED_IS
     # TRL's CISPO has no lower bound on the weight (eps_low = 1) and calls the cap itself epsilon_high.
-    eps_low: float = param(1.0, "the weight is floored at 1 - eps_low (1: no floor)", low=0.0, high=1.0,
-                           verl_field="clip_ratio_low")
-    eps_high: float = param(4.0, "the weight is capped at 1 + eps_high", low=0.0, config_field="epsilon_high",
-                            config_fallback="epsilon", config_offset=1.0, verl_field="clip_ratio_high")
+    eps_low: float = param(1.0, "the weight is floored at 1 - eps_low (1: no floor)", low=0.0, high=1.0)
+    eps_high: float = param(4.0, "the weight is capped at 1 + eps_high", low=0.0)
 
     def _kernel_slots(self):
         return symmetric_bounds(self)
@@ -30,7 +28,7 @@ def _dispo_bound(default, sign: str, side: str):
     low, high = (0.0, 1.0) if side == "low" else (0.0, None)
     what = "floored at 1 - " if side == "low" else "capped at 1 + "
     return param(default, f"for A {sign} 0 the weight is {what}eps_{side}_{'pos' if sign == '>' else 'neg'}",
-                 low=low, high=high, config_field=f"dispo_eps_{side}_{'pos' if sign == '>' else 'neg'}")
+                 low=low, high=high)
 
 
 @dataclass(frozen=True)

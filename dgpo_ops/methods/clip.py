@@ -11,21 +11,16 @@ from dgpo_ops.methods.base import TokenInputs, TokenTerms, param
 
 
 # The parameters several methods share: one definition each.
-def eps_low_param(default=0.2, **spec):
-    spec = {"verl_field": "clip_ratio_low", **spec}
-    return param(default, "lower clip: the trust region starts at 1 - eps_low", low=0.0, high=1.0,
-                 config_field="epsilon", **spec)
+def eps_low_param(default=0.2):
+    return param(default, "lower clip: the trust region starts at 1 - eps_low", low=0.0, high=1.0)
 
 
-def eps_high_param(default=0.2, **spec):
-    spec = {"verl_field": "clip_ratio_high", **spec}
-    return param(default, "upper clip: the trust region ends at 1 + eps_high", low=0.0, config_field="epsilon_high",
-                 config_fallback="epsilon", **spec)
+def eps_high_param(default=0.2):
+    return param(default, "upper clip: the trust region ends at 1 + eps_high", low=0.0)
 
 
 def dual_clip_param(default, optional=True):
-    return param(default, "dual clip c > 1 for A < 0", low=1.0, low_open=True, optional=optional,
-                 config_field="dual_clip", verl_field="clip_ratio_c")
+    return param(default, "dual clip c > 1 for A < 0", low=1.0, low_open=True, optional=optional)
 
 
 def symmetric_bounds(cfg) -> dict[KernelParam, float]:

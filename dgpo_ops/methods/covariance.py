@@ -21,22 +21,16 @@ from dgpo_ops.methods.clip import (
 from dgpo_ops.methods.selection import random_subset, selection_size, token_covariance, top_subset
 
 
-def _covariance_param(default, what: str, field: str, verl_none=None, **spec):
-    # verl's clip_cov / kl_cov read a null field as their code's constant: the default, but for ppo_kl_coef
-    return param(default, what, config_field=field, verl_field=f"policy_loss.{field}",
-                 verl_none=default if verl_none is None else verl_none, **spec)
-
-
 @dataclass(frozen=True)
 class ClipCovConfig(MethodConfig):
     name: ClassVar[str] = "clip_cov"
     method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # PPO's single clip; the selection cuts the chosen tokens
     eps_low: float = eps_low_param()
     eps_high: float = eps_high_param()
-    clip_cov_ratio: float = _covariance_param(2e-4, "fraction of the scored tokens whose gradient is cut (at least "
-                                              "one)", "clip_cov_ratio", low=0.0, low_open=True, high=1.0)
-    clip_cov_lb: float = _covariance_param(1.0, "a cut token's covariance is above clip_cov_lb", "clip_cov_lb")
-    clip_cov_ub: float = _covariance_param(5.0, "a cut token's covariance is below clip_cov_ub", "clip_cov_ub")
+    clip_cov_ratio: float = param(2e-4, "fraction of the scored tokens whose gradient is cut (at least one)",
+                                  low=0.0, low_open=True, high=1.0)
+    clip_cov_lb: float = param(1.0, "a cut token's covariance is above clip_cov_lb")
+    clip_cov_ub: float = param(5.0, "a cut token's covariance is below clip_cov_ub")
 
     def _kernel_slots(self):
         return symmetric_bounds(self)
@@ -46,11 +40,9 @@ class ClipCovConfig(MethodConfig):
 class KlCovConfig(MethodConfig):
     name: ClassVar[str] = "kl_cov"
     method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # the plain ratio; the selection adds the penalty
-    kl_cov_ratio: float = _covariance_param(2e-4, "fraction of the scored tokens (the largest covariances, at "
-                                            "least one) that get the penalty", "kl_cov_ratio", low=0.0,
-                                            low_open=True, high=1.0)
-    ppo_kl_coef: float = _covariance_param(0.1, "weight of the penalty abs(l - l_old) on the chosen tokens",
-                                           "ppo_kl_coef", verl_none=1.0, low=0.0)
+    kl_cov_ratio: float = param(2e-4, "fraction of the scored tokens (the largest covariances, at least one) that "
+                                "get the penalty", low=0.0, low_open=True, high=1.0)
+    ppo_kl_coef: float = param(0.1, "weight of the penalty abs(l - l_old) on the chosen tokens", low=0.0)
 
     def _kernel_slots(self):
         return unclipped_bounds()

@@ -16,10 +16,10 @@ from dgpo_ops.methods.clip import eps_high_param, eps_low_param, ppo_clip
 class DcpoConfig(MethodConfig):
     name: ClassVar[str] = "dcpo"
     method_id: ClassVar[MethodId] = MethodId.DCPO
-    # DCPO's eps set a bound that depends on the old probability, not PPO's clip: not verl's clip_ratio_*.
-    eps_low: float = eps_low_param(0.16, verl_field=None)
-    eps_high: float = eps_high_param(0.2, verl_field=None)
-    r_max: float = param(10.0, "ratio cap (and dual clip)", low=1.0, low_open=True, config_field="dcpo_r_max")
+    # DCPO's eps set a bound that depends on the old probability, not PPO's clip.
+    eps_low: float = eps_low_param(0.16)
+    eps_high: float = eps_high_param(0.2)
+    r_max: float = param(10.0, "ratio cap (and dual clip)", low=1.0, low_open=True)
 
     def _kernel_slots(self):
         return {KernelParam.THRESHOLD_LOW: self.eps_low, KernelParam.THRESHOLD_HIGH: self.eps_high, KernelParam.RATIO_CAP: self.r_max}
@@ -40,6 +40,5 @@ def _dcpo(cfg: DcpoConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(DcpoConfig, _dcpo, "PPO clip with bounds from the old probability",
-                           "DCPO: Yang et al. (Baichuan), 'Dynamic Clipping Policy Optimization'",
-                           presets={"advantage_estimator": "dcpo"}),
+                           "DCPO: Yang et al. (Baichuan), 'Dynamic Clipping Policy Optimization'"),
 )

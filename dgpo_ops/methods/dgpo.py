@@ -19,9 +19,8 @@ class DgpoConfig(MethodConfig):
     method_id: ClassVar[MethodId] = MethodId.DGPO
     eps_low: float = eps_low_param()
     eps_high: float = eps_high_param()
-    n: float = param(1.0, "polynomial decay order of the probability gradient on the left boundary", low=0.0,
-                     config_field="dgpo_n")
-    m: float = param(2.0, "radical decay order on the right boundary", low=1.0, config_field="dgpo_m")
+    n: float = param(1.0, "polynomial decay order of the probability gradient on the left boundary", low=0.0)
+    m: float = param(2.0, "radical decay order on the right boundary", low=1.0)
 
     def _kernel_slots(self):
         return {**symmetric_bounds(self), KernelParam.N: self.n, KernelParam.M: self.m}

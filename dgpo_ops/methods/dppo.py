@@ -15,7 +15,7 @@ from dgpo_ops.methods.clip import full_like
 def _dppo_threshold(default, side: str):
     sign = "<=" if side == "low" else ">"
     return param(default, f"divergence threshold for A {sign} 0: a token whose probability moved further is dropped",
-                 low=0.0, config_field=f"dppo_delta_{side}", verl_field=f"clip_ratio_{side}")
+                 low=0.0)
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,7 @@ class DppoTvConfig(MethodConfig):
     # verl reads its clip fields as the divergence thresholds and clip_ratio_c as the weight's cap.
     delta_low: float = _dppo_threshold(0.2, "low")
     delta_high: float = _dppo_threshold(0.2, "high")
-    is_cap: float = param(3.0, "the importance weight is capped at is_cap", low=0.0, low_open=True,
-                          config_field="dppo_is_cap", verl_field="clip_ratio_c")
+    is_cap: float = param(3.0, "the importance weight is capped at is_cap", low=0.0, low_open=True)
 
     def _kernel_slots(self):
         return {KernelParam.THRESHOLD_LOW: self.delta_low, KernelParam.THRESHOLD_HIGH: self.delta_high,

@@ -17,7 +17,7 @@ class DroConfig(MethodConfig):
     method_id: ClassVar[MethodId] = MethodId.DRO
     # No default, as verl's policy_loss.dro_beta (None raises there too): DRO is its penalty.
     dro_beta: float | None = param(None, "weight of the penalty (dro_beta / 2) (l - l_old)^2; required", low=0.0,
-                                   low_open=True, config_field="dro_beta", verl_field="policy_loss.dro_beta")
+                                   low_open=True)
 
     def _kernel_slots(self):
         return {KernelParam.PROXIMAL_BETA: self.dro_beta}

@@ -17,10 +17,8 @@ class GeoMeanConfig(MethodConfig):
     name: ClassVar[str] = "geo_mean"
     method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # -A R at the response's clipped geometric mean R
     # GMPO clips each token's log-ratio before the mean, in log space (verl reads its clip_ratio_* as these)
-    eps_low: float = param(0.2, "for A < 0 a token's log-ratio is clipped below at -eps_low", low=0.0,
-                           config_field="epsilon", verl_field="clip_ratio_low")
-    eps_high: float = param(0.2, "for A > 0 a token's log-ratio is clipped above at eps_high", low=0.0,
-                            config_field="epsilon_high", config_fallback="epsilon", verl_field="clip_ratio_high")
+    eps_low: float = param(0.2, "for A < 0 a token's log-ratio is clipped below at -eps_low", low=0.0)
+    eps_high: float = param(0.2, "for A > 0 a token's log-ratio is clipped above at eps_high", low=0.0)
 
     def _kernel_slots(self):
         return unclipped_bounds()
@@ -46,6 +44,6 @@ SPECS = (
                                "clipped per token in log space",
                                "GMPO: Geometric-Mean Policy Optimization, Zhao et al. 2025, arXiv:2507.20673",
                                # (not 0.4, GMPO's own: tests/helpers.py's log-ratio grid holds -0.4, a tie in log space)
-                               variants=({}, {"eps_low": 0.3, "eps_high": 0.35}), sequence_statistic=clipped_log_ratio_mean,
-                               verl_aggregation="row-mean"),
+                               variants=({}, {"eps_low": 0.3, "eps_high": 0.35}),
+                               sequence_statistic=clipped_log_ratio_mean),
 )

@@ -47,8 +47,8 @@ class CeGppoConfig(MethodConfig):
     eps_low: float = eps_low_param()
     eps_high: float = eps_high_param()
     dual_clip: float | None = dual_clip_param(3.0)
-    beta1: float = param(0.75, "scale of the left-boundary gradient", low=0.0, config_field="gppo_beta1")
-    beta2: float = param(1.0, "scale of the right-boundary gradient", low=0.0, config_field="gppo_beta2")
+    beta1: float = param(0.75, "scale of the left-boundary gradient", low=0.0)
+    beta2: float = param(1.0, "scale of the right-boundary gradient", low=0.0)
 
     _kernel_slots = GppoConfig._kernel_slots
 

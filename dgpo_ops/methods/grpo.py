@@ -20,7 +20,7 @@ class GrpoConfig(MethodConfig):
     dual_clip: float | None = dual_clip_param(None)
     # TRL's two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta, -min(min(r, delta) A, clip(r) A)
     delta: float | None = param(None, "cap on the ratio before PPO's min (TRL's delta)", low=0.0, low_open=True,
-                                optional=True, config_field="delta")
+                                optional=True)
 
     def _kernel_slots(self):
         return {**symmetric_bounds(self), KernelParam.DUAL_CLIP: self.dual_clip, KernelParam.DELTA: self.delta}

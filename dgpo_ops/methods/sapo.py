@@ -19,11 +19,9 @@ GATES = {"sigmoid": Gate.SIGMOID, "erf": Gate.ERF, "arctan": Gate.ARCTAN, "softs
 class SapoConfig(MethodConfig):
     name: ClassVar[str] = "sapo"
     method_id: ClassVar[MethodId] = MethodId.SAPO
-    gate: str = param("sigmoid", "soft gate of the ratio", choices=tuple(GATES), config_field="sapo_gate")
-    tau_pos: float = param(1.0, "gate temperature for A >= 0", low=0.0, low_open=True,
-                           config_field="sapo_temperature_pos", verl_field="tau_pos")
-    tau_neg: float = param(1.05, "gate temperature for A < 0", low=0.0, low_open=True,
-                           config_field="sapo_temperature_neg", verl_field="tau_neg")
+    gate: str = param("sigmoid", "soft gate of the ratio", choices=tuple(GATES))
+    tau_pos: float = param(1.0, "gate temperature for A >= 0", low=0.0, low_open=True)
+    tau_neg: float = param(1.05, "gate temperature for A < 0", low=0.0, low_open=True)
 
     def _kernel_slots(self):
         return {KernelParam.TAU_POS: self.tau_pos, KernelParam.TAU_NEG: self.tau_neg}

@@ -13,9 +13,7 @@ from dgpo_ops.methods.clip import full_like
 
 
 def _vespo_param(default, what: str, sign: str):
-    side = "pos" if sign == ">=" else "neg"
-    symbol = "k" if what == "shape" else "lambda"
-    return param(default, f"gamma {what} for A {sign} 0", low=0.0, config_field=f"vespo_{symbol}_{side}")
+    return param(default, f"gamma {what} for A {sign} 0", low=0.0)
 
 
 @dataclass(frozen=True)

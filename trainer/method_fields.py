@@ -1,0 +1,211 @@
+"""Where ``DGPOConfig`` (TRL's ``GRPOConfig`` and the fields it adds) reads each method parameter, and the views
+derived from that one mapping: the config fields and their defaults and help, the presets of ``dgpo-ops train``,
+and the README's method table (``python -m dgpo_ops.trainer.method_fields`` rewrites it).
+
+A parameter keeps TRL's meaning where TRL has a field for it (``epsilon``, ``epsilon_high``, ``delta``); every
+other field is added to ``DGPOConfig`` from here (``config.py``). The method table itself knows no framework.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dgpo_ops.methods.base import ParamSpec
+from dgpo_ops.methods.catalog import (
+    MethodParam,
+    format_value,
+    method_params,
+    readme_with_section,
+)
+from dgpo_ops.methods.table import ALIASES, METHODS, resolve
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """A config field that a method parameter is read from. None in the field means the method's default, except
+    where ``fallback`` names the field whose value stands in (TRL's ``epsilon_high=None`` means ``epsilon``).
+    ``offset`` is added on the way to the config (CISPO's cap ``1 + eps_high`` is TRL's ``epsilon_high``)."""
+
+    name: str
+    fallback: str | None = None
+    offset: float = 0.0
+
+    def to_config(self, value):
+        """The parameter's value in the field's terms."""
+        return value if value is None or isinstance(value, str) else value + self.offset
+
+    def from_config(self, value):
+        """The parameter's value from the field's value."""
+        return value if value is None or isinstance(value, str) else value - self.offset
+
+
+# The field of each method parameter, by the parameter's name.
+FIELDS: dict[str, ConfigField] = {
+    "eps_low": ConfigField("epsilon"),
+    "eps_high": ConfigField("epsilon_high", fallback="epsilon"),
+    "dual_clip": ConfigField("dual_clip"),
+    "delta": ConfigField("delta"),
+    "eps_low_pos": ConfigField("dispo_eps_low_pos"),
+    "eps_high_pos": ConfigField("dispo_eps_high_pos"),
+    "eps_low_neg": ConfigField("dispo_eps_low_neg"),
+    "eps_high_neg": ConfigField("dispo_eps_high_neg"),
+    "beta1": ConfigField("gppo_beta1"),
+    "beta2": ConfigField("gppo_beta2"),
+    "n": ConfigField("dgpo_n"),
+    "m": ConfigField("dgpo_m"),
+    "r_max": ConfigField("dcpo_r_max"),
+    "gate": ConfigField("sapo_gate"),
+    "tau_pos": ConfigField("sapo_temperature_pos"),
+    "tau_neg": ConfigField("sapo_temperature_neg"),
+    "delta_low": ConfigField("dppo_delta_low"),
+    "delta_high": ConfigField("dppo_delta_high"),
+    "is_cap": ConfigField("dppo_is_cap"),
+    "k_pos": ConfigField("vespo_k_pos"),
+    "lambda_pos": ConfigField("vespo_lambda_pos"),
+    "k_neg": ConfigField("vespo_k_neg"),
+    "lambda_neg": ConfigField("vespo_lambda_neg"),
+    "dro_beta": ConfigField("dro_beta"),
+    "clip_cov_ratio": ConfigField("clip_cov_ratio"),
+    "clip_cov_lb": ConfigField("clip_cov_lb"),
+    "clip_cov_ub": ConfigField("clip_cov_ub"),
+    "kl_cov_ratio": ConfigField("kl_cov_ratio"),
+    "ppo_kl_coef": ConfigField("ppo_kl_coef"),
+}
+# A method that reads a parameter of that name otherwise; None: the trainer leaves it at its default.
+METHOD_FIELDS: dict[tuple[str, str], ConfigField | None] = {
+    # TRL's CISPO has no lower bound on the weight and calls the cap itself epsilon_high
+    ("cispo", "eps_low"): None,
+    ("cispo", "eps_high"): ConfigField("epsilon_high", fallback="epsilon", offset=1.0),
+}
+# Other DGPOConfig values dgpo-ops train applies for a method unless given.
+PRESETS: dict[str, dict] = {"dcpo": {"advantage_estimator": "dcpo"}}  # DCPO's smooth advantage standardisation
+
+
+@dataclass(frozen=True)
+class ConfigParam:
+    """One method parameter and the config field it is read from."""
+
+    method: str
+    name: str  # the parameter's keyword in dgpo-ops
+    spec: ParamSpec
+    default: object
+    field: ConfigField | None
+
+
+def config_field(param: MethodParam) -> ConfigField | None:
+    """The field ``param`` is read from (None: fixed at its default); a parameter in neither mapping is an error,
+    so a new method's parameter cannot be left out of the trainer by omission."""
+    key = (param.method, param.name)
+    if key in METHOD_FIELDS:
+        return METHOD_FIELDS[key]
+    if param.name not in FIELDS:
+        raise KeyError(f"{param.method}.{param.name} has no DGPOConfig field: add it to FIELDS (or METHOD_FIELDS with "
+                       f"None to keep it at its default) in trainer/method_fields.py")
+    return FIELDS[param.name]
+
+
+def config_method_params(method: str) -> list[ConfigParam]:
+    """Every parameter of a method with the field it is read from."""
+    return [ConfigParam(p.method, p.name, p.spec, p.default, config_field(p)) for p in method_params(method)]
+
+
+def config_params() -> dict[str, list[ConfigParam]]:
+    """Config field -> the method parameters read from it, in table order."""
+    fields: dict[str, list[ConfigParam]] = {}
+    for method in METHODS:
+        for p in config_method_params(method):
+            if p.field is not None:
+                fields.setdefault(p.field.name, []).append(p)
+    return fields
+
+
+def config_default(params: list[ConfigParam]):
+    """The config field's default: the methods' common default (offset applied), None where they differ
+    (None then means each method's own default)."""
+    defaults = {p.field.to_config(p.default) for p in params}
+    return defaults.pop() if len(defaults) == 1 else None
+
+
+def none_means_default(params: list[ConfigParam]) -> bool:
+    """Whether the field holds None by default, meaning each method's own default: the methods'
+    defaults differ and one of them lets None turn its feature off (``dual_clip``)."""
+    return config_default(params) is None and any(p.spec.optional for p in params)
+
+
+def config_help(params: list[ConfigParam]) -> str:
+    """Help text of a config field, from the specs of the parameters it feeds."""
+    methods = ", ".join(p.method for p in params)
+    first = params[0]
+    text = f"{methods}: {first.spec.help}"
+    if first.field.offset:
+        text += f" (this field is {first.name} + {first.field.offset:g})"
+    if none_means_default(params):
+        text += "; None: the method's default (" + ", ".join(f"{p.method} {p.default}" for p in params) + ")"
+    return text + f"; {first.spec.describe()}"
+
+
+def trainer_presets(name: str) -> dict:
+    """``DGPOConfig`` values ``dgpo-ops train`` applies for a method or alias unless given: the defaults of
+    parameters read with an offset (TRL's default of their field means something else), the alias's
+    parameters, in config terms, then the method's own presets."""
+    method, alias_params = resolve(name)
+    presets = {}
+    for p in config_method_params(method):
+        if p.field is None:
+            continue
+        if p.name in alias_params:
+            presets[p.field.name] = p.field.to_config(alias_params[p.name])
+        elif p.field.offset:
+            presets[p.field.name] = p.field.to_config(p.default)
+    return {**presets, **PRESETS.get(method, {})}
+
+
+def method_table_markdown() -> str:
+    """The README's table of methods, parameters, accepted values and trainer fields."""
+    lines = ["| method | what it does | parameters: default, accepted values | `DGPOConfig` / `dgpo-ops train` field |",
+             "|---|---|---|---|"]
+    none_fields = {field for field, params in config_params().items() if none_means_default(params)}
+
+    def source(p: ConfigParam) -> str:
+        if p.field is None:
+            return f"`{p.name}`: fixed at its default"
+        text = f"`{p.name}` <- `{p.field.name}`"
+        if p.field.offset:
+            text += f" - {p.field.offset:g}"
+        if p.field.fallback:
+            text += f" (None: `{p.field.fallback}`)"
+        elif p.field.name in none_fields and p.default is not None:
+            text += " (None: the default)"
+        return text
+
+    for name, spec in METHODS.items():
+        params = config_method_params(name)
+        described = "<br>".join(f"`{p.name}={format_value(p.default)}`: {p.spec.describe()}" for p in params) or "none"
+        fields = "<br>".join(source(p) for p in params) or "-"
+        presets = ", ".join(f"`{k}={format_value(v)}`" for k, v in trainer_presets(name).items())
+        lines.append(f"| `{name}` | {spec.summary}" + (f"; `dgpo-ops train` presets {presets}" if presets else "")
+                     + f" | {described} | {fields} |")
+    for name, alias in ALIASES.items():
+        params = ", ".join(f"`{k}={format_value(v)}`" for k, v in alias.params.items())
+        lines.append(f"| `{name}` | {alias.summary}: `{alias.method}` with {params} where unset | as `{alias.method}` "
+                     f"| as `{alias.method}` |")
+    return "\n".join(lines) + "\n"
+
+
+START, END = "<!-- methods:start -->", "<!-- methods:end -->"
+
+
+def readme_with_method_table(text: str) -> str:
+    """``text`` with the part between the method-table markers replaced by the current table."""
+    return readme_with_section(text, START, END, method_table_markdown())
+
+
+def main() -> None:
+    from dgpo_ops.methods.catalog import README
+
+    README.write_text(readme_with_method_table(README.read_text()))
+    print(f"wrote the method table of {README}")
+
+
+if __name__ == "__main__":
+    main()
