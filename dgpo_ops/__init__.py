@@ -12,7 +12,7 @@ from dgpo_ops.methods.table import METHODS, method_config, token_terms
 from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 from dgpo_ops.ops.reference import reference_loss
 
-# Every method's config class (GrpoConfig, DgpoConfig, ...), from the table: a new method is exported by its row.
+# Every method's config class (GrpoConfig, DgpoConfig, ...), from the table: a new method's row exports it.
 METHOD_CONFIGS = {spec.config.__name__: spec.config for spec in METHODS.values()}
 globals().update(METHOD_CONFIGS)
 

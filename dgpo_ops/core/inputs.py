@@ -191,7 +191,7 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=to
 
 def on_token_grid(value: torch.Tensor, flat: bool, grid: tuple[int, int]) -> torch.Tensor:
     """A per-token input on the ``(B, T)`` grid, without a copy: a per-response ``(B,)`` value expanded over its
-    tokens, a flat call's ``(N,)`` reshaped to ``(1, N)``. The one place this rule is written."""
+    tokens, a flat call's ``(N,)`` reshaped onto its grid. The one place this rule is written."""
     if flat:
         return value.reshape(grid)
     return value[:, None].expand(grid) if value.dim() == 1 else value

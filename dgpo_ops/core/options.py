@@ -73,7 +73,9 @@ class LossOptions:
         None (per token), the method's own (``MethodSpec.sequence_statistic``) or GSPO's mean (importance sampling
         at sequence level)."""
         own = METHODS[self.method.name].sequence_statistic
-        return own if own is not None else (gspo.mean_log_ratio if self.importance_sampling_level == "sequence" else None)
+        if own is not None:
+            return own
+        return gspo.mean_log_ratio if self.importance_sampling_level == "sequence" else None
 
     @property
     def sequence_reason(self) -> str | None:
