@@ -132,6 +132,13 @@ CASES.update({
                                                             vllm=True, batch={"importance_sampling": "token",
                                                                               "sampling": True,
                                                                               "advantages": (-1.2, 0.7, -0.4, 1.5)}),
+    # vespo's weight is its summed sequence ratio, but TRL's KL correction multiplies by the token's ratio (coef_1),
+    # whatever the loss type: the beta cases above have a loss type whose ratio is the token's (or GSPO's mean),
+    # where the two are one, so they passed while dgpo-ops corrected vespo's KL by its sequence weight
+    "loss_type=vespo, beta": Case({"loss_type": "vespo", "beta": 0.05}, batch={"beta": 0.05}),
+    "loss_type=vespo, beta, use_bias_correction_kl=False": Case({"loss_type": "vespo", "beta": 0.05,
+                                                                 "use_bias_correction_kl": False},
+                                                                batch={"beta": 0.05}),
 })
 
 
@@ -184,7 +191,7 @@ COVERAGE = {
     "vllm_gpu_memory_utilization": VLLM,
     "vllm_max_model_length": VLLM,
     "vllm_tensor_parallel_size": VLLM,
-    "beta": ("beta", "importance_sampling_level", "vlm, masks and bonus"),
+    "beta": ("beta", "importance_sampling_level", "vlm, masks and bonus", "loss_type=vespo, beta"),
     "num_iterations": ("num_iterations",),
     "epsilon": ("epsilon",),
     "delta": ("delta", "delta <= 1 + epsilon_high"),
@@ -222,7 +229,8 @@ COVERAGE = {
     "vllm_importance_sampling_cap": VLLM_IS,
     "off_policy_mask_threshold": ("off_policy_mask_threshold", "off_policy_mask_threshold < 0",
                                   "off_policy_mask_threshold, vLLM sampling log-probs", "vlm, masks and bonus"),
-    "use_bias_correction_kl": ("use_bias_correction_kl=False", "beta"),
+    "use_bias_correction_kl": ("use_bias_correction_kl=False", "beta", "loss_type=vespo, beta",
+                               "loss_type=vespo, beta, use_bias_correction_kl=False"),
     "log_completions": LOGGING,
     "log_multimodal": LOGGING,
     "num_completions_to_print": LOGGING,

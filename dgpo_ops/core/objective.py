@@ -92,7 +92,10 @@ def policy_objective(
     statistic = options.sequence_statistic
     if statistic == "mean":
         log_ratio = sequence_mean(log_ratio, batch.mask)
-    elif statistic == "sum":
+    # TRL's importance ratio (its coef_1: the token's, or GSPO's sequence mean), which its KL correction uses
+    # whatever the loss type: a method's own sequence statistic below (vespo's, geo_mean's) is not it
+    importance_log_ratio = log_ratio
+    if statistic == "sum":
         log_ratio = sequence_log_ratio_sum(log_ratio, batch.mask, batch.rollout_weights)
     elif statistic == "clipped_mean":
         log_ratio = sequence_clipped_log_ratio_mean(log_ratio, batch.advantages, batch.mask, options.method,
@@ -106,9 +109,10 @@ def policy_objective(
     if options.beta != 0.0:
         check_kl_inputs(batch, options)
         kl_value = kl_k3(logp, batch.ref_logps)
-        if options.kl_ratio_correction:  # as TRL: by the (token or sequence) ratio, with its gradient
-            # (the ratio the method was evaluated at: clamped straight-through, as every exponential here)
-            kl_value = kl_value * torch.exp(straight_through_clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        if options.kl_ratio_correction:  # as TRL: by the importance ratio, with its gradient (clamped
+            # straight-through, as every exponential here)
+            kl_value = kl_value * torch.exp(straight_through_clamp(importance_log_ratio, -LOG_RATIO_CLAMP,
+                                                                   LOG_RATIO_CLAMP))
         per_token = per_token + options.beta * kl_value
         kl = kl_value.detach()
     if options.entropy_coef != 0.0:
