@@ -117,7 +117,9 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
     if flat and (needs_sequences or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
         raise ValueError(
             "flat (N, V) logits carry no response structure: use (B, T, V) logits for aggregation "
-            f"{aggregation!r} or for importance_sampling_level='sequence'"
+            f"{aggregation!r} or for importance_sampling_level='sequence' (a method whose authors fix a per-response "
+            "aggregation, dcpo and geo_mean, takes it where none is passed: pass aggregation='token_mean' for flat "
+            "logits)"
         )
     token_shape = torch.Size(logits_shape[:-1])
     grid = (1, logits_shape[0]) if flat else (logits_shape[0], logits_shape[1])

@@ -729,6 +729,9 @@ class MethodSpec:
     token_selection: Callable[..., TokenTerms] | None = None
     # The aggregation verl's loss of this name uses whatever loss_agg_mode says (dgpo_ops.integrations.verl_params)
     verl_aggregation: str | None = None
+    # The aggregation the method's authors or framework fix: the default of every loss function and of DGPOConfig
+    # (TRL's loss_type has none for a method TRL lacks); an explicit aggregation wins. None: token_mean.
+    aggregation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -761,7 +764,8 @@ METHODS: dict[str, MethodSpec] = {
                        variants=({}, {"n": 2.0, "m": 3.0}, {"n": 0.0, "m": 1.0})),
     "dcpo": MethodSpec(DcpoConfig, _dcpo, "PPO clip with bounds from the old probability",
                        "DCPO: Yang et al. (Baichuan), 'Dynamic Clipping Policy Optimization'",
-                       presets={"advantage_estimator": "dcpo"}),  # DCPO's smooth advantage standardisation
+                       presets={"advantage_estimator": "dcpo"},  # DCPO's smooth advantage standardisation
+                       aggregation="seq_sum_token_mean"),  # DCPO's "only token mean"
     "sapo": MethodSpec(SapoConfig, _sapo, "soft gates instead of clipping",
                        "SAPO: arXiv:2511.20347 (sigmoid gate); the other gates: Denisov et al. 2026, "
                        "arXiv:2602.19345",
@@ -788,7 +792,7 @@ METHODS: dict[str, MethodSpec] = {
                            "GMPO: Geometric-Mean Policy Optimization, Zhao et al. 2025, arXiv:2507.20673",
                            # (not 0.4, GMPO's own: tests/helpers.py's log-ratio grid holds -0.4, a tie in log space)
                            variants=({}, {"eps_low": 0.3, "eps_high": 0.35}), sequence_log_ratio="clipped_mean",
-                           verl_aggregation="row-mean"),
+                           verl_aggregation="row-mean", aggregation="seq_mean_token_mean"),
     "clip_cov": MethodSpec(ClipCovConfig, _clip_cov, "PPO clip; a random few tokens of high covariance of A and "
                            "log-prob get no gradient",
                            "Clip-Cov: Cui et al. 2025, 'The Entropy Mechanism of Reinforcement Learning for "
