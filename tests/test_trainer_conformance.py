@@ -485,6 +485,24 @@ def test_two_training_steps_log_what_grpo_trainer_logs(model, model_dirs, tmp_pa
         assert all(step["aux_loss"] > 0 for step in ours)
 
 
+def test_two_vespo_steps_with_a_kl_log_what_grpo_trainer_logs(model_dirs, tmp_path):
+    """Whole steps of loss_type='vespo' with beta > 0 and TRL's default use_bias_correction_kl, num_iterations=2:
+    the second pass's ratios move off 1, where the KL's correction by the token's ratio (TRL's) and by vespo's
+    summed sequence weight (dgpo-ops' before) part: the issue's run logged 0.01151 where GRPOTrainer logged
+    -0.09911; this one 0.0299 where it logs 0.0253."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
+
+    fields = dict(loss_type="vespo", beta=0.1)
+    theirs = _train(GRPOTrainer, GRPOConfig, model_dirs["qwen2"], tmp_path / "trl", **fields)
+    ours = _train(DGPOTrainer, DGPOConfig, model_dirs["qwen2"], tmp_path / "ours", **fields)
+    assert len(theirs) == len(ours) == 2
+    for step_trl, step_ours in zip(theirs, ours):
+        for key in ("loss", "kl", "entropy", "vespo/phi_seq_mean"):
+            _close(step_ours[key], step_trl[key], 1e-3, key)
+
+
 def test_generate_keeps_the_models_signature(model_dirs):
     """Gemma3's prepare_inputs_for_generation takes **kwargs: generate() then checks attention_mask,
     pixel_values and token_type_ids against the forward's signature, which the fused head keeps."""
