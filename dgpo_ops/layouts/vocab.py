@@ -10,8 +10,9 @@ all-reduce MAX of the maxima (4 bytes per token) and one all-reduce SUM of ``[S,
 re-centred on the global max (12 bytes per token): 16 bytes per token cross the group, and neither
 logits nor weights do. Before it, the processes agree on their column and token counts on the host
 (``agreed_sizes``), so that the merge never all-reduces tensors of different sizes. It leaves the planes
-the single-process row forward writes (max, ``log S``, log-prob, entropy ``log S - U / S``), so everything after it (the objective, the metrics, the
-deferred checks, the gradient kernel with its ``expm1`` form) is the single-process code. The logits'
+the single-process row forward writes (max, ``log S``, log-prob, entropy ``log S - U / S``), so
+everything after it (the objective, the metrics, the deferred checks, the gradient kernel with its
+``expm1`` form) is the single-process code. The logits'
 gradient needs no communication; from hidden states each process's part of the hidden-state gradient
 is all-reduced (``N x H`` values, as Megatron's column-parallel layer does in its backward).
 """
