@@ -16,6 +16,7 @@ from dgpo_ops.core.docstrings import documented
 from dgpo_ops.core.inputs import LossBatch, check_generator
 from dgpo_ops.core.options import LossOptions, trace_constant
 from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.core.validation import per_token_function
 from dgpo_ops.distributed.head import head_forward
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
@@ -78,7 +79,7 @@ def fused_dgpo_loss(
     *,
     method="dgpo",
     temperature: float = 1.0,
-    aggregation: str = "token_mean",
+    aggregation: str | None = None,
     loss_normalizer: float | torch.Tensor | None = None,
     beta: float = 0.0,
     entropy_coef: float = 0.0,
@@ -141,7 +142,7 @@ def fused_linear_dgpo_loss(
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     softcap: float | None = None,
-    aggregation: str = "token_mean",
+    aggregation: str | None = None,
     loss_normalizer: float | torch.Tensor | None = None,
     beta: float = 0.0,
     entropy_coef: float = 0.0,
@@ -192,9 +193,11 @@ def fused_linear_logprobs(
     """Forward only (old-policy and reference log-probs): per-token log-probs and entropies, fp32,
     shaped like ``target_ids``, 0 on masked tokens. One GEMM pass, no gradient work."""
     advantages = torch.zeros(target_ids.shape, device=hidden.device)
-    out = fused_linear_dgpo_loss(hidden, weight, target_ids, advantages, mask, bias=bias, method="grpo",
-                                 temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                                 memory_budget=memory_budget, logits_on_chip=logits_on_chip, backend=backend,
-                                 validation=validation, vocab_parallel_group=vocab_parallel_group,
-                                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    # the op's deferred errors name this function, and its per-token values are NaN on bad input
+    with per_token_function("fused_linear_logprobs"):
+        out = fused_linear_dgpo_loss(hidden, weight, target_ids, advantages, mask, bias=bias, method="grpo",
+                                     temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                                     memory_budget=memory_budget, logits_on_chip=logits_on_chip, backend=backend,
+                                     validation=validation, vocab_parallel_group=vocab_parallel_group,
+                                     cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     return out.logps, out.entropy

@@ -213,6 +213,7 @@ def _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     rate = tl.maximum(rate, 1e-4)
     log_w = tl.clamp(log_ratio, codes.VESPO_LOG_W_MIN, codes.LOG_RATIO_CLAMP, propagate_nan=codes.NAN_PROPAGATING)
     phi = tl.exp(rate + k * log_w - rate * tl.exp(log_w))
+    phi = tl.where(phi == float("inf"), 0.0, phi)  # beyond float32: 0, as the table (and TRL); NaN stays NaN
     silenced = (phi == 0.0) & ((logp == float("inf")) | (logp == -float("inf")))  # as the table: not 0 * inf
     return tl.where(silenced, 0.0, -adv * phi * logp), phi, tl.zeros_like(adv).to(tl.int32) + codes.REGION_M
 

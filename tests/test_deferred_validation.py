@@ -119,6 +119,21 @@ def test_fused_linear_defers_too(backend):
         dgpo_ops.raise_deferred_errors()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("function", ["fused_linear_logprobs", "linear_logprob_entropy"])
+def test_forward_only_log_probs_of_bad_input_are_nan_and_the_error_names_the_function(function, backend):
+    """A target outside the vocabulary: fused_linear_logprobs gave that token log-prob 0 and entropy 0 (probability
+    1) and its error named fused_linear_dgpo_loss, the op it runs; both functions give NaN and name themselves."""
+    inputs = bad_inputs("target_ids")
+    g = torch.Generator().manual_seed(29)
+    hidden, weight = torch.randn(2, 5, 8, generator=g), torch.randn(30, 8, generator=g)
+    logp, entropy = getattr(dgpo_ops, function)(hidden, weight, inputs["target_ids"], backend=backend,
+                                                validation="deferred")
+    assert logp.isnan().all() and entropy.isnan().all(), (logp, entropy)
+    with pytest.raises(ValueError, match=f"found 30 \\(found on the device in an earlier {function} call\\)"):
+        dgpo_ops.raise_deferred_errors()
+
+
 def test_validation_mode_is_checked():
     with pytest.raises(ValueError, match="validation"):
         dgpo_ops.fused_dgpo_loss(**logits_batch(2, 3, 20), validation="later")

@@ -21,8 +21,8 @@ def test_flat_logits_for_a_sequence_method_name_the_method_not_the_aggregation(m
 
 def test_flat_logits_name_the_aggregation_or_the_sequence_ratio():
     args = (torch.randn(6, 11), torch.randint(0, 11, (6,)), torch.randn(6))
-    with pytest.raises(ValueError, match="for aggregation 'seq_mean_token_mean'$"):
-        dgpo_ops.fused_dgpo_loss(*args, method="grpo", aggregation="seq_mean_token_mean")
+    with pytest.raises(ValueError, match="for aggregation 'seq_mean_token_sum_norm'$"):  # no method's own
+        dgpo_ops.fused_dgpo_loss(*args, method="grpo", aggregation="seq_mean_token_sum_norm")
     with pytest.raises(ValueError, match="for importance_sampling_level='sequence'$"):
         dgpo_ops.fused_dgpo_loss(*args, method="grpo", importance_sampling_level="sequence")
 

@@ -99,3 +99,25 @@ def test_kernel_params_are_the_bounds_rounded_once():
     assert params[1] == torch.tensor(1 + 0.09, dtype=torch.float32)
     assert params[2] == torch.tensor(1 - 0.3, dtype=torch.float32)
     assert params[3] == torch.tensor(1 + 2.0, dtype=torch.float32)
+
+
+def test_vespo_weight_beyond_float32_is_trls_zero_in_table_and_mirror():
+    """k = 10, lambda = 0 (floored at 1e-4) and a summed log-ratio of 10: the gamma weight e^97.8 = 3e42 overflows
+    float32; TRL's get_gamma_weights maps it to 0 (nan_to_num(posinf=0)), so do the table and the mirror (before:
+    inf, and a NaN loss). Each sign's parameters, and a log-ratio whose weight stays finite beside them."""
+    GRPOTrainer = pytest.importorskip("trl").GRPOTrainer  # noqa: N806
+
+    cfg = dgpo_ops.method_config("vespo", k_pos=10.0, lambda_pos=0.0, k_neg=10.0, lambda_neg=0.0)
+    log_ratio = torch.tensor([10.0, 10.0, 5.0, 5.0])
+    adv = torch.tensor([1.3, -0.7, 1.3, -0.7])
+    old_logp = torch.full_like(log_ratio, math.log(0.3))
+    trl_phi = GRPOTrainer.get_gamma_weights(adv[:, None], log_ratio[:, None], torch.ones(4, 1), None, k_pos=10.0,
+                                            lambda_pos=0.0, k_neg=10.0, lambda_neg=0.0)[:, 0]
+    assert torch.equal(trl_phi[:2], torch.zeros(2)) and trl_phi[2:].isfinite().all() and (trl_phi[2:] > 1e20).all()
+    want = table_terms(cfg, log_ratio, adv, old_logp)
+    loss, psi, _, _, dloss = mirror(cfg, log_ratio, adv, old_logp, with_gradient=True)
+    for got in (want.psi, psi):
+        torch.testing.assert_close(got, trl_phi, rtol=2e-6, atol=0)
+    for got in (want.loss, loss):
+        torch.testing.assert_close(got, -adv * trl_phi * (log_ratio + old_logp), rtol=2e-6, atol=0)
+    torch.testing.assert_close(dloss, -adv * trl_phi, rtol=2e-6, atol=0)

@@ -195,10 +195,11 @@ def test_the_recipe_names_real_files_and_commands_and_its_derived_lists_cover_ev
     import importlib
     import re
 
+    from dgpo_ops.trainer import method_fields
+
     import dgpo_ops
     from dgpo_ops.integrations import verl_params
     from dgpo_ops.methods import table
-    from dgpo_ops.trainer import method_fields
 
     root = README.parent
     design = (root / "docs" / "design.md").read_text()

@@ -200,7 +200,8 @@ def test_on_policy_gives_ratio_one_and_the_plain_policy_gradient(variant):
     logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
     target = torch.randint(0, V, (B, T))
     adv = torch.tensor([0.7, -1.1], dtype=torch.float64)
-    out = dgpo_ops.reference_loss(logits, target, adv, method=name, **params)
+    # token_mean named: dcpo's own aggregation (seq_sum_token_mean) would scale the gradient by B
+    out = dgpo_ops.reference_loss(logits, target, adv, method=name, aggregation="token_mean", **params)
     assert out.metrics["ratio_mean"] == 1.0
     assert out.metrics["eur"] == pytest.approx(1.0, abs=1e-12)
     (grad,) = torch.autograd.grad(out.loss, logits)

@@ -132,6 +132,13 @@ CASES.update({
                                                             vllm=True, batch={"importance_sampling": "token",
                                                                               "sampling": True,
                                                                               "advantages": (-1.2, 0.7, -0.4, 1.5)}),
+    # vespo's weight is its summed sequence ratio, but TRL's KL correction multiplies by the token's ratio (coef_1),
+    # whatever the loss type: the beta cases above have a loss type whose ratio is the token's (or GSPO's mean),
+    # where the two are one, so they passed while dgpo-ops corrected vespo's KL by its sequence weight
+    "loss_type=vespo, beta": Case({"loss_type": "vespo", "beta": 0.05}, batch={"beta": 0.05}),
+    "loss_type=vespo, beta, use_bias_correction_kl=False": Case({"loss_type": "vespo", "beta": 0.05,
+                                                                 "use_bias_correction_kl": False},
+                                                                batch={"beta": 0.05}),
 })
 
 
@@ -184,7 +191,7 @@ COVERAGE = {
     "vllm_gpu_memory_utilization": VLLM,
     "vllm_max_model_length": VLLM,
     "vllm_tensor_parallel_size": VLLM,
-    "beta": ("beta", "importance_sampling_level", "vlm, masks and bonus"),
+    "beta": ("beta", "importance_sampling_level", "vlm, masks and bonus", "loss_type=vespo, beta"),
     "num_iterations": ("num_iterations",),
     "epsilon": ("epsilon",),
     "delta": ("delta", "delta <= 1 + epsilon_high"),
@@ -222,7 +229,8 @@ COVERAGE = {
     "vllm_importance_sampling_cap": VLLM_IS,
     "off_policy_mask_threshold": ("off_policy_mask_threshold", "off_policy_mask_threshold < 0",
                                   "off_policy_mask_threshold, vLLM sampling log-probs", "vlm, masks and bonus"),
-    "use_bias_correction_kl": ("use_bias_correction_kl=False", "beta"),
+    "use_bias_correction_kl": ("use_bias_correction_kl=False", "beta", "loss_type=vespo, beta",
+                               "loss_type=vespo, beta, use_bias_correction_kl=False"),
     "log_completions": LOGGING,
     "log_multimodal": LOGGING,
     "num_completions_to_print": LOGGING,
@@ -470,6 +478,23 @@ def test_two_training_steps_log_what_grpo_trainer_logs(model, model_dirs, tmp_pa
             _close(step_ours[key], value, 1e-3, key)
     if model == "moe router logits":
         assert all(step["aux_loss"] > 0 for step in ours)
+
+
+def test_two_vespo_steps_with_a_kl_log_what_grpo_trainer_logs(model_dirs, tmp_path):
+    """Whole steps of loss_type='vespo' with beta > 0 and TRL's default use_bias_correction_kl, num_iterations=2:
+    the second pass's ratios move off 1, where the KL's correction by the token's ratio (TRL's) and by vespo's
+    summed sequence weight (dgpo-ops' before) part: the issue's run logged 0.01151 where GRPOTrainer logged
+    -0.09911; this one 0.0299 where it logs 0.0253."""
+    from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
+
+    fields = dict(loss_type="vespo", beta=0.1)
+    theirs = _train(GRPOTrainer, GRPOConfig, model_dirs["qwen2"], tmp_path / "trl", **fields)
+    ours = _train(DGPOTrainer, DGPOConfig, model_dirs["qwen2"], tmp_path / "ours", **fields)
+    assert len(theirs) == len(ours) == 2
+    for step_trl, step_ours in zip(theirs, ours):
+        for key in ("loss", "kl", "entropy", "vespo/phi_seq_mean"):
+            _close(step_ours[key], step_trl[key], 1e-3, key)
 
 
 def test_generate_keeps_the_models_signature(model_dirs):

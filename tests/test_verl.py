@@ -233,6 +233,31 @@ def test_fused_ops_equal_verl(case, mode):
             torch.testing.assert_close(ours_grad.double(), theirs_grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+def test_geo_mean_aggregates_as_verls_without_an_aggregation(mode, backend):
+    """``fused_dgpo_loss(..., method="geo_mean")`` with no aggregation is verl's geo_mean on a micro-batch, whatever
+    loss_agg_mode verl is given (issue 41.1.5: it took token_mean, another loss and gradient)."""
+    logits, targets, old, _, advantages, mask, _ = rollout(41, False, drift=1.5)
+    rows = slice(0, PER_MICRO)
+    config = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode=mode,
+                          policy_loss=VerlPolicyLossConfig(loss_mode="geo_mean"))
+    config.global_batch_info.update(global_batch_info(mask))
+    leaf = logits[rows].clone().requires_grad_(True)
+    log_prob = leaf.log_softmax(-1).gather(-1, targets[rows, :, None])[..., 0]
+    theirs, _ = get_policy_loss_fn("geo_mean")(old_log_prob=old[rows], log_prob=log_prob, advantages=advantages[rows],
+                                               response_mask=mask[rows], loss_agg_mode=mode, config=config,
+                                               rollout_is_weights=None)
+    (theirs_grad,) = torch.autograd.grad(theirs, [leaf])
+    dtype, tol = (torch.float64, 1e-6) if backend == "torch" else (torch.float32, 2e-5)
+    ours_leaf = logits[rows].to(dtype).clone().requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(ours_leaf, targets[rows], advantages[rows].to(dtype), mask[rows],
+                                   old[rows].to(dtype), method="geo_mean", backend=backend)
+    (ours_grad,) = torch.autograd.grad(out.loss, [ours_leaf])
+    torch.testing.assert_close(out.loss.double(), theirs.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(ours_grad.double(), theirs_grad, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("verl_name", ["clip_cov", "kl_cov"])
 def test_null_fields_are_read_as_verl_reads_them(verl_name):
     """verl's clip_cov and kl_cov read a null policy_loss field as their code's constant (kl_cov's ppo_kl_coef as

@@ -150,3 +150,36 @@ def test_without_a_process_group_it_says_so():
     assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="vocab_parallel_group needs torch.distributed"):
         dgpo_ops.fused_dgpo_loss(batch.pop("logits"), **batch, **keywords, vocab_parallel_group=object())
+
+
+def test_different_token_counts_under_deferred_validation_give_nan_then_the_error(tmp_path):
+    """The processes of the group hold different token counts, validation deferred: before, the merge all-reduced
+    tensors of different sizes and gloo aborted both processes (SIGABRT; NCCL would hang or mix rows). Now every
+    process agrees on the sizes on the host first, so each gets NaN and the error at its next call, and the group's
+    collectives stay in step. Real processes, with a deadline: a hang fails, as does an abort."""
+    import time
+
+    world, deadline = 2, time.monotonic() + 300
+    context = mp.spawn(workers.token_count_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                       join=False)
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                pytest.fail("the processes did not finish within the deadline (a collective hung)")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    message = "same tokens"
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        for setting in (*workers.BACKENDS, "own host group"):
+            got = result[setting]
+            for op in ("logits", "linear"):
+                assert got[op]["loss"].isnan() and got[op]["grad_has_nan"], (rank, setting, op, got[op])
+                assert got[op]["error"] is not None and message in got[op]["error"], (rank, setting, op)
+            assert got["logprobs"]["all_nan"] and message in got["logprobs"]["error"], (rank, setting)
+            assert got["agreeing"].isfinite() and got["agreeing"] == results[0][setting]["agreeing"], (rank, setting)
+            assert got["immediate"] is not None and "token counts range from 14 to 21" in got["immediate"], got
+        assert result["host groups"] == 1  # made once, for the group that takes no CPU tensors

@@ -260,3 +260,74 @@ def run_bad_input(results: dict, rank: int, world: int, group):
     other_group = dist.new_group([0])  # every process must take part in making it
     results["error/group"] = value_error_message(lambda: dgpo_ops.fused_linear_dgpo_loss(
         tensors["hidden"], weight, **batch, **keywords, vocab_parallel_group=other_group))
+
+
+def token_count_cases(rank: int, group, backend: str) -> dict:
+    """Different token counts across the group under deferred validation (process 0 one response short), through
+    the logits op, the fused-linear op (whose backward all-reduces the hidden state's gradient) and
+    fused_linear_logprobs: each call's values (NaN expected) and the error raised next; then a call with agreeing
+    counts, whose loss must be every process's same finite one (the group's collectives are still in step);
+    then the same under immediate validation, which raises."""
+    import dgpo_ops
+
+    responses = 2 if rank == 0 else 3
+    batch, _ = inputs_of(EXTRA_JOBS["seq_sum_norm_per_token_adv"])
+    logits = batch.pop("logits")
+    short = {name: value[:responses] for name, value in batch.items()}
+    columns = columns_of(rank, torch.distributed.get_world_size(group))
+    results = {}
+    dgpo_ops.raise_deferred_errors()
+    shard = logits[:responses, :, columns].clone().requires_grad_(True)
+    out = dgpo_ops.fused_dgpo_loss(shard, **short, aggregation="seq_mean_token_mean", validation="deferred",
+                                   backend=backend, vocab_parallel_group=group)
+    (grad,) = torch.autograd.grad(out.loss, [shard])
+    results["logits"] = dict(loss=out.loss.detach(), grad_has_nan=bool(grad.isnan().any()),
+                             error=value_error_message(dgpo_ops.raise_deferred_errors))
+    tensors, linear_batch, keywords = linear_inputs("linear", backend)
+    hidden = tensors["hidden"][:responses].clone().requires_grad_(True)
+    weight = tensors["weight"][columns].clone().requires_grad_(True)
+    out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **{k: v[:responses] for k, v in linear_batch.items()},
+                                          **keywords, validation="deferred", vocab_parallel_group=group)
+    grad_hidden, grad_weight = torch.autograd.grad(out.loss, [hidden, weight])
+    results["linear"] = dict(loss=out.loss.detach(), grad_has_nan=bool(grad_hidden.isnan().any()
+                                                                       and grad_weight.isnan().any()),
+                             error=value_error_message(dgpo_ops.raise_deferred_errors))
+    targets = linear_batch["target_ids"][:responses]
+    logp, entropy = dgpo_ops.fused_linear_logprobs(hidden.detach(), weight.detach(), targets, backend=backend,
+                                                   validation="deferred", vocab_parallel_group=group)
+    scored = targets != -100  # (0 on the others, as documented)
+    results["logprobs"] = dict(all_nan=bool(logp[scored].isnan().all() and entropy[scored].isnan().all()),
+                               error=value_error_message(dgpo_ops.raise_deferred_errors))
+    shard = logits[..., columns]
+    results["agreeing"] = dgpo_ops.fused_dgpo_loss(shard, **batch, validation="deferred", backend=backend,
+                                                   vocab_parallel_group=group).loss
+    results["immediate"] = value_error_message(lambda: dgpo_ops.fused_dgpo_loss(
+        logits[:responses, :, columns], **short, validation="immediate", backend=backend, vocab_parallel_group=group))
+    return results
+
+
+def token_count_worker(rank: int, world: int, init_file: str, out_dir: str):
+    """``token_count_cases`` on a gloo group as it is, then on a fresh group whose sizes are agreed over the host
+    group made for a group that takes no CPU tensors (NCCL's: here a gloo group with that check patched)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from dgpo_ops.layouts import vocab
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    try:
+        group = dist.new_group(list(range(world)))
+        for backend in BACKENDS:
+            results[backend] = token_count_cases(rank, group, backend)
+        device_only = dist.new_group(list(range(world)))
+        with mock.patch.object(vocab, "takes_cpu_tensors", lambda g: g is not device_only):
+            results["own host group"] = token_count_cases(rank, device_only, "torch")
+        results["host groups"] = len(vocab.HOST_GROUPS)
+    except Exception:
+        results["error"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()

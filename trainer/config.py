@@ -85,8 +85,9 @@ class DGPOConfig(GRPOConfig):
       yet fused by a table without it).
     * `policy_loss` set: that method; `loss_type` then picks the aggregation only. `cispo`, `sapo` and `vespo`
       name an objective, so with another `policy_loss` they are a `ValueError` (their aggregations are
-      `loss_type="dapo"`, `"grpo"` and `"dapo"`). dcpo aggregates as `seq_sum_token_mean` unless
-      `loss_aggregation` is set.
+      `loss_type="dapo"`, `"grpo"` and `"dapo"`). A method whose authors or framework fix its aggregation
+      aggregates by it unless `loss_aggregation` is set (dcpo: `seq_sum_token_mean`, geo_mean:
+      `seq_mean_token_mean`; `MethodSpec.aggregation`).
 
     After `__post_init__`, `policy_loss` holds the method resolved (a copy of the config resolves the same way).
 
@@ -98,7 +99,7 @@ class DGPOConfig(GRPOConfig):
             parameters, added from the method table (each field's help names the methods that read it, its
             range, and what None means); README.md's method table shows which field feeds which parameter.
         loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm or seq_sum_token_mean; None
-            follows `loss_type` (dcpo: seq_sum_token_mean).
+            follows the method's own (dcpo: seq_sum_token_mean, geo_mean: seq_mean_token_mean), else `loss_type`.
         advantage_estimator: `"grpo"` (TRL's group advantages) or `"dcpo"` (smooth advantage standardisation).
         fused: `"linear"` (hidden states + lm_head, logits never whole) or `"logits"` (the model's logits).
         fused_memory_budget: bytes of logits and gradient tiles for `fused="linear"` (a positive integer).
@@ -227,9 +228,8 @@ class DGPOConfig(GRPOConfig):
     def aggregation(self) -> str:
         if self.loss_aggregation is not None:
             return self.loss_aggregation
-        if self.policy_loss == "dcpo":
-            return "seq_sum_token_mean"
-        return TRL_LOSS_TYPE_AGGREGATION[self.loss_type]
+        # a method's own (dcpo, geo_mean: methods TRL lacks, whose loss_type has no opinion on them), else TRL's
+        return METHODS[resolve(self.policy_loss)[0]].aggregation or TRL_LOSS_TYPE_AGGREGATION[self.loss_type]
 
     def method(self) -> MethodConfig:
         return self._build_method(self.policy_loss)

@@ -27,6 +27,7 @@ from dgpo_ops.core.aggregation import (
 from dgpo_ops.core.validation import MESSAGES
 from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
 from dgpo_ops.kernels.row_io import TokenInputs, compute_dtype
+from dgpo_ops.methods.table import METHODS
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
@@ -118,6 +119,9 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
     check_generator(batch.generator, device)
     if flat and (sequence_reason is not None or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
         reason = sequence_reason if sequence_reason is not None else f"aggregation {aggregation!r}"
+        own = [name for name, spec in METHODS.items() if spec.aggregation == aggregation]
+        if sequence_reason is None and own:  # the aggregation may be the method's own, not one the caller passed
+            reason += f" (the own aggregation of {', '.join(own)}, taken where none is passed: pass aggregation='token_mean')"
         raise ValueError(f"flat (N, V) logits carry no response structure: use (B, T, V) logits for {reason}")
     token_shape = torch.Size(logits_shape[:-1])
     grid = (1, logits_shape[0]) if flat else (logits_shape[0], logits_shape[1])

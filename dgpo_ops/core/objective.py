@@ -16,6 +16,7 @@ from dgpo_ops.core.inputs import TokenBatch
 from dgpo_ops.core.metrics import policy_metrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, LOGP_FLOOR
+from dgpo_ops.methods import gspo
 from dgpo_ops.methods.base import SequenceInputs, TokenTerms, straight_through_clamp
 from dgpo_ops.methods.table import token_terms
 
@@ -52,9 +53,15 @@ def policy_objective(
     old_logp = batch.old_logps if batch.old_logps is not None else logp.detach()
     log_ratio = logp - old_logp
     statistic = options.sequence_statistic
+    # TRL's importance ratio (its coef_1: the token's, or GSPO's sequence mean), which its KL correction uses
+    # whatever the loss type: a method's own sequence statistic (vespo's, geo_mean's) is not it
+    importance_log_ratio = log_ratio
+    statistic = options.sequence_statistic
     if statistic is not None:
         log_ratio = statistic(options.method, SequenceInputs(log_ratio, batch.advantages, batch.mask,
                                                              batch.rollout_weights))
+        if statistic is gspo.mean_log_ratio:
+            importance_log_ratio = log_ratio
     tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp, scored=batch.mask,
                          generator=generator)
     per_token = tokens.loss
@@ -64,9 +71,10 @@ def policy_objective(
     if options.beta != 0.0:
         check_kl_inputs(batch, options)
         kl_value = kl_k3(logp, batch.ref_logps)
-        if options.kl_ratio_correction:  # as TRL: by the (token or sequence) ratio, with its gradient
-            # (the ratio the method was evaluated at: clamped straight-through, as every exponential here)
-            kl_value = kl_value * torch.exp(straight_through_clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        if options.kl_ratio_correction:  # as TRL: by the importance ratio, with its gradient (clamped
+            # straight-through, as every exponential here)
+            kl_value = kl_value * torch.exp(straight_through_clamp(importance_log_ratio, -LOG_RATIO_CLAMP,
+                                                                   LOG_RATIO_CLAMP))
         per_token = per_token + options.beta * kl_value
         kl = kl_value.detach()
     if options.entropy_coef != 0.0:

@@ -25,7 +25,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 class LossOptions:
     method: MethodConfig = field(default_factory=DgpoConfig)
     temperature: float = 1.0
-    aggregation: str = "token_mean"
+    aggregation: str | None = None  # None: the method's own (MethodSpec.aggregation), else token_mean
     beta: float = 0.0  # KL (k3) coefficient to the reference policy
     kl_ratio_correction: bool = False  # multiply the KL by the importance ratio (TRL's use_bias_correction_kl)
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * H
@@ -53,6 +53,8 @@ class LossOptions:
         ) or not float32_magnitude_ok(self.entropy_coef):
             raise ValueError(f"entropy_coef must be a finite number that float32 holds (|entropy_coef| <= "
                              f"{FLOAT32_MAX:.2g}), got {self.entropy_coef!r}")
+        if self.aggregation is None:  # resolved here, once: every path and the compiled ops read the name
+            object.__setattr__(self, "aggregation", default_aggregation(self.method.name))
         check_aggregation(self.aggregation)
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(
@@ -111,6 +113,12 @@ class LossOptions:
             items = tuple((name, trace_constant(value)) for name, value in kwargs.items())
             return COMPILED_OPTIONS[_build_constant(method, items)]
         return _build_eager(method, kwargs)
+
+
+def default_aggregation(method: str) -> str:
+    """The aggregation of a call that names none: the method's own, where its authors or framework fix one
+    (geo_mean: verl's mean over responses; dcpo: DCPO's only-token-mean), else token_mean."""
+    return METHODS[method].aggregation or "token_mean"
 
 
 def trace_constant(value):

@@ -17,6 +17,8 @@ positive loss normalizer) are checked one of two ways, chosen by ``validation=``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -114,8 +116,31 @@ _rings: dict = {}
 _lock = threading.Lock()
 
 
+# A forward-only function that runs a loss op for its per-token log-probs and entropies (fused_linear_logprobs
+# runs fused_linear_dgpo_loss's): set around that call (``per_token_function``), read where the call's check is
+# queued. Its deferred errors name it, and its results, the per-token values, become NaN on bad input.
+_PER_TOKEN_FUNCTION: contextvars.ContextVar[str | None] = contextvars.ContextVar("dgpo_ops_per_token_function",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def per_token_function(function: str):
+    """The calls made inside run for ``function``, whose results are the per-token log-probs and entropies."""
+    token = _PER_TOKEN_FUNCTION.set(function)
+    try:
+        yield
+    finally:
+        _PER_TOKEN_FUNCTION.reset(token)
+
+
+def running_per_token_function() -> str | None:
+    """The function set by ``per_token_function`` around this call, or None (a loss op called for its loss)."""
+    return _PER_TOKEN_FUNCTION.get()
+
+
 def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op: str) -> None:
-    """Queue a call's device status for a later check; starts its copy to the host, never waits."""
+    """Queue a call's device status for a later check; starts its copy to the host, never waits. ``op``: the
+    function its error names."""
     if not status.is_cuda:
         with _lock:
             _pending.append(_PendingCheck(status, None, vocab, normalizer, op))

@@ -100,13 +100,15 @@ class RowLayout:
 
     def merge(self, workspace: RowWorkspace) -> None:
         """After the row forward: a split vocabulary's partials merged over the group (nothing otherwise)."""
-        if self.shard is not None:
+        if self.shard is not None and self.shard.agreed:
             merge_row_partials(workspace.planes(), workspace.target_index, self.shard.group)
+        elif self.shard is not None:  # sizes that disagree (deferred validation): NaN rows, nothing sent
+            workspace.planes().fill_(float("nan"))
 
     def reduce_hidden_grad(self, grad_hidden: torch.Tensor | None) -> None:
         """From hidden states, every process's columns add to the hidden state's gradient: sum it over the group
         (in place; nothing for a whole vocabulary)."""
-        if self.shard is not None and grad_hidden is not None:
+        if self.shard is not None and self.shard.agreed and grad_hidden is not None:
             torch.distributed.all_reduce(grad_hidden, op=torch.distributed.ReduceOp.SUM, group=self.shard.group)
 
     def errors(self) -> torch.Tensor | None:

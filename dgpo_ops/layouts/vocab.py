@@ -8,9 +8,11 @@ partials over this process's columns (``kernels/logprob_entropy.py``, ``WRITES_P
 where this process holds the target. ``merge_row_partials`` merges them over the group with one
 all-reduce MAX of the maxima (4 bytes per token) and one all-reduce SUM of ``[S, U, target logit]``
 re-centred on the global max (12 bytes per token): 16 bytes per token cross the group, and neither
-logits nor weights do. It leaves the planes the single-process row forward writes (max, ``log S``,
-log-prob, entropy ``log S - U / S``), so everything after it (the objective, the metrics, the
-deferred checks, the gradient kernel with its ``expm1`` form) is the single-process code. The logits'
+logits nor weights do. Before it, the processes agree on their column and token counts on the host
+(``agreed_sizes``), so that the merge never all-reduces tensors of different sizes. It leaves the planes
+the single-process row forward writes (max, ``log S``, log-prob, entropy ``log S - U / S``), so
+everything after it (the objective, the metrics, the deferred checks, the gradient kernel with its
+``expm1`` form) is the single-process code. The logits'
 gradient needs no communication; from hidden states each process's part of the hidden-state gradient
 is all-reduced (``N x H`` values, as Megatron's column-parallel layer does in its backward).
 """
@@ -29,13 +31,16 @@ from dgpo_ops.kernels.interface import InputError, Plane
 @dataclass(frozen=True)
 class VocabShard:
     """This process's columns ``[start, start + size)`` of a ``vocab``-wide vocabulary over ``group``.
-    ``errors``: an int64 device scalar, ``InputError.VOCAB_SHARES`` where the processes' shares differ
-    (deferred validation: never read on the host), else None."""
+    ``agreed``: the processes' column and token counts agree (known on every process's host alike); where they do
+    not, nothing is all-reduced over the group for this call (tensors of different sizes would abort gloo and hang
+    or mix rows in NCCL). ``errors``: an int64 device scalar, ``InputError.VOCAB_SHARES`` where they do not agree
+    under deferred validation (the loss is NaN and the error is raised later), else None."""
 
     group: object
     start: int
     size: int
     vocab: int
+    agreed: bool = True
     errors: torch.Tensor | None = None
 
     @property
@@ -46,9 +51,9 @@ class VocabShard:
 
 def vocab_shard(group, columns: int, n_tokens: int, device, check: bool) -> VocabShard:
     """This process's share for equal shares in rank order. The processes' column and token counts are
-    compared with one small all-reduce: with ``check`` (immediate validation) read on the host, raising
-    ``ValueError``; without, kept on the device as ``errors`` (the loss is NaN and the deferred error
-    names the argument)."""
+    compared on the host (``agreed_sizes``): with ``check`` (immediate validation) a disagreement raises
+    ``ValueError``; without, it becomes ``errors`` on the device (the loss is NaN on every process and the
+    deferred error names the argument) and the call all-reduces nothing."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("vocab_parallel_group needs torch.distributed initialised (init_process_group)")
     try:
@@ -57,22 +62,53 @@ def vocab_shard(group, columns: int, n_tokens: int, device, check: bool) -> Voca
         raise ValueError(f"vocab_parallel_group is not a process group this process belongs to: {error}") from None
     if rank < 0:
         raise ValueError("vocab_parallel_group is not a process group this process belongs to")
-    sizes = torch.tensor([columns, -columns, n_tokens, -n_tokens], dtype=torch.float64, device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-    errors = None
-    if check:
-        most_columns, fewest_columns, most_tokens, fewest_tokens = sizes.tolist()
-        if most_columns != -fewest_columns:
-            raise ValueError(f"vocab_parallel_group: every process must hold an equal share of the vocabulary "
-                             f"(in rank order); the shares here range from {int(-fewest_columns)} to "
-                             f"{int(most_columns)} columns")
-        if most_tokens != -fewest_tokens:
-            raise ValueError(f"vocab_parallel_group: every process must hold the same tokens (a tensor-parallel "
-                             f"group); the token counts range from {int(-fewest_tokens)} to {int(most_tokens)}")
-    else:
-        uneven = (sizes[0] != -sizes[1]) | (sizes[2] != -sizes[3])
-        errors = torch.where(uneven, int(InputError.VOCAB_SHARES), 0)
-    return VocabShard(group, rank * columns, columns, world * columns, errors)
+    most_columns, fewest_columns, most_tokens, fewest_tokens = agreed_sizes(group, columns, n_tokens)
+    agreed = most_columns == fewest_columns and most_tokens == fewest_tokens
+    if check and most_columns != fewest_columns:
+        raise ValueError(f"vocab_parallel_group: every process must hold an equal share of the vocabulary "
+                         f"(in rank order); the shares here range from {fewest_columns} to {most_columns} columns")
+    if check and most_tokens != fewest_tokens:
+        raise ValueError(f"vocab_parallel_group: every process must hold the same tokens (a tensor-parallel "
+                         f"group); the token counts range from {fewest_tokens} to {most_tokens}")
+    # a fill on the device, not a copy from the host (which would wait for the stream)
+    errors = None if agreed else torch.full((), int(InputError.VOCAB_SHARES), dtype=torch.int64, device=device)
+    return VocabShard(group, rank * columns, columns, world * columns, agreed, errors)
+
+
+def agreed_sizes(group, columns: int, n_tokens: int) -> tuple[int, int, int, int]:
+    """``(most columns, fewest columns, most tokens, fewest tokens)`` over ``group``'s processes, on the host.
+
+    The counts are shapes, host metadata, and every process must know whether they agree before the merge's
+    all-reduce, whose sizes they set. So they are all-reduced as a CPU tensor (over ``host_group``): that waits
+    for the other processes' hosts to reach this call, which run the same steps, and never for the device. An
+    all-reduce on the device read back on the host would wait for every kernel queued before it (a host sync on
+    the hot path), and one left on the device cannot stop the merge from running with mismatched sizes."""
+    sizes = torch.tensor([columns, -columns, n_tokens, -n_tokens], dtype=torch.int64)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=host_group(group))
+    most_columns, fewest_columns, most_tokens, fewest_tokens = sizes.tolist()
+    return most_columns, -fewest_columns, most_tokens, -fewest_tokens
+
+
+# A gloo group over the ranks of each group that takes no CPU tensors (NCCL's), made on first use
+HOST_GROUPS: dict = {}
+
+
+def takes_cpu_tensors(group) -> bool:
+    """Whether ``group``'s backends include one for CPU tensors (gloo, or a ``"cpu:gloo,cuda:nccl"`` group)."""
+    config = dist.get_backend_config(group)
+    return any(part.split(":")[0] == "cpu" if ":" in part else part == "gloo" for part in config.split(","))
+
+
+def host_group(group):
+    """The group that all-reduces host tensors among ``group``'s processes: ``group`` itself where it takes CPU
+    tensors; else a gloo group over its ranks, made once, by its own processes alone (the first call of the op,
+    which every one of them makes)."""
+    if takes_cpu_tensors(group):
+        return group
+    if group not in HOST_GROUPS:
+        HOST_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                            use_local_synchronization=True)
+    return HOST_GROUPS[group]
 
 
 def merge_row_partials(planes: torch.Tensor, target_index: torch.Tensor, group) -> None:

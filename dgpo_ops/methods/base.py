@@ -140,6 +140,9 @@ class MethodSpec:
     # A batch-level stage after the per-token terms: (config, terms, inputs, scored, generator) -> terms, with
     # statistics over every scored token of the call (the torch objective evaluates such a method).
     token_selection: Callable[..., TokenTerms] | None = None
+    # The aggregation the method's authors or framework fix: the default of every loss function and of DGPOConfig
+    # (TRL's loss_type has none for a method TRL lacks); an explicit aggregation wins. None: token_mean.
+    aggregation: str | None = None
 
     @property
     def name(self) -> str:

@@ -45,5 +45,5 @@ SPECS = (
                                "GMPO: Geometric-Mean Policy Optimization, Zhao et al. 2025, arXiv:2507.20673",
                                # (not 0.4, GMPO's own: tests/helpers.py's log-ratio grid holds -0.4, a tie in log space)
                                variants=({}, {"eps_low": 0.3, "eps_high": 0.35}),
-                               sequence_statistic=clipped_log_ratio_mean),
+                               sequence_statistic=clipped_log_ratio_mean, aggregation="seq_mean_token_mean"),
 )

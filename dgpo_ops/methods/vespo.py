@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -51,6 +52,9 @@ def _vespo(cfg: VespoConfig, x: TokenInputs) -> TokenTerms:
     rate = torch.where(pos, full_like(max(cfg.lambda_pos, 1e-4), rd), full_like(max(cfg.lambda_neg, 1e-4), rd))
     log_w = x.log_ratio.detach().clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
     phi = torch.exp(rate + k * log_w - rate * log_w.exp())
+    # A weight beyond the dtype's range (k = 10, lambda = 0, log w = 10: 3e42 in float32) is 0, as TRL's
+    # nan_to_num(posinf=0): it drops that response. A NaN stays NaN (a bad input must reach the loss).
+    phi = torch.where(phi == math.inf, 0.0, phi)
     # A weight of exactly 0 (w far above its peak) silences the token, also where l is infinite (not 0 * inf)
     silenced = (phi == 0) & x.logp.detach().isinf()
     return TokenTerms(torch.where(silenced, 0.0, -adv * phi * x.logp), phi, torch.zeros_like(rd, dtype=torch.int8))

@@ -23,7 +23,7 @@ import torch
 from dgpo_ops.core.inputs import LossBatch
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, refuse_double_backward
-from dgpo_ops.kernels.interface import Plane, Status
+from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
@@ -39,7 +39,7 @@ from dgpo_ops.ops.linear import (
     linear_plan,
     sweep_tiles,
 )
-from dgpo_ops.ops.pipeline import row_forward, run_prologue
+from dgpo_ops.ops.pipeline import nan_rows_on_error, row_forward, run_prologue
 
 
 class LinearLogProbEntropyFunction(torch.autograd.Function):
@@ -61,12 +61,11 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: forward(tile, tiles.kernel_scale, start))
             call.rows.merge(workspace)
         if call.deferred:
+            nan_rows_on_error(workspace)
             defer(workspace.status, call.vocab, call.normalizer_tensor, "linear_logprob_entropy")
         ctx.save_for_backward(hidden, weight, bias)
         ctx.workspace, ctx.plan, ctx.precision = workspace, plan, precision
-        bad_input = workspace.status[Status.ERRORS] != 0  # on the device: no sync
-        return (torch.where(bad_input, float("nan"), workspace.per_token[Plane.LOGP]),
-                torch.where(bad_input, float("nan"), workspace.per_token[Plane.ENTROPY]))
+        return workspace.per_token[Plane.LOGP].clone(), workspace.per_token[Plane.ENTROPY].clone()
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):

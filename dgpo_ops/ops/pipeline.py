@@ -36,7 +36,7 @@ from dgpo_ops.core.inputs import (
 from dgpo_ops.core.metrics import policy_metrics
 from dgpo_ops.core.objective import check_kl_inputs, policy_objective
 from dgpo_ops.core.options import LossOptions
-from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode
+from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode, running_per_token_function
 from dgpo_ops.kernels.interface import Plane, Status
 from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
@@ -175,8 +175,20 @@ def forward_rows(plan: CallPlan, workspace: RowWorkspace, sweep: Callable[[RowFo
     result = ObjectiveResult(workspace.loss, None, workspace.stats) if plan.uses_epilogue \
         else objective_route(plan, workspace)
     if plan.deferred:
-        defer(workspace.status, plan.vocab, plan.normalizer_tensor, op)
+        function = running_per_token_function()
+        if function is not None:  # its results are the per-token values (a loss op's, its loss and gradient)
+            nan_rows_on_error(workspace)
+        defer(workspace.status, plan.vocab, plan.normalizer_tensor, function or op)
     return result
+
+
+def nan_rows_on_error(workspace: RowWorkspace) -> None:
+    """Deferred validation, for a function whose results are the per-token log-probs and entropies: a call with
+    bad input gives NaN on every token, in place and on the device, as a loss op's loss and gradient are. A
+    target outside the vocabulary scores nothing, so its log-prob and entropy would stay 0: probability 1, a
+    number that reads as right."""
+    rows = workspace.planes()[Plane.LOGP:Plane.ENTROPY + 1]
+    rows.copy_(torch.where(workspace.status[Status.ERRORS] != 0, float("nan"), rows))
 
 
 def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:

@@ -30,7 +30,7 @@ def reference_loss(
     *,
     method="dgpo",
     temperature: float = 1.0,
-    aggregation: str = "token_mean",
+    aggregation: str | None = None,
     loss_normalizer: float | torch.Tensor | None = None,
     beta: float = 0.0,
     entropy_coef: float = 0.0,
