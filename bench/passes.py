@@ -60,10 +60,12 @@ OPTIONS = {
 # method -> (DGPOTrainer's policy_loss, GRPOConfig fields of the method, for both trainers)
 METHODS = {
     "grpo": ("grpo", {}),
-    "gspo": ("grpo", {"importance_sampling_level": "sequence"}),
+    "gspo": ("grpo", {"importance_sampling_level": "sequence", "loss_type": "grpo"}),  # TRL's GSPO recipe
     "clip_cov": ("clip_cov", {}),
 }
 PATHS = ("dgpo_linear", "dgpo_logits", "trl")
+PATH_LABELS = {"dgpo_linear": "DGPOTrainer fused linear", "dgpo_logits": "DGPOTrainer fused logits",
+               "trl": "GRPOTrainer"}
 # TRL's first accumulation window applies no adaptive bonus (its last entropy starts at inf); an entropy of 0 is at
 # or below any target, so the bonus applies from the first update: the case that costs passes.
 ACTIVE_ADAPTIVE_ENTROPY = 0.0
@@ -191,8 +193,8 @@ def markdown(doc: dict) -> str:
         f"2 x hidden x vocabulary x {RESPONSES * completion_length} completion positions; `today / designed` "
         "(`designed_passes`). The counts do not depend on the machine's load."),
         "",
-        "| method | option | dgpo_linear | dgpo_logits | trl (GRPOTrainer) |",
-        "|---|---|---|---|---|",
+        "| method | option | " + " | ".join(PATH_LABELS[p] for p in doc["paths"]) + " |",
+        "|---|---|" + "---|" * len(doc["paths"]),
     ]
     rows = {(r["method"], r["option"], r["path"]): r for r in doc["rows"]}
 

@@ -6,9 +6,9 @@ today's count, so that a change that adds a pass fails, and the change that remo
 ``CURRENT_PASSES`` to its design (``test_no_case_pays_less_than_designed`` then says so). Today every fused-linear
 case pays more than designed but gspo and clip_cov without options: the twins have no epilogue, so every method
 takes the log-prob sweep and the full sweep (4, 3 on CUDA), a mask adds a forward-only sweep (1), and the entropy
-bonus a whole second loss call (4 on the CPU). On CUDA the same cases run on the Triton kernels:
-``CURRENT_PASSES_CUDA`` holds the counts predicted from the code (token-local loss calls 3 passes, others 4), not
-yet measured on a GPU; ``bench/experiments/gpu_session.sh`` runs this test there.
+bonus a whole second loss call (4 on the CPU). On CUDA the fused-linear cases run on the Triton kernels:
+``CURRENT_PASSES_CUDA`` holds the counts predicted from the code (a token-local loss call 3 passes, others 4), not
+yet measured on a GPU; ``test_fused_linear_pass_count_on_cuda`` checks them in ``gpu_session.sh``'s CUDA tests.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 if str(REPO) not in sys.path:  # bench/ imports from the repository root
     sys.path.insert(0, str(REPO))
+
+from helpers import requires_cuda
 
 from bench import passes
 
@@ -85,18 +87,21 @@ def test_no_case_pays_less_than_designed():
         assert not below
 
 
-@pytest.fixture(scope="module")
-def device():
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 @pytest.mark.parametrize("method,option,path", CASES, ids=["-".join(case) for case in CASES])
-def test_pass_count_of_each_case(method, option, path, device):
-    row = passes.count_case(path, method, option, "tiny", device)
-    expected = (CURRENT_PASSES_CUDA if device == "cuda" else CURRENT_PASSES)[method, option, path]
-    assert row["passes"] == expected, row["distinct_calls"]
+def test_pass_count_of_each_case(method, option, path):
+    row = passes.count_case(path, method, option, "tiny", "cpu")
+    assert row["passes"] == CURRENT_PASSES[method, option, path], row["distinct_calls"]
+    assert row["loss_finite"]
+
+
+LINEAR_CASES = [case for case in CASES if case[2] == "dgpo_linear"]  # the one path whose count depends on the device
+
+
+@requires_cuda
+@pytest.mark.parametrize("method,option,path", LINEAR_CASES, ids=["-".join(case) for case in LINEAR_CASES])
+def test_fused_linear_pass_count_on_cuda(method, option, path):
+    row = passes.count_case(path, method, option, "tiny", "cuda")
+    assert row["passes"] == CURRENT_PASSES_CUDA[method, option, path], row["distinct_calls"]
     assert row["loss_finite"]
 
 
