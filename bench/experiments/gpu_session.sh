@@ -18,9 +18,11 @@
 #              as pyproject.toml maps them), the tree's other files (tests/, bench/, ...) copied to $WORK/run without
 #              dgpo_ops/, kernels/ or trainer/, and every later stage run there with PYTHONPATH=$WORK/site: what is
 #              imported is the install, never the checkout
-#   tests      TRITON_INTERPRET=0 pytest -m cuda tests                                          (limit 210 s)
+#   tests      TRITON_INTERPRET=0 pytest -m cuda tests: 545 tests, 499 of them test_fused_parity's, mostly Triton
+#              compiles: 8 pytest-xdist workers where xdist is installed (the GPU image has it)   (limit 210 s)
 #   logits     gpu_check.py --timing-only: the logits op fwd + bwd at N = 8192, V = 151,936 bf16 against Liger's
-#              triton_grpo_loss and TRL's kernel + loss, back to back and synchronised per call  (limit 60 s)
+#              triton_grpo_loss and TRL's kernel + loss, back to back and synchronised per call; then V = 32,000,
+#              where the call is host-bound                                                       (limit 60 s)
 #   linear     fused_linear.py at N = 8192, V = 151,936, H = 1,536 and 4,096, autocast and bf16: ours, TRL's chunked
 #              head, Liger's fused linear, the three-GEMM floor                                   (limit 120 s)
 #   trainstep  train_step.py: one update of Qwen2.5-1.5B's architecture at completions of 2k and 8k,
@@ -124,7 +126,7 @@ if [ "$DRY" = 1 ]; then
   PASSES_ARGS=(--methods gspo --options all --paths dgpo_linear)
 else
   TESTS=(tests)
-  LOGITS_ARGS=(--vocab 151936 --tokens 8192)
+  LOGITS_ARGS=(--vocab 151936 32000 --tokens 8192)
   LINEAR_ARGS=(--competitors ours trl liger gemm_floor --repeats 3)
   TRAINSTEP_ARGS=(--completions 2048,8192 --paths dgpo_linear,trl)
   PASSES_ARGS=()
@@ -148,7 +150,10 @@ for stage in "${STAGES[@]}"; do
     export PYTHONPATH=$SITE DGPO_OPS_COMMIT
     ;;
   tests)
-    run_stage tests 210 "" env TRITON_INTERPRET=0 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider "${TESTS[@]}" ;;
+    WORKERS=()
+    "$PYTHON" -c "import xdist" 2> /dev/null && WORKERS=(-n 8)
+    run_stage tests 210 "" env TRITON_INTERPRET=0 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider "${WORKERS[@]}" \
+      "${TESTS[@]}" ;;
   logits)
     run_stage logits 60 gpu_check.json "$PYTHON" bench/experiments/gpu_check.py --timing-only --skip-linear --out . \
       "${LOGITS_ARGS[@]}" ;;
