@@ -69,6 +69,12 @@ setup() {
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       "$TREE"/.whl/*.whl || return 1
   fi
+  if [ "$DRY" != 1 ] && ! PYTHONPATH=$SITE "$PYTHON" -c "import transformers" > /dev/null 2>&1; then
+    # transformers checks its dependencies' versions on import: if the image's do not satisfy the carried one,
+    # the image's own transformers is the better chance (the stages that need 5.24's API will say so)
+    echo "the carried transformers does not import here; using the image's"
+    rm -rf "$SITE"/transformers "$SITE"/transformers-*.dist-info
+  fi
   "$PYTHON" "$TREE/bench/experiments/install_tree.py" "$SITE" || return 1
   tar -C "$TREE" --exclude=./.git --exclude=./.whl --exclude=./dgpo_ops --exclude=./kernels --exclude=./trainer \
     --exclude=./build --exclude='*.egg-info' --exclude='__pycache__' -cf - . | tar -C "$RUN" -xf - || return 1
@@ -107,9 +113,11 @@ run_stage() {
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   log "$name (at most $limit s)"
-  local begun=$SECONDS
+  local begun=$SECONDS lines
+  lines=$(wc -l < "$LOG")
   (cd "$RUN" && timeout -k 10 "$limit" "$@") >> "$LOG" 2>&1
   local rc=$?
+  tail -n +$((lines + 1)) "$LOG" | tail -n 6  # the stage's last lines, for the device tool's reply
   [ -n "$result" ] && [ -f "$RUN/$result" ] && cp "$RUN/$result" "$OUT/"
   local note=ok
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && note="cut at $limit s"
