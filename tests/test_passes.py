@@ -134,3 +134,20 @@ def test_the_recorded_results_are_todays():
     assert doc["complete"] and doc["machine"]["dgpo_ops_commit"]
     recorded = {(r["method"], r["option"], r["path"]): (r["passes"], r["designed_passes"]) for r in doc["rows"]}
     assert recorded == {case: (CURRENT_PASSES[case], DESIGNED_PASSES[case]) for case in CASES}
+
+
+def test_the_timing_table_shows_each_case_and_why_one_failed():
+    """``bench/passes_time.py``'s table (its measurements take minutes a case: ``python bench/passes_time.py``)."""
+    from bench import passes_time
+
+    machine = {"device": "cpu", "device_name": "CPU", "cpu_count": 2, "torch": "x", "trl": "y", "dgpo_ops_commit": "abc"}
+    doc = {"machine": machine, "command": "python bench/passes_time.py", "model": "cpu-small", "prompt_length": 128,
+           "completion_length": 256, "repeats": 1, "load_average": ["1.0", "2.0"], "methods": ["grpo"],
+           "options": ["plain", "all"], "paths": ["dgpo_linear", "trl"],
+           "rows": [{"method": "grpo", "option": "plain", "path": "dgpo_linear", "seconds_median": 7.5,
+                     "peak_bytes": 2.05e9},
+                    {"method": "grpo", "option": "all", "path": "trl", "error": "exited -9: killed"}]}
+    table = passes_time.markdown(doc)
+    assert "| grpo | plain | 7.50 s / 2.05 | - |" in table
+    assert "| grpo | all | - | failed |" in table
+    assert "* grpo all trl: exited -9: killed" in table
