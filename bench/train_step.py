@@ -140,10 +140,12 @@ def longest_fitting(fits, step: int = SEARCH_STEP, limit: int = SEARCH_LIMIT,
 # ----------------------------------------------------------------------------- one path, in its own process
 
 
-def build_trainer(path: str, model_name: str, completion_length: int, workdir: str, device: str):
+def build_trainer(path: str, model_name: str, completion_length: int, workdir: str, device: str,
+                  policy_loss: str = "grpo", fields: dict | None = None):
     """The trainer as ``train()`` leaves it before its first step: Liger's kernels applied, activation
     checkpointing on, model and optimizer prepared by accelerate (under bf16 the model's forward then runs
-    in autocast and returns fp32 outputs, as in a real run)."""
+    in autocast and returns fp32 outputs, as in a real run). ``fields``: more ``GRPOConfig`` fields, for both
+    trainers (``bench/passes.py``'s options); ``policy_loss``: DGPOTrainer's method (GRPOTrainer runs TRL's)."""
     import torch
     from datasets import Dataset
     from dgpo_ops.trainer.tiny_model import build_tokenizer
@@ -159,11 +161,11 @@ def build_trainer(path: str, model_name: str, completion_length: int, workdir: s
     common = dict(output_dir=workdir, per_device_train_batch_size=RESPONSES, num_generations=RESPONSES,
                   max_completion_length=completion_length, bf16=device == "cuda", use_cpu=device != "cuda",
                   report_to=[], gradient_checkpointing=True, max_grad_norm=1.0, use_liger_kernel=spec.liger,
-                  save_strategy="no")
+                  save_strategy="no", **(fields or {}))
     if spec.dgpo_fused is not None:
         from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
 
-        cls, args = DGPOTrainer, DGPOConfig(policy_loss="grpo", fused=spec.dgpo_fused, **common)
+        cls, args = DGPOTrainer, DGPOConfig(policy_loss=policy_loss, fused=spec.dgpo_fused, **common)
     else:
         from trl import GRPOConfig, GRPOTrainer
 

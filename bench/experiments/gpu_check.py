@@ -1,6 +1,7 @@
 """One GPU session's checks of the sync-free pipeline (issues 12 and 14), printed as a short table.
 
-    python bench/experiments/gpu_check.py [--out DIR] [--skip-linear]
+    python bench/experiments/gpu_check.py [--out DIR] [--skip-linear] [--timing-only] [--vocab V ...] [--tokens N]
+                                          [--device cpu]
 
 * correctness on CUDA: every method variant of the tests, fp32 and bf16 logits, against an fp64
   reference; GSPO, KL + entropy + temperature, inplace, flat and strided logits, a large vocabulary;
@@ -9,13 +10,16 @@
   of CUDA kernels one forward + backward launches (torch.profiler);
 * deferred validation on CUDA: a bad target id gives a NaN loss at once and a ValueError naming
   ``target_ids`` from ``raise_deferred_errors()``;
-* timings (median ms of ``triton.testing.do_bench``, and wall time per call of a loop that
-  synchronises once at its end) at N = 8192 bf16 logits: ours, Liger's triton_grpo_loss and TRL's
-  kernel + loss, forward + backward and forward only; the fused-linear op against TRL's
+* timings at N = 8192 bf16 logits (``--tokens``, ``--vocab``: V = 32,000, 151,936 and 262,144 by default): ours,
+  Liger's triton_grpo_loss and TRL's kernel + loss, forward + backward and forward only, each as the median ms
+  of ``triton.testing.do_bench`` (calls back to back), the wall time per call of a loop that synchronises once at
+  its end, and the median of calls each followed by a synchronisation (``sync_ms``); the fused-linear op against TRL's
   ChunkedLogProbFunction + loss, under bf16 autocast with fp32 parameters and with bf16 parameters,
   with peak memory.
 
-Writes ``gpu_check.json`` under ``--out``.
+Writes ``gpu_check.json`` under ``--out``. ``--device cpu`` runs the timing section on the CPU at whatever size
+is asked (the torch twins; Liger's and TRL's Triton kernels record why they did not run): the dry run of
+``gpu_session.sh``, so that the script breaks in CI rather than on a GPU.
 """
 
 from __future__ import annotations
@@ -116,7 +120,8 @@ def correctness():
 
 
 def logits_inputs(N, V, dtype=torch.bfloat16, seed=0):
-    B, T = N // 1024, 1024
+    B = max(1, N // 1024)
+    T = N // B
     g = torch.Generator(device=DEV).manual_seed(seed)
     logits = (torch.randn(B, T, V, device=DEV, generator=g, dtype=torch.float32) * 2).to(dtype).requires_grad_(True)
     target = torch.randint(0, V, (B, T), device=DEV, generator=g)
@@ -206,27 +211,46 @@ def deferred():
     return out
 
 
+def synchronize():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
 def wall_ms(fn, iters=20):
     fn()
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def sync_ms(fn, iters=10):
+    """Median of calls each followed by a synchronisation: the host's time before the first launch counts."""
+    times = []
+    for _ in range(iters):
+        synchronize()
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def bench(fn):
+    if DEV != "cuda":  # the dry run: one call of each kind, so that every code path runs
+        return {"do_bench_ms": None, "wall_ms": wall_ms(fn, iters=1), "sync_ms": sync_ms(fn, iters=1)}
     from triton.testing import do_bench
 
-    return {"do_bench_ms": do_bench(fn, return_mode="median"), "wall_ms": wall_ms(fn)}
+    return {"do_bench_ms": do_bench(fn, return_mode="median"), "wall_ms": wall_ms(fn), "sync_ms": sync_ms(fn)}
 
 
 @section("logits_timing")
-def logits_timing():
+def logits_timing(vocabularies=(32000, 151936, 262144), tokens=8192):
     rows = []
-    for V in (32000, 151936, 262144):
-        logits, target, mask, old, adv = logits_inputs(8192, V)
+    for V in vocabularies:
+        logits, target, mask, old, adv = logits_inputs(tokens, V)
         for method in ("dgpo", "grpo"):
             def step(method=method):
                 logits.grad = None
@@ -274,7 +298,8 @@ def logits_timing():
         except Exception as error:  # noqa: BLE001
             rows.append({"V": V, "impl": "trl-grpo", "error": str(error)[:200]})
         del logits
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
         for row in rows[-5:]:
             print("[logits]", row, flush=True)
     return rows
@@ -364,15 +389,25 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--skip-linear", action="store_true")
     parser.add_argument("--timing-only", action="store_true", help="only the logits timings (and linear unless skipped)")
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936, 262144], help="V of the logits timings")
+    parser.add_argument("--tokens", type=int, default=8192, help="N of the logits timings")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: the timing section only, at the sizes asked (a dry run of the script)")
     args = parser.parse_args()
-    import triton
 
-    RESULTS["env"] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    global DEV
+    DEV = args.device
+    from dgpo_ops.core.environment import describe
+
+    RESULTS["env"] = describe(torch.device(DEV), packages=("trl", "liger-kernel"))
+    RESULTS["arguments"] = vars(args)
+    if DEV != "cuda" and not (args.timing_only and args.skip_linear):
+        parser.error("--device cpu runs the logits timings only: add --timing-only --skip-linear")
     if not args.timing_only:
         correctness()
         no_sync()
         deferred()
-    logits_timing()
+    logits_timing(tuple(args.vocab), args.tokens)
     if not args.skip_linear:
         linear_timing()
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
@@ -380,12 +415,14 @@ def main():
     print("\nsummary")
     for row in RESULTS.get("logits_timing", []) if isinstance(RESULTS.get("logits_timing"), list) else []:
         if "error" not in row:
-            print(f"  V={row['V']:<7} {row['impl']:<22} do_bench {row['do_bench_ms']:.3f} ms  wall {row['wall_ms']:.3f} ms")
+            back_to_back = "-" if row["do_bench_ms"] is None else f"{row['do_bench_ms']:.3f}"
+            print(f"  V={row['V']:<7} {row['impl']:<22} do_bench {back_to_back} ms  wall {row['wall_ms']:.3f} ms  "
+                  f"synchronised {row['sync_ms']:.3f} ms")
     for row in RESULTS.get("linear_timing", []) if isinstance(RESULTS.get("linear_timing"), list) else []:
         if "error" not in row:
             print(f"  {row['setting']:<34} {row['impl']:<5} {row['ms_median']:.1f} ms  +{row['peak_extra_gb']:.2f} GB")
     print("sections:", {k: ("FAILED" if isinstance(v, dict) and "error" in v else "ok") for k, v in RESULTS.items()
-                         if k not in ("env", "section_seconds")})
+                         if k not in ("env", "arguments", "section_seconds")})
 
 
 if __name__ == "__main__":

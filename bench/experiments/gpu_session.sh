@@ -1,89 +1,195 @@
 #!/usr/bin/env bash
-# One GPU lease of the device tool, in stages that each fit its 10-minute command limit.
+# One GPU lease: the decisive GPU checks in priority order, in one command of at most 9 minutes on an H100.
 #
-#   DGPO_OPS_COMMIT=<sha> bash bench/experiments/gpu_session.sh STAGE...
+# Once, on a machine with the package index (the GPU machine has none), fetch the wheels the GPU image lacks into
+# .whl/ (ignored by git; about 16 MB; trl, liger-kernel, datasets and its dill and multiprocess, and transformers
+# 5.24, the version this project's CPU machines test: the image had 5.17):
 #
-# Stages: setup (wheels from .whl/ and this tree into /tmp/site; always first), tests (the CUDA tests),
-# bench (pytest bench/ --benchmark-only), linear (bench/fused_linear.py), timing (gpu_check.py
-# --timing-only: back-to-back times of the logits op), host (host_overhead.py: host submit time and
-# profile), repro (the bf16 cuDNN attention repro), mainjob (20 bf16 runs of the main job, 10 at a
-# time), trainstep (bench/train_step.py: one policy update of Qwen2.5-1.5B's architecture per path at
-# completions of 2k, 8k and 16k), trainfit (its search for the longest completion that fits, per path).
-# Logs, JSON and results go to $OUT (one tarball, results.tgz, plus session.log).
+#   bash bench/experiments/gpu_session.sh fetch-wheels
+#
+# On the device (the device tool's run, carry [".whl"], timeout_s 600), from the repository root:
+#
+#   DGPO_OPS_COMMIT=$(git rev-parse --short HEAD) bash bench/experiments/gpu_session.sh
+#
+# Stages, in this order by default (each ends by writing its results to $OUT; a stage cut short loses only
+# itself; a stage starts only while the budget, GPU_SESSION_BUDGET_S = 540 s, has 20 s left, and runs for at
+# most the smaller of its own limit and what is left):
+#   setup      the wheels and this tree installed into $WORK/site (bench/experiments/install_tree.py: the packages
+#              as pyproject.toml maps them), the tree's other files (tests/, bench/, ...) copied to $WORK/run without
+#              dgpo_ops/, kernels/ or trainer/, and every later stage run there with PYTHONPATH=$WORK/site: what is
+#              imported is the install, never the checkout
+#   tests      TRITON_INTERPRET=0 pytest -m cuda tests: 545 tests, 499 of them test_fused_parity's, mostly Triton
+#              compiles: 8 pytest-xdist workers where xdist is installed (the GPU image has it)   (limit 210 s)
+#   logits     gpu_check.py --timing-only: the logits op fwd + bwd at N = 8192, V = 151,936 bf16 against Liger's
+#              triton_grpo_loss and TRL's kernel + loss, back to back and synchronised per call; then V = 32,000,
+#              where the call is host-bound                                                       (limit 60 s)
+#   linear     fused_linear.py at N = 8192, V = 151,936, H = 1,536 and 4,096, autocast and bf16: ours, TRL's chunked
+#              head, Liger's fused linear, the three-GEMM floor                                   (limit 120 s)
+#   trainstep  train_step.py: one update of Qwen2.5-1.5B's architecture at completions of 2k and 8k,
+#              DGPOTrainer(fused="linear") and GRPOTrainer                                        (limit 170 s)
+#   passes     passes.py: the GEMM pass grid of issue 40 on CUDA                                   (limit 120 s)
+# Other stages, by name only (not in the dry run): bench (the benchmark suite), host (host_overhead.py), repro
+# (the bf16 cuDNN attention repro), mainjob (20 bf16 runs of the main job), trainfit (the longest completion).
+#
+# $OUT receives at most 8 files (the device tool's limit): stages.tsv (stage, exit code, seconds, note),
+# session.log (everything printed), gpu_check.json, fused_linear.json, train_step.json, passes.json.
+#
+# GPU_SESSION_DRY_RUN=1 runs every default stage on the CPU at tiny sizes (the torch twins, no CUDA, no wheels
+# needed): tests/test_gpu_session.py does, so that the script breaks in CI and not on the GPU.
 set -u
+TREE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/r"
+WORK=${GPU_SESSION_WORK:-/tmp/gpu_session}
+DRY=${GPU_SESSION_DRY_RUN:-0}
+BUDGET=${GPU_SESSION_BUDGET_S:-540}
+PYTHON=${PYTHON:-python3}
+SITE=$WORK/site
+RUN=$WORK/run
+STARTED=$SECONDS
 export PYTHONUNBUFFERED=1
-log() { echo "=== $(date +%T) $*"; }
-for stage in "$@"; do
+mkdir -p "$OUT" "$WORK"
+LOG=$OUT/session.log
+log() { echo "=== $(date +%T) $*" | tee -a "$LOG"; }
+
+fetch_wheels() {
+  "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$TREE/.whl" trl==1.16.0 liger-kernel==0.8.5 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+    transformers==5.24.0 && du -ch "$TREE"/.whl/*.whl
+}
+
+setup() {
+  rm -rf "$SITE" "$RUN"
+  mkdir -p "$SITE" "$RUN"
+  if [ "$DRY" = 1 ]; then
+    echo "dry run: the CPU, no wheels"
+  else
+    nvidia-smi -L || return 1
+    ls "$TREE"/.whl/*.whl > /dev/null 2>&1 || { echo "no wheels in .whl/: run the fetch-wheels stage and carry .whl"; return 1; }
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$TREE"/.whl/*.whl || return 1
+  fi
+  if [ "$DRY" != 1 ] && ! PYTHONPATH=$SITE "$PYTHON" -c "import transformers" > /dev/null 2>&1; then
+    # transformers checks its dependencies' versions on import: if the image's do not satisfy the carried one,
+    # the image's own transformers is the better chance (the stages that need 5.24's API will say so)
+    echo "the carried transformers does not import here; using the image's"
+    rm -rf "$SITE"/transformers "$SITE"/transformers-*.dist-info
+  fi
+  "$PYTHON" "$TREE/bench/experiments/install_tree.py" "$SITE" || return 1
+  tar -C "$TREE" --exclude=./.git --exclude=./.whl --exclude=./dgpo_ops --exclude=./kernels --exclude=./trainer \
+    --exclude=./build --exclude='*.egg-info' --exclude='__pycache__' -cf - . | tar -C "$RUN" -xf - || return 1
+  if [ -z "${DGPO_OPS_COMMIT:-}" ]; then  # the install has no git history: name the commit it was copied from
+    local commit
+    commit=$(git -C "$TREE" rev-parse --short HEAD 2>/dev/null || echo unknown)
+    if [ -n "$(git -C "$TREE" status --porcelain -- dgpo_ops kernels trainer 2>/dev/null)" ]; then
+      commit="$commit+local-changes"
+    fi
+    export DGPO_OPS_COMMIT=$commit
+  fi
+  (cd "$RUN" && PYTHONPATH=$SITE "$PYTHON" - "$SITE" <<'EOF'
+import sys
+
+site = sys.argv[1]
+import torch, triton, trl, transformers, dgpo_ops, dgpo_ops.kernels, dgpo_ops.trainer  # noqa: E401
+
+for module in (dgpo_ops, dgpo_ops.kernels, dgpo_ops.trainer):
+    assert module.__file__.startswith(site), f"{module.__name__} imported from {module.__file__}, not the install"
+print("torch", torch.__version__, "triton", triton.__version__, "trl", trl.__version__, "transformers",
+      transformers.__version__, "cuda", torch.cuda.is_available(), "dgpo_ops from", dgpo_ops.__file__)
+EOF
+  )
+}
+
+# run_stage NAME LIMIT_S RESULT_FILE COMMAND...: COMMAND in $RUN for at most min(LIMIT_S, the budget left); then the
+# result file (when the command wrote one, even cut short) is copied to $OUT.
+run_stage() {
+  local name=$1 limit=$2 result=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - STARTED)))
+  if [ "$left" -lt 20 ]; then
+    log "$name skipped: ${left} s of the budget left"
+    printf '%s\t-\t0\tskipped: budget\n' "$name" >> "$OUT/stages.tsv"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  log "$name (at most $limit s)"
+  local begun=$SECONDS lines
+  lines=$(wc -l < "$LOG")
+  (cd "$RUN" && timeout -k 10 "$limit" "$@") >> "$LOG" 2>&1
+  local rc=$?
+  tail -n +$((lines + 1)) "$LOG" | tail -n 6  # the stage's last lines, for the device tool's reply
+  [ -n "$result" ] && [ -f "$RUN/$result" ] && cp "$RUN/$result" "$OUT/"
+  local note=ok
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && note="cut at $limit s"
+  [ "$rc" != 0 ] && [ "$note" = ok ] && note=failed
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - begun))" "$note" >> "$OUT/stages.tsv"
+  log "$name: exit $rc after $((SECONDS - begun)) s ($note)"
+}
+
+if [ "$DRY" = 1 ]; then
+  TESTS=(tests/test_cuda.py)
+  LOGITS_ARGS=(--device cpu --vocab 1000 --tokens 256)
+  LINEAR_ARGS=(--sizes 64x32x500 --settings fp32 --competitors ours gemm_floor --repeats 1)
+  TRAINSTEP_ARGS=(--model tiny --completions 16 --paths dgpo_linear)
+  PASSES_ARGS=(--methods gspo --options all --paths dgpo_linear)
+else
+  TESTS=(tests)
+  LOGITS_ARGS=(--vocab 151936 32000 --tokens 8192)
+  LINEAR_ARGS=(--competitors ours trl liger gemm_floor --repeats 3)
+  TRAINSTEP_ARGS=(--completions 2048,8192 --paths dgpo_linear,trl)
+  PASSES_ARGS=()
+fi
+
+STAGES=("$@")
+[ ${#STAGES[@]} = 0 ] && STAGES=(setup tests logits linear trainstep passes)
+[ "${STAGES[0]}" = fetch-wheels ] && { fetch_wheels; exit $?; }
+[ "${STAGES[0]}" = setup ] || { echo "setup must be the first stage" >&2; exit 2; }
+: > "$OUT/stages.tsv"
+for stage in "${STAGES[@]}"; do
   case $stage in
   setup)
     log setup
-    nvidia-smi -L
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . \
-      || exit 1
-    # The tree itself imports as the installed package (pytest and `python -c` put it first on sys.path).
-    ln -sfn ../kernels dgpo_ops/kernels && ln -sfn ../trainer dgpo_ops/trainer
-    export PYTHONPATH=$PWD:/tmp/site
-    export PATH=/tmp/site/bin:$PATH
-    python3 -c "import torch, triton, trl, liger_kernel, dgpo_ops; print(torch.__version__, triton.__version__, trl.__version__, dgpo_ops.__file__)"
+    begun=$SECONDS
+    setup >> "$LOG" 2>&1
+    rc=$?
+    printf 'setup\t%s\t%s\t%s\n' "$rc" "$((SECONDS - begun))" "$([ $rc = 0 ] && echo ok || echo failed)" >> "$OUT/stages.tsv"
+    tail -n 3 "$LOG"
+    [ $rc = 0 ] || { log "setup failed: nothing else runs"; exit 1; }
+    export PYTHONPATH=$SITE DGPO_OPS_COMMIT
     ;;
   tests)
-    log tests
-    TRITON_INTERPRET=0 python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tail -n 25 | tee "$OUT/r/cuda-tests.log"
-    ;;
-  bench)
-    log bench
-    python3 -m pytest bench/ --benchmark-only -q -p no:cacheprovider 2>&1 | tail -n 40 > "$OUT/r/bench.log"
-    tail -n 3 "$OUT/r/bench.log"
-    cp bench/results/cuda-*.json "$OUT/r/" 2>/dev/null
-    ;;
+    WORKERS=()
+    "$PYTHON" -c "import xdist" 2> /dev/null && WORKERS=(-n 8)
+    run_stage tests 210 "" env TRITON_INTERPRET=0 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider "${WORKERS[@]}" \
+      "${TESTS[@]}" ;;
+  logits)
+    run_stage logits 60 gpu_check.json "$PYTHON" bench/experiments/gpu_check.py --timing-only --skip-linear --out . \
+      "${LOGITS_ARGS[@]}" ;;
   linear)
-    log linear
-    python3 bench/fused_linear.py --out-dir "$OUT/r" 2>&1 | tail -n 30 | tee "$OUT/r/fused_linear.log"
-    ;;
-  timing)
-    log timing
-    python3 bench/experiments/gpu_check.py --timing-only --skip-linear --out "$OUT/r" 2>&1 | tail -n 30 | tee "$OUT/r/timing.log"
-    ;;
-  host)
-    log host
-    python3 bench/experiments/host_overhead.py --out "$OUT/r" 2>&1 | head -n 60 | tee "$OUT/r/host.log"
-    ;;
+    run_stage linear 120 fused_linear.json bash -c "$PYTHON bench/fused_linear.py --out-dir scratch-linear \
+      ${LINEAR_ARGS[*]}; rc=\$?; cp scratch-linear/fused_linear-*.json fused_linear.json; exit \$rc" ;;
   trainstep)
-    log trainstep
-    python3 bench/train_step.py --no-search 2>&1 | tail -n 30 | tee "$OUT/r/train_step.log"
-    cp bench/results/train_step-*.json bench/results/train_step-*.md bench/plots/train_step-*.png "$OUT/r/" 2>/dev/null
-    ;;
-  trainfit)
-    log trainfit
-    python3 bench/train_step.py --completions 2048 --repeats 1 --output "$OUT/r/train_step-fit.json" 2>&1 \
-      | tail -n 30 | tee "$OUT/r/train_fit.log"
-    ;;
+    run_stage trainstep 170 train_step.json "$PYTHON" bench/train_step.py --repeats 1 --no-search \
+      --output train_step.json "${TRAINSTEP_ARGS[@]}" ;;
+  passes)
+    run_stage passes 120 passes.json "$PYTHON" bench/passes.py --output passes.json "${PASSES_ARGS[@]}" ;;
+  bench)
+    run_stage bench 600 "" "$PYTHON" -m pytest bench/ --benchmark-only -q -p no:cacheprovider ;;
+  host)
+    run_stage host 300 host_overhead.json "$PYTHON" bench/experiments/host_overhead.py --out . ;;
   repro)
-    log repro
-    python3 bench/experiments/bf16_cudnn_attention_repro.py 2>&1 | tail -n 20 | tee "$OUT/r/repro.log"
-    ;;
+    run_stage repro 300 "" "$PYTHON" bench/experiments/bf16_cudnn_attention_repro.py ;;
+  trainfit)
+    run_stage trainfit 600 train_step-fit.json "$PYTHON" bench/train_step.py --completions 2048 --repeats 1 \
+      --output train_step-fit.json ;;
   mainjob)
-    log mainjob
-    for batch in 0 1; do
-      for i in $(seq 0 9); do
-        run=$((batch * 10 + i))
-        (timeout 260 python3 -m dgpo_ops.trainer.command train --tokenizer chars --generator builtin --max-steps 20 --eval-size 100 \
-           --no-progress --output-dir /tmp/mj/$run > /tmp/mj-$run.log 2>&1; echo "run $run rc $?" >> /tmp/mj-rc) &
-      done
-      wait
-    done
-    sort -n -k2 /tmp/mj-rc | tee "$OUT/r/mainjob-rc.txt"
-    for run in $(seq 0 19); do
-      echo "--- run $run"; grep -i -E "non-finite|nan|accuracy|Error|assert" /tmp/mj-$run.log | tail -n 6
-    done > "$OUT/r/mainjob-summary.txt" 2>&1
-    tail -n 40 /tmp/mj-0.log > "$OUT/r/mainjob-run0-tail.log"
-    grep -c "rc 0" /tmp/mj-rc
-    ;;
-  *) echo "unknown stage $stage"; exit 2 ;;
+    run_stage mainjob 600 "" bash -c 'for batch in 0 1; do
+        for i in $(seq 0 9); do run=$((batch * 10 + i))
+          (timeout 260 '"$PYTHON"' -m dgpo_ops.trainer.command train --tokenizer chars --generator builtin --max-steps 20 \
+             --eval-size 100 --no-progress --output-dir /tmp/mj/$run > /tmp/mj-$run.log 2>&1; echo "run $run rc $?" >> /tmp/mj-rc) &
+        done; wait; done; sort -n -k2 /tmp/mj-rc; grep -c "rc 0" /tmp/mj-rc' ;;
+  *) log "unknown stage $stage"; exit 2 ;;
   esac
 done
-log done
-tar czf "$OUT/results.tgz" -C "$OUT" r
+log "done in $((SECONDS - STARTED)) s"
+cat "$OUT/stages.tsv"
