@@ -21,6 +21,7 @@ from dgpo_ops.core.inputs import LossBatch
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.methods.table import method_config
 
+from .advantages import per_token_advantages
 from .model_call import MULTIMODAL_INPUTS, FusedModelCall, Head
 
 
@@ -65,12 +66,11 @@ class FusedLoss:
 
     def _off_policy_mask(self, inputs, advantages, old_logps, current_logps, mask):
         """TRL's off-policy sequence mask (``get_off_policy_mask``, DeepSeek-V3.2) on the current log-probs."""
-        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         if current_logps is None:  # no old or sampling log-probs: the KL is 0 and every sequence is kept
             current_logps = torch.zeros(mask.shape, device=mask.device)
         old = current_logps if old_logps is None else old_logps
         sampling = inputs.get("sampling_per_token_logps", old)
-        return self.get_off_policy_mask(advantages, current_logps, sampling, mask, self.off_policy_mask_threshold)
+        return self.get_off_policy_mask(per_token_advantages(advantages), current_logps, sampling, mask, self.off_policy_mask_threshold)
 
     def _entropy_bonus_coef(self) -> float:
         """TRL's coefficient of the entropy bonus for this step (adaptive: applied only at or below the target,
@@ -120,7 +120,7 @@ class FusedLoss:
                                                     None if current is None else current[0], mask)
             masked_advantages = advantages
             if entropy_mask is not None or self.off_policy_mask_threshold is not None:
-                masked_advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * keep
+                masked_advantages = per_token_advantages(advantages) * keep
             weights = self._rollout_weights(inputs, mask)
             if weights is not None:
                 weights = weights.expand(mask.shape)

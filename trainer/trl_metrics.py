@@ -13,6 +13,8 @@ from dgpo_ops.core.objective import sequence_mean
 from dgpo_ops.core.validation import raise_deferred_errors
 from dgpo_ops.methods.table import LOG_RATIO_CLAMP, Region, token_terms
 
+from .advantages import per_token_advantages
+
 # dgpo-ops metric -> the name logged (TRL's where the meaning is the same)
 LOGGED_METRICS = {
     "ln_fraction": "clip_ratio/low_mean",
@@ -36,7 +38,7 @@ class TRLMetrics:
         method = self.loss_options.method
         log_ratio = logps - (logps if old_logps is None else old_logps)
         phi = self.get_gamma_weights(
-            advantages.unsqueeze(1) if advantages.dim() == 1 else advantages, log_ratio, mask,
+            per_token_advantages(advantages), log_ratio, mask,
             inputs.get("importance_sampling_ratio"), k_pos=method.k_pos, lambda_pos=method.lambda_pos,
             k_neg=method.k_neg, lambda_neg=method.lambda_neg)
         totals = self.accelerator.reduce(torch.stack([phi.sum(), torch.tensor(float(phi.numel()), device=phi.device)]),
@@ -58,7 +60,7 @@ class TRLMetrics:
         delta = getattr(self.loss_options.method, "delta", None)
         if delta is not None:  # TRL's metrics read the ratio its two-sided clip capped
             log_ratio = log_ratio.clamp(max=math.log(delta))
-        adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp.dtype).expand_as(logp)
+        adv = per_token_advantages(advantages).to(logp.dtype).expand_as(logp)
         # (a batch-level selection draws nothing here: the regions TRL's metrics read are PPO's)
         region = token_terms(self.loss_options.method, log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), adv, old,
                              logp=logp, scored=torch.zeros_like(scored)).region
