@@ -1,8 +1,8 @@
 """``DGPOConfig``: TRL's ``GRPOConfig`` plus the policy loss of any method of the family.
 
-The method fields are not written here: each method parameter's ``ParamSpec`` (``dgpo_ops/methods.py``)
-names the config field it is read from, and every such field TRL's ``GRPOConfig`` lacks is added to
-``DGPOConfig`` with its default and help from the table (``_add_method_fields``).
+The method fields are not written here: each method parameter's ``ParamSpec`` (the method table,
+``dgpo_ops/methods/``) names the config field it is read from, and every such field TRL's ``GRPOConfig``
+lacks is added to ``DGPOConfig`` with its default and help from the table (``_add_method_fields``).
 """
 
 from __future__ import annotations
