@@ -38,6 +38,27 @@ def test_a_bad_field_fails_when_the_config_is_made(tmp_path, field, value, messa
     assert message in str(error.value)
 
 
+def test_the_aggregation_texts_list_every_aggregation():
+    """loss_aggregation's help and DGPOConfig's docstring name every aggregation the package has."""
+    import dataclasses
+    import re
+
+    from dgpo_ops.core.aggregation import AGGREGATIONS
+
+    help_text = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(DGPOConfig)}["loss_aggregation"]
+    docstring = DGPOConfig.__doc__.split("loss_aggregation:")[1].split("advantage_estimator:")[0]
+    for name in AGGREGATIONS:
+        assert name in re.findall(r"\w+", help_text), name
+        assert name in re.findall(r"\w+", docstring), name
+
+
+def test_the_memory_budget_help_says_the_tiles_are_in_the_compute_dtype():
+    import dataclasses
+
+    help_text = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(DGPOConfig)}["fused_memory_budget"]
+    assert "compute dtype" in help_text and "fp32 logits tiles" not in help_text
+
+
 def test_logits_on_chip_needs_the_linear_op(tmp_path):
     with pytest.raises(ValueError, match="fused_logits_on_chip=True applies to fused='linear'"):
         make(tmp_path, fused="logits", fused_logits_on_chip=True)
