@@ -110,7 +110,7 @@ def test_valid_configs_pass(tmp_path):
     ({"loss_type": "grpo"}, "grpo", "grpo", "seq_mean_token_mean"),
     ({"loss_type": "bnpo"}, "grpo", "bnpo", "token_mean"),
     ({"loss_type": "dr_grpo"}, "grpo", "dr_grpo", "seq_mean_token_sum_norm"),
-    ({"loss_type": "luspo"}, "grpo", "luspo", "seq_mean_token_sum_norm"),
+    ({"loss_type": "luspo"}, "grpo", "luspo", "seq_mean_token_sum"),  # TRL's luspo: one aggregation, one path
     ({"loss_type": "cispo", "epsilon_high": 5.0}, "cispo", "cispo", "token_mean"),
     ({"loss_type": "sapo"}, "sapo", "sapo", "seq_mean_token_mean"),
     ({"policy_loss": "dgpo"}, "dgpo", "dapo", "token_mean"),

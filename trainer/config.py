@@ -36,7 +36,7 @@ TRL_LOSS_TYPE_AGGREGATION = {
     "dr_grpo": "seq_mean_token_sum_norm",
     "dapo": "token_mean",
     "cispo": "token_mean",
-    "luspo": "seq_mean_token_sum_norm",
+    "luspo": "seq_mean_token_sum",
     "vespo": "token_mean",
 }
 

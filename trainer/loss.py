@@ -43,12 +43,11 @@ class FusedLoss:
         trl_aggregation = self.args.loss_aggregation is None
         if aggregation == "seq_mean_token_mean":
             return float(batch_size * accumulation), accumulation
-        if aggregation == "seq_mean_token_sum_norm":
-            length = 1 if self.args.loss_type == "luspo" and trl_aggregation else self.max_completion_length
-            return float(batch_size * length * accumulation), accumulation
+        if aggregation == "seq_mean_token_sum_norm":  # TRL's dr_grpo
+            return float(batch_size * self.max_completion_length * accumulation), accumulation
         if aggregation == "seq_sum_token_mean":
             return float(accumulation), accumulation
-        if aggregation == "seq_mean_token_sum":  # TRL's luspo, where the aggregations have it
+        if aggregation == "seq_mean_token_sum":  # TRL's luspo
             return float(batch_size * accumulation), accumulation
         if self.args.loss_type == "bnpo" and trl_aggregation:
             return mask.sum().clamp(min=1.0).float() * accumulation, accumulation
