@@ -59,6 +59,13 @@ def test_the_memory_budget_help_says_the_tiles_are_in_the_compute_dtype():
     assert "compute dtype" in help_text and "fp32 logits tiles" not in help_text
 
 
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_a_bad_field_of_the_chosen_method_names_that_method(tmp_path, name):
+    """dppo_tv and dppo_kl read the same fields: the error names the method chosen, and policy_loss."""
+    with pytest.raises(ValueError, match=rf"\(policy_loss='{name}', .*dppo_is_cap=0\): {name}: is_cap must be in"):
+        make(tmp_path, policy_loss=name, dppo_is_cap=0)
+
+
 def test_logits_on_chip_needs_the_linear_op(tmp_path):
     with pytest.raises(ValueError, match="fused_logits_on_chip=True applies to fused='linear'"):
         make(tmp_path, fused="logits", fused_logits_on_chip=True)

@@ -161,12 +161,14 @@ class DGPOConfig(GRPOConfig):
             raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {self.max_nonfinite_steps!r}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1] (TRL's rho), got {self.top_entropy_quantile!r}")
+        # The chosen method with the shared fields (epsilon, ...), now, not at the first step; and first, so that
+        # a bad field it reads is reported as its own (dppo_kl's dppo_is_cap, not dppo_tv's, which reads it too).
+        self.loss_options()
         # Every method's fields, whichever method is chosen: a bad value fails here, not when a later run
         # switches policy_loss. Fields read with an offset (cispo's cap) only mean something to their method.
         for method in METHODS:
             self._build_method(method, fields_only=True)
         self._check_delta()
-        self.loss_options()  # the chosen method with the shared fields (epsilon, ...), now, not at the first step
 
     def _resolve_objective(self) -> None:
         """``policy_loss`` from ``loss_type`` when unset, and the check of the two (the class docstring's rule)."""
