@@ -1,4 +1,5 @@
-"""GRPO group advantages and DCPO smooth advantage standardisation (dgpo_ops.trainer.advantages)."""
+"""GRPO group advantages, DCPO smooth advantage standardisation and advantages on the token grid
+(dgpo_ops.trainer.advantages)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dgpo_ops.trainer.advantages import (
     TRL_STD_EPS,
     SmoothAdvantageStandardizer,
     group_advantages,
+    per_token_advantages,
     prompt_key,
 )
 
@@ -392,3 +394,12 @@ def test_constructor_and_prompt_key():
     chat = [{"role": "user", "content": "What is 2+2?"}]
     assert prompt_key(chat) == prompt_key([{"content": "What is 2+2?", "role": "user"}])
     assert len(prompt_key(chat)) == 64
+
+
+def test_per_token_advantages_broadcast_a_response_value_over_its_tokens():
+    per_response = torch.tensor([1.0, -2.0])
+    column = per_token_advantages(per_response)
+    assert column.shape == (2, 1)
+    assert torch.equal(column * torch.ones(2, 3), torch.tensor([[1.0] * 3, [-2.0] * 3]))
+    per_token = torch.randn(2, 3)
+    assert per_token_advantages(per_token) is per_token

@@ -1,6 +1,7 @@
 """The documentation holds together: every relative link in README.md, csrc_notes.md and docs/**/*.md names a
 file that exists, and every ``#anchor`` into a markdown file names a heading there (GitHub's slugs); the
-README stays short; and the generated parts of the docs pages are what their generators write now (the
+README stays short; the trainer's sources and the tests' module docstrings cite only files the repository has;
+and the generated parts of the docs pages are what their generators write now (the
 benchmark tables of docs/benchmarks.md, the compile report's markers in docs/aot_report.md).
 
 The README's method table and docs/integrations.md's verl table have their own tests
@@ -85,6 +86,37 @@ def test_every_relative_link_and_anchor_resolves(page: Path):
         if anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             broken.append(f"{target}: no heading '#{anchor}' in {linked.relative_to(REPO)}")
     assert not broken, f"{page.relative_to(REPO)}:\n" + "\n".join(broken)
+
+
+# A file named in code text: a .py or .md path, relative or absolute
+CITED_FILE = re.compile(r"(?<![\w.-])(/?(?:[\w.-]+/)*[\w-]+\.(?:py|md))\b")
+
+
+def missing_citations(source: Path, text: str) -> list[str]:
+    """The files ``text`` (of ``source``) names that the checkout lacks: a path is read from the repository's
+    root or from ``source``'s folder, and a markdown file may also be a page of docs/."""
+    missing = []
+    for cited in CITED_FILE.findall(text):
+        candidates = [REPO / cited.lstrip("/"), source.parent / cited]
+        if cited.endswith(".md"):
+            candidates.append(REPO / "docs" / cited)
+        if cited.startswith("/") or not any(path.exists() for path in candidates):
+            missing.append(cited)
+    return missing
+
+
+def test_the_trainer_and_the_tests_cite_files_the_repository_has():
+    """Every file a source of trainer/ names, and every file a test module's docstring names, is in the checkout
+    (a file that moved or was never committed, such as a design note kept outside, is a stale reference)."""
+    import ast
+
+    missing = []
+    for source in sorted((REPO / "trainer").rglob("*.py")):
+        missing += [f"{source.relative_to(REPO)}: {cited}" for cited in missing_citations(source, source.read_text())]
+    for source in sorted((REPO / "tests").rglob("test_*.py")):
+        docstring = ast.get_docstring(ast.parse(source.read_text())) or ""
+        missing += [f"{source.relative_to(REPO)}: {cited}" for cited in missing_citations(source, docstring)]
+    assert not missing, "\n".join(missing)
 
 
 def test_the_docs_pages_are_linked_from_the_readme():

@@ -1,6 +1,7 @@
-"""Golden per-token values of every policy loss, computed by hand from /work/shared/LOSS_FAMILY.md.
+"""Golden per-token values of every policy loss, computed by hand from each method's formula (docs/math.md,
+"Methods").
 
-Every expected number below is written as the contract's formula evaluated with ``math``; nothing
+Every expected number below is written as the method's formula evaluated with ``math``; nothing
 is copied from running the package. A token is described by ``(r, A, q)``: the package receives
 ``log_ratio = log r``, ``advantage = A`` and ``old_logp = log q`` so that ``l = log r + log q``.
 

@@ -38,6 +38,34 @@ def test_a_bad_field_fails_when_the_config_is_made(tmp_path, field, value, messa
     assert message in str(error.value)
 
 
+def test_the_aggregation_texts_list_every_aggregation():
+    """loss_aggregation's help and DGPOConfig's docstring name every aggregation the package has."""
+    import dataclasses
+    import re
+
+    from dgpo_ops.core.aggregation import AGGREGATIONS
+
+    help_text = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(DGPOConfig)}["loss_aggregation"]
+    docstring = DGPOConfig.__doc__.split("loss_aggregation:")[1].split("advantage_estimator:")[0]
+    for name in AGGREGATIONS:
+        assert name in re.findall(r"\w+", help_text), name
+        assert name in re.findall(r"\w+", docstring), name
+
+
+def test_the_memory_budget_help_says_the_tiles_are_in_the_compute_dtype():
+    import dataclasses
+
+    help_text = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(DGPOConfig)}["fused_memory_budget"]
+    assert "compute dtype" in help_text and "fp32 logits tiles" not in help_text
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_a_bad_field_of_the_chosen_method_names_that_method(tmp_path, name):
+    """dppo_tv and dppo_kl read the same fields: the error names the method chosen, and policy_loss."""
+    with pytest.raises(ValueError, match=rf"\(policy_loss='{name}', .*dppo_is_cap=0\): {name}: is_cap must be in"):
+        make(tmp_path, policy_loss=name, dppo_is_cap=0)
+
+
 def test_logits_on_chip_needs_the_linear_op(tmp_path):
     with pytest.raises(ValueError, match="fused_logits_on_chip=True applies to fused='linear'"):
         make(tmp_path, fused="logits", fused_logits_on_chip=True)
@@ -89,7 +117,7 @@ def test_valid_configs_pass(tmp_path):
     ({"loss_type": "grpo"}, "grpo", "grpo", "seq_mean_token_mean"),
     ({"loss_type": "bnpo"}, "grpo", "bnpo", "token_mean"),
     ({"loss_type": "dr_grpo"}, "grpo", "dr_grpo", "seq_mean_token_sum_norm"),
-    ({"loss_type": "luspo"}, "grpo", "luspo", "seq_mean_token_sum_norm"),
+    ({"loss_type": "luspo"}, "grpo", "luspo", "seq_mean_token_sum"),  # TRL's luspo: one aggregation, one path
     ({"loss_type": "cispo", "epsilon_high": 5.0}, "cispo", "cispo", "token_mean"),
     ({"loss_type": "sapo"}, "sapo", "sapo", "seq_mean_token_mean"),
     ({"policy_loss": "dgpo"}, "dgpo", "dapo", "token_mean"),

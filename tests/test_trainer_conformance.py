@@ -315,7 +315,9 @@ def test_dgpo_trainer_overrides_only_the_loss():
     from dgpo_ops.trainer import DGPOTrainer
     from trl import GRPOTrainer
 
-    overridden = {name for name, value in vars(DGPOTrainer).items()
+    mro = DGPOTrainer.__mro__
+    own = mro[:mro.index(GRPOTrainer)]  # DGPOTrainer and the mixins it is composed of
+    overridden = {name for cls in own for name, value in vars(cls).items()
                   if hasattr(GRPOTrainer, name) and (callable(value) or isinstance(value, property))
                   and (not name.startswith("__") or name == "__init__")}
     assert overridden == set(OVERRIDES)

@@ -139,10 +139,11 @@ def _first_hooked(trainer):
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"], ids=["on-device", "host-read"])
 def test_a_nonfinite_gradient_skips_the_step_and_training_goes_on(model_dir, tmp_path, monkeypatch, optim):
     import torch
+    from dgpo_ops.trainer import gradient_guard
     from dgpo_ops.trainer import trainer as trainer_module
 
     warnings = []
-    monkeypatch.setattr(trainer_module.logger, "warning", lambda msg, *a, **k: warnings.append(msg))
+    monkeypatch.setattr(gradient_guard.logger, "warning", lambda msg, *a, **k: warnings.append(msg))
     original_train = trainer_module.DGPOTrainer.train
     state = {}
 
@@ -154,7 +155,7 @@ def test_a_nonfinite_gradient_skips_the_step_and_training_goes_on(model_dir, tmp
 
     monkeypatch.setattr(trainer_module.DGPOTrainer, "train", train_with_hook)
     trainer = train(model_dir, tmp_path, max_steps=3, optim=optim)
-    assert (trainer_module._fused_adam(trainer.optimizer) is not None) == (optim == "adamw_torch_fused")
+    assert (gradient_guard.fused_adam(trainer.optimizer) is not None) == (optim == "adamw_torch_fused")
     assert trainer.skipped_steps == [1]
     # The NaN spreads backward from the hooked layer: the warning names the first parameter it reached.
     names = [n for n, _ in trainer.model.named_parameters()]

@@ -10,6 +10,8 @@ completions ordered group by group (the ``group_size`` completions of one prompt
 * :class:`SmoothAdvantageStandardizer` -- DCPO's smooth advantage standardisation (SAS, DCPO paper section 3,
   eqs. 5-7, statistics of appendix A.7 eqs. 29-30) across training steps, per prompt, with exact running
   statistics that can be checkpointed (``state_dict`` / ``load_state_dict``).
+* :func:`per_token_advantages` -- per-response advantages on the tokens' grid, as the trainer's loss, masks and
+  metrics take them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["SmoothAdvantageStandardizer", "group_advantages", "prompt_key"]
+__all__ = ["SmoothAdvantageStandardizer", "group_advantages", "per_token_advantages", "prompt_key"]
 
 #: The epsilon TRL 1.16's GRPOTrainer adds to the group std (``advantages / (std_rewards + 1e-4)``).
 TRL_STD_EPS = 1e-4
@@ -104,6 +106,13 @@ def group_advantages(
             std = torch.zeros_like(mean)
         advantages = advantages / (std + eps)
     return advantages.reshape(-1).to(rewards.dtype)
+
+
+def per_token_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages on the tokens' ``(B, T)`` grid: per-response ``(B,)`` ones as a ``(B, 1)`` column, which
+    broadcasts over each response's tokens (TRL's ``advantages.unsqueeze(1)``); per-token ``(B, T)`` ones as
+    they are."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
 
 
 def prompt_key(prompt) -> str:

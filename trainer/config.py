@@ -32,7 +32,7 @@ TRL_LOSS_TYPE_AGGREGATION = {
     "dr_grpo": "seq_mean_token_sum_norm",
     "dapo": "token_mean",
     "cispo": "token_mean",
-    "luspo": "seq_mean_token_sum_norm",
+    "luspo": "seq_mean_token_sum",
     "vespo": "token_mean",
 }
 
@@ -46,6 +46,8 @@ TRL_LOSS_TYPE_METHOD = {
 OBJECTIVE_LOSS_TYPES = ("cispo", "sapo", "vespo")
 
 TRL_FIELDS = frozenset(f.name for f in dataclasses.fields(GRPOConfig))
+# loss_aggregation's values, as its help and the class docstring list them
+AGGREGATION_NAMES = f"{', '.join(list(AGGREGATIONS)[:-1])} or {list(AGGREGATIONS)[-1]}"
 
 
 def method_field_names() -> tuple[str, ...]:
@@ -71,7 +73,8 @@ def _add_method_fields(cls):
 @dataclass
 @_add_method_fields
 class DGPOConfig(GRPOConfig):
-    r"""
+    # An f-string: the aggregations are listed from dgpo_ops.core.aggregation.AGGREGATIONS.
+    __doc__ = rf"""
     [`~trl.GRPOConfig`] with the policy loss chosen among dgpo-ops' methods. Every `GRPOConfig` field keeps its TRL
     meaning (`tests/test_trainer_conformance.py` checks each against `GRPOTrainer`), except that `epsilon`
     defaults to None: each method's own default from the table (dcpo's eps_low is 0.16, cispo's cap 5).
@@ -98,11 +101,13 @@ class DGPOConfig(GRPOConfig):
         dgpo_n, dgpo_m, dual_clip, gppo_beta1, gppo_beta2, dcpo_r_max, dispo_eps_*, sapo_gate: the methods' own
             parameters, added from the method table (each field's help names the methods that read it, its
             range, and what None means); README.md's method table shows which field feeds which parameter.
-        loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm or seq_sum_token_mean; None
-            follows the method's own (dcpo: seq_sum_token_mean, geo_mean: seq_mean_token_mean), else `loss_type`.
+        loss_aggregation: {AGGREGATION_NAMES}; None follows the method's own (dcpo: seq_sum_token_mean,
+            geo_mean: seq_mean_token_mean), else `loss_type`.
         advantage_estimator: `"grpo"` (TRL's group advantages) or `"dcpo"` (smooth advantage standardisation).
         fused: `"linear"` (hidden states + lm_head, logits never whole) or `"logits"` (the model's logits).
-        fused_memory_budget: bytes of logits and gradient tiles for `fused="linear"` (a positive integer).
+        fused_memory_budget: bytes of the logits and gradient tiles of `fused="linear"` (a positive integer). The
+            tiles are in the compute dtype (the autocast dtype, else the lm_head weight's; the logits fp32 with a
+            softcap).
         fused_logits_on_chip: `fused="linear"` through Triton kernels that keep the logits in registers (no
             tiles, no bf16 weight copy under autocast; CUDA only; not yet measured on a GPU, so off by default).
         max_nonfinite_steps: an optimizer step whose gradients are not finite is skipped with a warning naming the
@@ -117,10 +122,13 @@ class DGPOConfig(GRPOConfig):
     # TRL's epsilon (0.2 there) with None by default: each method's own eps_low from the table unless set (dcpo's
     # is 0.16), and epsilon_high left None falls back to it, so cispo's cap and dcpo's eps_high keep theirs too.
     epsilon: float | None = field(default=None, metadata={"help": config_help(config_params()["epsilon"])})
-    loss_aggregation: str | None = field(default=None, metadata={"help": "Aggregation; None follows loss_type."})
+    loss_aggregation: str | None = field(default=None, metadata={
+        "help": f"Aggregation: {AGGREGATION_NAMES}; None follows loss_type (dcpo: seq_sum_token_mean)."})
     advantage_estimator: str = field(default="grpo", metadata={"help": "Advantages: grpo or dcpo."})
     fused: str = field(default="linear", metadata={"help": "linear (hidden states + lm_head) or logits."})
-    fused_memory_budget: int = field(default=512 * 2**20, metadata={"help": "Bytes of fp32 logits tiles."})
+    fused_memory_budget: int = field(default=512 * 2**20, metadata={
+        "help": "Bytes of the logits and gradient tiles of fused='linear', in the compute dtype (the logits fp32 "
+                "with a softcap)."})
     fused_logits_on_chip: bool = field(default=False, metadata={
         "help": "fused='linear' with the logits only in registers (Triton, CUDA): no tiles, no weight copy."})
     max_nonfinite_steps: int = field(default=3, metadata={
@@ -150,12 +158,14 @@ class DGPOConfig(GRPOConfig):
             raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {self.max_nonfinite_steps!r}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1] (TRL's rho), got {self.top_entropy_quantile!r}")
+        # The chosen method with the shared fields (epsilon, ...), now, not at the first step; and first, so that
+        # a bad field it reads is reported as its own (dppo_kl's dppo_is_cap, not dppo_tv's, which reads it too).
+        self.loss_options()
         # Every method's fields, whichever method is chosen: a bad value fails here, not when a later run
         # switches policy_loss. Fields read with an offset (cispo's cap) only mean something to their method.
         for method in METHODS:
             self._build_method(method, fields_only=True)
         self._check_delta()
-        self.loss_options()  # the chosen method with the shared fields (epsilon, ...), now, not at the first step
 
     def _resolve_objective(self) -> None:
         """``policy_loss`` from ``loss_type`` when unset, and the check of the two (the class docstring's rule)."""

@@ -32,7 +32,6 @@ QWEN25_SPECIAL_TOKENS = (
     "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
     "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
 )
-QWEN_VOCAB_SIZE = 151_665
 EOS = "<|endoftext|>"
 TOKENIZERS = ("qwen-task", "qwen", "chars")
 
