@@ -167,3 +167,11 @@ def test_the_compile_report_lives_in_its_page():
     assert re.search(r"^(\d+) of \1 specialisations compiled without problems$", report, re.M)
     assert "--notes docs/aot_report.md" in text
     assert start not in (REPO / "csrc_notes.md").read_text()
+
+
+def test_the_api_page_names_every_aggregation():
+    from dgpo_ops import AGGREGATIONS
+
+    options = (REPO / "docs" / "api.md").read_text().split("## Options", 1)[1]
+    missing = [name for name in AGGREGATIONS if f"`{name}`" not in options]
+    assert missing == [], f"docs/api.md's options omit {missing}"
