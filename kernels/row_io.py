@@ -16,6 +16,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def on_token_grid(value: torch.Tensor, flat: bool, grid: tuple[int, int]) -> torch.Tensor:
+    """A per-token input on the ``(B, T)`` grid, without a copy: a per-response ``(B,)`` value expanded over its
+    tokens, a flat call's ``(N,)`` reshaped onto its grid. The one place this rule is written."""
+    if flat:
+        return value.reshape(grid)
+    return value[:, None].expand(grid) if value.dim() == 1 else value
+
+
 @dataclass
 class TokenInputs:
     """The per-token inputs of one call on its ``(B, T)`` grid, as the caller passed them.

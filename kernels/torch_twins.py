@@ -8,19 +8,14 @@ from __future__ import annotations
 import torch
 
 from .interface import IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, SequenceStat, Status
-from .row_io import compute_dtype
+from .row_io import compute_dtype, on_token_grid
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
 
 
 def _grid_view(batch, tensor):
     """A per-token or per-response input as a (B, T) tensor (a view where the layout allows)."""
-    B, T = batch.grid
-    if batch.flat:
-        return tensor.reshape(B, T)
-    if tensor.dim() == 1:
-        return tensor[:, None].expand(B, T)
-    return tensor
+    return on_token_grid(tensor, batch.flat, batch.grid)
 
 
 def _scored(batch, vocab: int, tokens: slice = slice(None)):

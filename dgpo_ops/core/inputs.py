@@ -26,7 +26,7 @@ from dgpo_ops.core.aggregation import (
 )
 from dgpo_ops.core.validation import MESSAGES
 from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
-from dgpo_ops.kernels.row_io import TokenInputs, compute_dtype
+from dgpo_ops.kernels.row_io import TokenInputs, compute_dtype, on_token_grid
 from dgpo_ops.methods.table import METHODS
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -191,14 +191,6 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=to
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
     if kind == Normalizer.TENSOR:
         check_normalizer_value(float(tensor))
-
-
-def on_token_grid(value: torch.Tensor, flat: bool, grid: tuple[int, int]) -> torch.Tensor:
-    """A per-token input on the ``(B, T)`` grid, without a copy: a per-response ``(B,)`` value expanded over its
-    tokens, a flat call's ``(N,)`` reshaped onto its grid. The one place this rule is written."""
-    if flat:
-        return value.reshape(grid)
-    return value[:, None].expand(grid) if value.dim() == 1 else value
 
 
 def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tensor, dtype) -> TokenBatch:
