@@ -39,37 +39,22 @@ class ConfigField:
         return value if value is None or isinstance(value, str) else value - self.offset
 
 
-# The field of each method parameter, by the parameter's name.
+# The field of a method parameter that is not named after its method, by the parameter's name: TRL's own fields
+# (a parameter keeps TRL's meaning), and names several methods share. Any other parameter is read from a field of
+# its own named after the method (``config_field``): dgpo's ``n`` from ``dgpo_n``, dro's ``dro_beta`` from itself.
 FIELDS: dict[str, ConfigField] = {
     "eps_low": ConfigField("epsilon"),
     "eps_high": ConfigField("epsilon_high", fallback="epsilon"),
     "dual_clip": ConfigField("dual_clip"),
     "delta": ConfigField("delta"),
-    "eps_low_pos": ConfigField("dispo_eps_low_pos"),
-    "eps_high_pos": ConfigField("dispo_eps_high_pos"),
-    "eps_low_neg": ConfigField("dispo_eps_low_neg"),
-    "eps_high_neg": ConfigField("dispo_eps_high_neg"),
-    "beta1": ConfigField("gppo_beta1"),
+    "beta1": ConfigField("gppo_beta1"),  # ce_gppo's (gppo's boundary scales are fixed at 1)
     "beta2": ConfigField("gppo_beta2"),
-    "n": ConfigField("dgpo_n"),
-    "m": ConfigField("dgpo_m"),
-    "r_max": ConfigField("dcpo_r_max"),
-    "gate": ConfigField("sapo_gate"),
-    "tau_pos": ConfigField("sapo_temperature_pos"),
+    "tau_pos": ConfigField("sapo_temperature_pos"),  # TRL's names for SAPO's temperatures
     "tau_neg": ConfigField("sapo_temperature_neg"),
-    "delta_low": ConfigField("dppo_delta_low"),
+    "delta_low": ConfigField("dppo_delta_low"),  # dppo_tv's and dppo_kl's
     "delta_high": ConfigField("dppo_delta_high"),
     "is_cap": ConfigField("dppo_is_cap"),
-    "k_pos": ConfigField("vespo_k_pos"),
-    "lambda_pos": ConfigField("vespo_lambda_pos"),
-    "k_neg": ConfigField("vespo_k_neg"),
-    "lambda_neg": ConfigField("vespo_lambda_neg"),
-    "dro_beta": ConfigField("dro_beta"),
-    "clip_cov_ratio": ConfigField("clip_cov_ratio"),
-    "clip_cov_lb": ConfigField("clip_cov_lb"),
-    "clip_cov_ub": ConfigField("clip_cov_ub"),
-    "kl_cov_ratio": ConfigField("kl_cov_ratio"),
-    "ppo_kl_coef": ConfigField("ppo_kl_coef"),
+    "ppo_kl_coef": ConfigField("ppo_kl_coef"),  # kl_cov's, verl's name
 }
 # A method that reads a parameter of that name otherwise; None: the trainer leaves it at its default.
 METHOD_FIELDS: dict[tuple[str, str], ConfigField | None] = {
@@ -93,15 +78,14 @@ class ConfigParam:
 
 
 def config_field(param: MethodParam) -> ConfigField | None:
-    """The field ``param`` is read from (None: fixed at its default); a parameter in neither mapping is an error,
-    so a new method's parameter cannot be left out of the trainer by omission."""
+    """The field ``param`` is read from (None: fixed at its default): ``METHOD_FIELDS``, else ``FIELDS``, else a
+    field named after the method (the parameter's own name where it already starts with the method's)."""
     key = (param.method, param.name)
     if key in METHOD_FIELDS:
         return METHOD_FIELDS[key]
-    if param.name not in FIELDS:
-        raise KeyError(f"{param.method}.{param.name} has no DGPOConfig field: add it to FIELDS (or METHOD_FIELDS with "
-                       f"None to keep it at its default) in trainer/method_fields.py")
-    return FIELDS[param.name]
+    if param.name in FIELDS:
+        return FIELDS[param.name]
+    return ConfigField(param.name if param.name.startswith(param.method) else f"{param.method}_{param.name}")
 
 
 def config_method_params(method: str) -> list[ConfigParam]:
