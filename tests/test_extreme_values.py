@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from helpers import METHOD_VARIANTS, config, variant_id
-from test_method_mirror import mirror, table_terms
+from method_terms import mirror, table_terms
 
 import dgpo_ops
 from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP

@@ -5,30 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import METHOD_VARIANTS, for_method, logits_batch, variant_id
+from helpers import (METHOD_VARIANTS, for_method, largest_allocations, linear_case, logits_batch, make_logits,
+                     variant_id)
 
 import dgpo_ops
-
-
-def make_logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None):
-    y = hidden @ weight.T
-    if bias is not None:
-        y = y + bias
-    y = y * logit_scale
-    return softcap * torch.tanh(y / softcap) if softcap is not None else y
-
-
-def linear_case(B=3, T=6, H=16, V=70, seed=0, dtype=torch.float32, bias=True, logit_scale=1.0, softcap=None):
-    """hidden, weight, bias and loss inputs whose old log-probs put the model's tokens in every region."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
-    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
-    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
-    logits = make_logits(hidden, weight, b, logit_scale, softcap)
-    inputs = logits_batch(B, T, V, seed=seed, logits=logits)
-    inputs.pop("logits")
-    params = [t.to(dtype) if t is not None else None for t in (hidden, weight, b)]
-    return params, inputs
 
 
 def run_linear(variant, backend, options, dtype=torch.float32, seed=0, logits_on_chip=False, **case):
@@ -193,8 +173,6 @@ def test_cpu_path_gradcheck_fp64(kwargs):
 
 
 def test_no_allocation_of_n_by_v_elements():
-    from test_row_kernels import largest_allocations
-
     N, H, V = 512, 32, 4096
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, N, H, generator=g, requires_grad=True)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_linear import linear_case, make_logits
-from test_row_kernels import largest_allocations
+from helpers import largest_allocations, linear_case, make_logits
 
 import dgpo_ops
 from dgpo_ops.kernels.linear_logits import PARTIALS_SHAPE, check_hidden_strides, vocabulary_splits

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import logits_batch
+from helpers import largest_allocations, logits_batch
 
 import dgpo_ops
 from dgpo_ops.core.aggregation import AGGREGATIONS
@@ -260,15 +260,6 @@ def test_triton_backend_on_cpu_without_the_interpreter_says_how_to_enable_it():
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "TRITON_INTERPRET=1" in out
-
-
-def largest_allocations(fn) -> list[int]:
-    """Bytes each op allocated itself while fn runs, largest first: an upper bound on every single
-    allocation (an op that made two buffers counts as one of their sum, which only errs strict)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    sizes = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
-    return sorted(sizes, reverse=True)
 
 
 @pytest.mark.parametrize("inplace", [False, True])
