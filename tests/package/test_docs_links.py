@@ -4,7 +4,7 @@ README stays short; and the generated parts of the docs pages are what their gen
 benchmark tables of docs/benchmarks.md, the compile report's markers in docs/aot_report.md).
 
 The README's method table and docs/integrations.md's verl table have their own tests
-(tests/test_method_recipe.py, tests/test_linear_logprobs.py)."""
+(tests/methods/test_method_recipe.py, tests/integrations/test_verl_params.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 200
 
 
@@ -100,7 +100,7 @@ def test_readme_is_short():
 
 
 def test_design_doc_describes_every_part_of_the_layout():
-    """tests/test_imports.py enforces the layout; docs/design.md's "Layout" section describes it."""
+    """tests/package/test_imports.py enforces the layout; docs/design.md's "Layout" section describes it."""
     from test_imports import LAYERS
 
     text = (REPO / "docs" / "design.md").read_text()

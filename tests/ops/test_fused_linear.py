@@ -233,7 +233,7 @@ def _dtensor_weight_worker(rank, world_size, init_file, out_dir):
 def test_dtensor_weights_replicated_are_used_sharded_are_refused(tmp_path):
     # A replicated DTensor is the whole weight on every process: used as it is, its gradient a
     # replicated DTensor equal to the plain op's. A Shard(0) DTensor may be FSDP's storage sharding
-    # or a tensor-parallel vocabulary split; the op does not guess (tests/test_fsdp.py has FSDP2).
+    # or a tensor-parallel vocabulary split; the op does not guess (tests/distributed/test_fsdp.py has FSDP2).
     import torch.multiprocessing as mp
 
     mp.spawn(_dtensor_weight_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)

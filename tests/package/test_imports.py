@@ -20,7 +20,7 @@ import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dgpo_ops"
 # Each folder of the checkout and the package it installs as (pyproject.toml's package-dir).
 PARTS = {REPO / "kernels": "dgpo_ops.kernels", PACKAGE: "dgpo_ops", REPO / "trainer": "dgpo_ops.trainer"}

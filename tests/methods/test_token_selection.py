@@ -1,7 +1,7 @@
 """The methods the table evaluates beyond a token's own terms, against their definitions written out here:
 the batch-level selections of clip_cov (a random few candidates cut) and kl_cov (the top covariances
 penalised), geo_mean's clipped geometric mean, and dro's quadratic penalty. verl's own implementations are
-the oracle in tests/test_verl.py; these pin the definitions on every path of the package."""
+the oracle in tests/integrations/test_verl.py; these pin the definitions on every path of the package."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ CODE = ("import json\nfrom bench import traffic\n"
 def rows():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parent.parent).stdout
+                         cwd=Path(__file__).resolve().parents[2]).stdout
     return json.loads(out)
 
 

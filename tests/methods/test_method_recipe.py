@@ -15,7 +15,7 @@ from dgpo_ops.methods import catalog
 from dgpo_ops.methods.styles import STYLES, style
 from dgpo_ops.methods.table import ALIASES, GATES, METHODS, ParamSpec, method_config
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_every_row_is_complete():

@@ -1,4 +1,4 @@
-"""What each process of tests/test_vocab_parallel.py runs: the same tokens on every process, this
+"""What each process of tests/layouts/test_vocab_parallel.py runs: the same tokens on every process, this
 process's equal share of the vocabulary columns, ``fused_dgpo_loss(..., vocab_parallel_group=...)``, on both
 kernel sets (``BACKENDS``: the Triton kernels in the interpreter, and their torch twins)."""
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import fsdp_head_route_workers as workers
 import fsdp_workers
+import helpers
 import pytest
 import torch
 
@@ -32,6 +33,8 @@ WORLD = 2
 DEADLINE_S = 120
 WORKER_SCRIPT = Path(workers.__file__).resolve()
 PACKAGE_ROOT = Path(dgpo_ops.__file__).resolve().parent.parent
+# fsdp_workers imports helpers: the workers need its folder on their path besides their own
+HELPERS_DIR = Path(helpers.__file__).resolve().parent
 
 EXACT = ["root_only", "root_only_tied", "head_unit", "head_unit_tied", "accelerate_norm_head",
          "accelerate_norm_embedding_head_tied", "norm_embedding_head", "norm_head_resharding"]
@@ -43,8 +46,8 @@ REFUSED = ["root_resharding"]
 
 def run_case(case: str, tmp_path: Path) -> list[dict]:
     """Both processes of ``case``, started as scripts and killed at the deadline."""
-    path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")  # dgpo_ops as this process imports it
+    path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), str(HELPERS_DIR), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")  # dgpo_ops and helpers as this process imports them
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(tmp_path / f"rank{rank}.log", "w+")) for rank in range(WORLD)]
         processes = [subprocess.Popen([sys.executable, str(WORKER_SCRIPT), case, str(rank), str(WORLD),

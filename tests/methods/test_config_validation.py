@@ -152,7 +152,7 @@ def test_unknown_keyword_is_rejected(method):
         method_config(method, temperature=1.0)
 
 
-@pytest.mark.parametrize("name", ["ppo", "GRPO", "", "gspo"])  # "dapo" is an alias: tests/test_readme_methods.py
+@pytest.mark.parametrize("name", ["ppo", "GRPO", "", "gspo"])  # "dapo" is an alias: tests/methods/test_readme_methods.py
 def test_unknown_method_lists_known_names(name):
     with pytest.raises(ValueError) as excinfo:
         method_config(name)

@@ -1,7 +1,7 @@
 """Tiny models and a tokenizer built in-process (no hub), saved so TRL can load them by path: a Qwen2 causal LM,
 a Qwen3-MoE (router logits), a Qwen2.5-VL and a Gemma3 vision-language model; and the first-update harness that
-compares DGPOTrainer with GRPOTrainer on the same weights and batch (tests/test_trainer_parity.py,
-tests/test_trainer_conformance.py)."""
+compares DGPOTrainer with GRPOTrainer on the same weights and batch (tests/trainer/test_trainer_parity.py,
+tests/trainer/test_trainer_conformance.py)."""
 
 from __future__ import annotations
 

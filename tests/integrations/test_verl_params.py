@@ -12,7 +12,7 @@ from helpers import value_error_message
 
 from dgpo_ops.integrations import verl_params
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_readme_verl_table_is_current():

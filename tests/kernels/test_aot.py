@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {"forward", "backward", "prologue", "finalize", "linear_partials", "linear_rows", "linear_grad"}
 ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
                  r"\s+(\d+)\s+([0-9.]+|-)\s+(\d+)$")

@@ -1,5 +1,5 @@
-"""What each process of the DeepSpeed ZeRO-3 tests runs (``tests/test_deepspeed.py``): the tiny Qwen2
-causal LM of the FSDP2 tests (``tests/fsdp_workers.py``) wrapped by ``deepspeed.initialize`` with ZeRO
+"""What each process of the DeepSpeed ZeRO-3 tests runs (``tests/distributed/test_deepspeed.py``): the tiny Qwen2
+causal LM of the FSDP2 tests (``tests/distributed/fsdp_workers.py``) wrapped by ``deepspeed.initialize`` with ZeRO
 stage 3 (every parameter partitioned, none kept whole), the fused-linear policy loss computed as
 ``DGPOTrainer._compute_loss`` computes it (inside the engine's forward, the op as the lm_head's
 forward), on this process's share of one global batch; the whole gradients are written to a file.

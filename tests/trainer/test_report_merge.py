@@ -122,7 +122,7 @@ def test_horizon_tables_average_over_seeds_with_their_range():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "train" / "horizon_tables.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "train" / "horizon_tables.py"
     spec = importlib.util.spec_from_file_location("horizon_tables", path)
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)

@@ -193,7 +193,7 @@ def test_grpo_with_eps_high_028_is_dapo_clip():
 @pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
 def test_on_policy_gives_ratio_one_and_the_plain_policy_gradient(variant):
     name, params = variant
-    if name == "clip_cov":  # clip_cov cuts a token's gradient on policy too: tests/test_token_selection.py
+    if name == "clip_cov":  # clip_cov cuts a token's gradient on policy too: tests/methods/test_token_selection.py
         params = {**params, "clip_cov_lb": 1e6, "clip_cov_ub": 2e6}  # a covariance band no token reaches
     B, T, V = 2, 4, 7
     torch.manual_seed(0)

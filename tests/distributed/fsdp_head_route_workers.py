@@ -1,4 +1,4 @@
-"""One process of one case of ``tests/test_fsdp_head_routes.py``: the route the README gives for calling the
+"""One process of one case of ``tests/distributed/test_fsdp_head_routes.py``: the route the README gives for calling the
 fused-linear op after the model's forward under FSDP2, ``fused_linear_dgpo_loss(hidden, model.lm_head, ...)``
 with ``hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]``, on this process's share of
 one global batch, two steps (``two_steps``); each step's loss, log-probs and whole gradients (or the
@@ -7,9 +7,9 @@ one global batch, two steps (``two_steps``); each step's loss, log-probs and who
 Run as a script, one per process (the test starts both and kills them at a deadline, so that a hang fails
 the test instead of stalling it)::
 
-    python tests/fsdp_head_route_workers.py CASE RANK WORLD INIT_FILE OUT_DIR
+    python tests/distributed/fsdp_head_route_workers.py CASE RANK WORLD INIT_FILE OUT_DIR
 
-The model, batch and gradient gathering are ``tests/fsdp_workers.py``'s (a tiny Qwen2 built in-process).
+The model, batch and gradient gathering are ``tests/distributed/fsdp_workers.py``'s (a tiny Qwen2 built in-process).
 """
 
 from __future__ import annotations

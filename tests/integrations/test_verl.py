@@ -720,7 +720,7 @@ print("match")
 def test_bench_script_runs(tmp_path):
     """bench/verl_fused.py at a tiny size: every competitor recorded, ours and verl's torch backend on the
     same loss; verl's Triton kernel reported as needing CUDA where there is none."""
-    script = Path(__file__).resolve().parent.parent / "bench" / "verl_fused.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "verl_fused.py"
     subprocess.run([sys.executable, str(script), "--sizes", "64x16x256", "--repeats", "1", "--out-dir",
                     str(tmp_path)], check=True, capture_output=True, text=True)
     (path,) = tmp_path.glob("verl_fused-*.json")

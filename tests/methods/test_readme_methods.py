@@ -15,7 +15,7 @@ import dgpo_ops
 from dgpo_ops.methods.catalog import END, START
 from dgpo_ops.methods.table import ALIASES, METHODS
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def readme_names() -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load_bench():

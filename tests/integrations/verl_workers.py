@@ -1,4 +1,4 @@
-"""What each process of tests/test_verl.py's split-vocabulary test runs: the same hidden states and labels
+"""What each process of tests/integrations/test_verl.py's split-vocabulary test runs: the same hidden states and labels
 on every process, this process's half of the lm_head's rows, verl's ``linear_cross_entropy`` contract with
 ``dist_process_group``."""
 

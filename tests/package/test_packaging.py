@@ -8,7 +8,7 @@ import pathlib
 import subprocess
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 IMPORT_CHECK = """
 import sys, dgpo_ops, dgpo_ops.kernels, dgpo_ops.trainer

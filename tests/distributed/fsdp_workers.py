@@ -1,4 +1,4 @@
-"""What each process of the FSDP2 (and DDP) tests runs (``tests/test_fsdp.py``): a tiny Qwen2 causal LM wrapped
+"""What each process of the FSDP2 (and DDP) tests runs (``tests/distributed/test_fsdp.py``): a tiny Qwen2 causal LM wrapped
 with ``fully_shard`` as a training job wraps it, the fused-linear policy loss computed as
 ``DGPOTrainer._compute_loss`` computes it (inside the model's forward, the op as the lm_head's
 forward), on this process's share of one global batch; the whole gradients are written to a file.

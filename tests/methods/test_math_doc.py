@@ -15,7 +15,7 @@ from dgpo_ops.core.metrics import METRIC_NAMES
 from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, LOGP_FLOOR
 from dgpo_ops.methods.table import ALIASES, METHODS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "math.md").read_text()
 
 
