@@ -10,7 +10,7 @@ from helpers import required_fields, required_params
 
 from dgpo_ops.methods.catalog import POLICY_LOSSES, resolve
 from dgpo_ops.methods.catalog import method_params as catalog_method_params
-from dgpo_ops.methods.table import method_config
+from dgpo_ops.methods.table import ALIASES, METHODS, method_config
 from dgpo_ops.trainer import DGPOConfig
 
 
@@ -76,9 +76,20 @@ def test_unset_fields_give_every_method_its_table_defaults(tmp_path, name):
         assert getattr(expected, p.name) == {**presets, **required}.get(p.name, p.default)
 
 
-def test_valid_configs_pass(tmp_path):
-    for loss in ("dgpo", "grpo", "dapo", "dcpo", "sapo", "gppo", "aspo", "dispo"):
-        assert make(tmp_path, policy_loss=loss, fused_memory_budget=2**20).loss_options().method is not None
+@pytest.mark.parametrize("name", [*METHODS, *ALIASES])
+def test_every_method_and_alias_gives_loss_options_that_run_it(tmp_path, name):
+    """A config naming any method or alias of the table, with the loss-level fields set, gives the fused op's
+    options: that method at its table defaults (the alias's presets), and the config's temperature, KL and
+    entropy bonus."""
+    method, presets = resolve(name)
+    config = make(tmp_path, policy_loss=name, fused_memory_budget=2**20, temperature=0.7, beta=0.04,
+                  use_bias_correction_kl=True, entropy_coef=0.01, **required_fields(name))
+    options = config.loss_options()
+    assert options.method == method_config(method, **presets, **required_params(name))
+    assert (options.temperature, options.beta, options.kl_ratio_correction, options.entropy_coef) == (0.7, 0.04, True,
+                                                                                                     0.01)
+    assert (options.aggregation, options.importance_sampling_level) == (config.aggregation,
+                                                                        config.importance_sampling_level)
 
 
 # ---- which objective trains: policy_loss and TRL's loss_type (issue 33)
