@@ -450,8 +450,9 @@ def test_two_processes_run_the_command_with_one_warm_start_and_one_output_dir(tm
             "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "8",
             "--per_device_train_batch_size", "4", "--tokenizer", "chars", "--generator", "builtin"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "dgpo_ops.trainer.cli", *args],
-                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env, check=False)
+    # --standalone: a free port of its own, not torchrun's fixed 29500, which another run may hold at the same time
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "dgpo_ops.trainer.cli", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     (out,) = list(tmp_path.glob("dgpo-train-*"))  # both processes agreed on the time-stamped directory
     record = json.loads((out / "run.json").read_text())

@@ -99,7 +99,8 @@ def test_two_processes_share_dcpo_statistics(model_dir, tmp_path):
     torchrun = shutil.which("torchrun")
     assert torchrun, "torchrun ships with torch"
     script = os.path.join(os.path.dirname(__file__), "multiprocess_train.py")
-    result = subprocess.run([torchrun, "--nproc_per_node", "2", script, model_dir, str(tmp_path)],
+    # --standalone: a free port of its own, not torchrun's fixed 29500, which another run may hold at the same time
+    result = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", script, model_dir, str(tmp_path)],
                             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
