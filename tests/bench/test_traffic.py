@@ -19,6 +19,10 @@ CODE = ("import json\nfrom bench import traffic\n"
         "for kind, label, spec, method in traffic._specs()}))")
 
 
+# The tests read one traffic model run (a subprocess): they run on one xdist worker.
+pytestmark = pytest.mark.xdist_group("traffic_rows")
+
+
 @pytest.fixture(scope="module")
 def rows():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

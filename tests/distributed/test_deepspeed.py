@@ -19,7 +19,9 @@ deepspeed = pytest.importorskip("deepspeed")
 import deepspeed_workers as workers
 import fsdp_workers
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
+# The tests read one spawn of every job (zero3_runs): they run on one xdist worker.
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
+              pytest.mark.xdist_group("deepspeed_zero3")]
 
 WORLD = 2
 

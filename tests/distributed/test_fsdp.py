@@ -54,9 +54,15 @@ def runs_of(world: int, tmp_path_factory) -> tuple[int, list[dict]]:
     return world, _RUNS[world]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"{world}ranks")
+# One spawn per world for the module: a world's tests run on one xdist worker, the two worlds side by side.
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.xdist_group("fsdp-2ranks")),
+                                        pytest.param(3, marks=pytest.mark.xdist_group("fsdp-3ranks"))],
+                ids=lambda world: f"{world}ranks")
 def fsdp_runs(request, tmp_path_factory):
     return runs_of(request.param, tmp_path_factory)
+
+
+TWO_PROCESS_RUNS = pytest.mark.xdist_group("fsdp-2ranks")  # the worker that holds fsdp_runs' 2-process spawn
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +125,7 @@ def test_a_bare_sharded_weight_is_refused(fsdp_runs):
         assert message is not None and "Shard(dim=0)" in message and "model.lm_head" in message
 
 
+@TWO_PROCESS_RUNS
 @pytest.mark.parametrize("case", SEQUENCE_LEVEL_CASES)
 def test_fsdp2_sequence_level_with_kl(two_process_runs, case):
     # GSPO's sequence ratio (a second sweep recomputes the tiles) and a k3 KL.
@@ -126,6 +133,7 @@ def test_fsdp2_sequence_level_with_kl(two_process_runs, case):
     check_against_one_process(world, results, case, "gspo")
 
 
+@TWO_PROCESS_RUNS
 @pytest.mark.skipif(not triton_is_interpreted(), reason="the on-chip kernels run here through the Triton interpreter")
 @pytest.mark.parametrize("case", ON_CHIP_CASES)
 def test_fsdp2_logits_on_chip(two_process_runs, case):
@@ -134,6 +142,7 @@ def test_fsdp2_logits_on_chip(two_process_runs, case):
     check_against_one_process(world, results, case, on_chip=True)
 
 
+@TWO_PROCESS_RUNS
 @pytest.mark.parametrize("case", MODULE_CALL_CASES)
 def test_fsdp2_the_public_call_with_the_head_module(two_process_runs, case):
     # fused_linear_dgpo_loss(hidden, model.lm_head, ...) after the model's forward, as the error for a

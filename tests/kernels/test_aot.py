@@ -18,6 +18,10 @@ ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s
                  r"\s+(\d+)\s+([0-9.]+|-)\s+(\d+)$")
 
 
+# The tests read one compile report (bench.aot in a subprocess): they run on one xdist worker.
+pytestmark = pytest.mark.xdist_group("aot_report")
+
+
 @pytest.fixture(scope="module")
 def report():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

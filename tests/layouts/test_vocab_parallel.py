@@ -20,7 +20,10 @@ JOBS = workers.jobs()
 _RUNS: dict[int, list[dict]] = {}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"{world}ranks")
+# One spawn per world for the module: a world's tests run on one xdist worker, the two worlds side by side.
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.xdist_group("vocab_parallel-2ranks")),
+                                        pytest.param(3, marks=pytest.mark.xdist_group("vocab_parallel-3ranks"))],
+                ids=lambda world: f"{world}ranks")
 def runs(request, tmp_path_factory):
     world = request.param
     if world not in _RUNS:  # one spawn per world: starting the processes is most of the time

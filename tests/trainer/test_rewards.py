@@ -22,6 +22,9 @@ from dgpo_ops.trainer.rewards import (
     shutdown_pool,
 )
 
+# The tests run in file order on one xdist worker: the pool starts twice in that order (above).
+pytestmark = pytest.mark.xdist_group("rewards_pool")
+
 needs_math_verify = pytest.mark.skipif(
     importlib.util.find_spec("math_verify") is None, reason="math-verify is not installed (dgpo-ops[trl])"
 )

@@ -258,6 +258,10 @@ OVERRIDES = {
 # ----------------------------------------------------------------------------- models
 
 
+# The tests share the saved models (model_dirs): they run on one xdist worker.
+pytestmark = pytest.mark.xdist_group("trainer_conformance")
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("conformance-models")

@@ -13,6 +13,10 @@ pytest.importorskip("trl")
 from trainer_fixtures import build_model_dir, build_tokenizer, length_reward, prompt_dataset  # noqa: E402
 
 
+# The tests share one saved model (model_dir): they run on one xdist worker.
+pytestmark = pytest.mark.xdist_group("trainer_e2e")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp("tiny-e2e"), seed=1)

@@ -21,6 +21,10 @@ CASES = {
 }
 
 
+# The tests share one saved model (model_dir): they run on one xdist worker.
+pytestmark = pytest.mark.xdist_group("trainer_parity")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp("tiny"), seed=0)
