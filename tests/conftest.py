@@ -12,8 +12,8 @@ def pytest_cmdline_main(config):
     """A run of the suite spreads its tests over one pytest-xdist worker per core unless ``-n`` is given
     (``-n 0``: one process). ``--dist loadgroup``: a test goes to whichever worker is free, except that the
     tests of one ``xdist_group`` run on one worker, in file order: a file whose module fixture starts
-    processes, compiles a report or saves models once marks its tests so (test_fsdp.py and
-    test_vocab_parallel.py one group per world size), and so does test_rewards.py, which relies on its order.
+    processes, compiles a report or saves models once marks its tests so, and so does test_rewards.py, which
+    relies on its order.
 
     Set here, not in pyproject's addopts, because addopts would reach ``pytest bench/`` too, where
     pytest-benchmark turns itself off under xdist; and the framework venvs of .ci/ run their file with

@@ -14,7 +14,10 @@ import torch.multiprocessing as mp
 
 from dgpo_ops.ops.backends import triton_is_interpreted
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
+# One spawn per world for the module (runs_of): the tests run on one xdist worker, so each world spawns once and
+# the two spawns one after the other (side by side, their gloo processes on two cores waited on each other).
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
+              pytest.mark.xdist_group("fsdp_spawns")]
 
 FP32_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if not mixed]
 BF16_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if mixed]
@@ -54,15 +57,9 @@ def runs_of(world: int, tmp_path_factory) -> tuple[int, list[dict]]:
     return world, _RUNS[world]
 
 
-# One spawn per world for the module: a world's tests run on one xdist worker, the two worlds side by side.
-@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.xdist_group("fsdp-2ranks")),
-                                        pytest.param(3, marks=pytest.mark.xdist_group("fsdp-3ranks"))],
-                ids=lambda world: f"{world}ranks")
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"{world}ranks")
 def fsdp_runs(request, tmp_path_factory):
     return runs_of(request.param, tmp_path_factory)
-
-
-TWO_PROCESS_RUNS = pytest.mark.xdist_group("fsdp-2ranks")  # the worker that holds fsdp_runs' 2-process spawn
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +122,6 @@ def test_a_bare_sharded_weight_is_refused(fsdp_runs):
         assert message is not None and "Shard(dim=0)" in message and "model.lm_head" in message
 
 
-@TWO_PROCESS_RUNS
 @pytest.mark.parametrize("case", SEQUENCE_LEVEL_CASES)
 def test_fsdp2_sequence_level_with_kl(two_process_runs, case):
     # GSPO's sequence ratio (a second sweep recomputes the tiles) and a k3 KL.
@@ -133,7 +129,6 @@ def test_fsdp2_sequence_level_with_kl(two_process_runs, case):
     check_against_one_process(world, results, case, "gspo")
 
 
-@TWO_PROCESS_RUNS
 @pytest.mark.skipif(not triton_is_interpreted(), reason="the on-chip kernels run here through the Triton interpreter")
 @pytest.mark.parametrize("case", ON_CHIP_CASES)
 def test_fsdp2_logits_on_chip(two_process_runs, case):
@@ -142,7 +137,6 @@ def test_fsdp2_logits_on_chip(two_process_runs, case):
     check_against_one_process(world, results, case, on_chip=True)
 
 
-@TWO_PROCESS_RUNS
 @pytest.mark.parametrize("case", MODULE_CALL_CASES)
 def test_fsdp2_the_public_call_with_the_head_module(two_process_runs, case):
     # fused_linear_dgpo_loss(hidden, model.lm_head, ...) after the model's forward, as the error for a

@@ -15,15 +15,16 @@ import vocab_parallel_workers as workers
 
 import dgpo_ops
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
+# One spawn per world for the module (runs): the tests run on one xdist worker, so each world spawns once and
+# the two spawns one after the other (side by side, five gloo processes on two cores waited on each other
+# longer than they ran).
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
+              pytest.mark.xdist_group("vocab_parallel_spawns")]
 JOBS = workers.jobs()
 _RUNS: dict[int, list[dict]] = {}
 
 
-# One spawn per world for the module: a world's tests run on one xdist worker, the two worlds side by side.
-@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.xdist_group("vocab_parallel-2ranks")),
-                                        pytest.param(3, marks=pytest.mark.xdist_group("vocab_parallel-3ranks"))],
-                ids=lambda world: f"{world}ranks")
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"{world}ranks")
 def runs(request, tmp_path_factory):
     world = request.param
     if world not in _RUNS:  # one spawn per world: starting the processes is most of the time
