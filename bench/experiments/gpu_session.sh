@@ -35,7 +35,7 @@
 # session.log (everything printed), gpu_check.json, fused_linear.json, train_step.json, passes.json.
 #
 # GPU_SESSION_DRY_RUN=1 runs every default stage on the CPU at tiny sizes (the torch twins, no CUDA, no wheels
-# needed): tests/test_gpu_session.py does, so that the script breaks in CI and not on the GPU.
+# needed): tests/bench/test_gpu_session.py does, so that the script breaks in CI and not on the GPU.
 set -u
 TREE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-/tmp/out}
@@ -127,7 +127,7 @@ run_stage() {
 }
 
 if [ "$DRY" = 1 ]; then
-  TESTS=(tests/test_cuda.py)
+  TESTS=(tests/ops/test_cuda.py)
   LOGITS_ARGS=(--device cpu --vocab 1000 --tokens 256)
   LINEAR_ARGS=(--sizes 64x32x500 --settings fp32 --competitors ours gemm_floor --repeats 1)
   TRAINSTEP_ARGS=(--model tiny --completions 16 --paths dgpo_linear)

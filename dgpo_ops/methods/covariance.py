@@ -80,7 +80,7 @@ SPECS = (
                                "Clip-Cov: Cui et al. 2025, 'The Entropy Mechanism of Reinforcement Learning for "
                                "Reasoning Language Models', arXiv:2505.22617",
                                # ratio 1 cuts every candidate: tests comparing two paths then cut the same tokens
-                               # (tests/test_token_selection.py draws at the default ratio)
+                               # (tests/methods/test_token_selection.py draws at the default ratio)
                                variants=({"clip_cov_ratio": 1.0}, {"clip_cov_ratio": 1.0, "clip_cov_lb": -1.0,
                                                                    "clip_cov_ub": 1.0}),
                                token_selection=_clip_cov_selection),

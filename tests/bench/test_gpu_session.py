@@ -1,0 +1,84 @@
+"""``bench/experiments/gpu_session.sh``'s dry run: every default stage on the CPU at tiny sizes, from the install it
+makes (not the checkout), each writing its results to $OUT; so that the script breaks here and not during a GPU
+lease of a few minutes. No time is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("trl")
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "experiments" / "gpu_session.sh"
+DEFAULT_STAGES = ["setup", "tests", "logits", "linear", "trainstep", "passes"]
+
+
+def run_session(tmp_path, *stages, **env):
+    out, work = tmp_path / "out", tmp_path / "work"
+    environment = {**os.environ, "GPU_SESSION_DRY_RUN": "1", "OUT": str(out), "GPU_SESSION_WORK": str(work),
+                   "PYTHON": sys.executable, **env}
+    environment.pop("PYTHONPATH", None)  # the script sets its own: the install
+    proc = subprocess.run(["bash", str(SCRIPT), *stages], cwd=REPO, env=environment, capture_output=True, text=True,
+                          timeout=900, check=False)
+    stages_run = [line.split("\t") for line in (out / "stages.tsv").read_text().splitlines()] \
+        if (out / "stages.tsv").exists() else []
+    return proc, out, work, stages_run
+
+
+def test_dry_run_of_every_stage(tmp_path):
+    proc, out, work, stages = run_session(tmp_path)
+    log = (out / "session.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + log[-4000:]
+    assert [s[0] for s in stages] == DEFAULT_STAGES
+    assert all(rc == "0" and note == "ok" for _, rc, _, note in stages), stages
+    # the device tool brings back at most 8 files from $OUT
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["fused_linear.json", "gpu_check.json", "passes.json", "session.log", "stages.tsv",
+                     "train_step.json"]
+    # the stages imported the install, which holds the three folders as pyproject.toml maps them
+    site = work / "site"
+    assert f"dgpo_ops from {site}/dgpo_ops/__init__.py" in log
+    for package in ("dgpo_ops", "dgpo_ops/kernels", "dgpo_ops/trainer", "dgpo_ops/ops"):
+        assert (site / package / "__init__.py").exists()
+    assert not (work / "run" / "dgpo_ops").exists() and (work / "run" / "tests").is_dir()
+
+    logits = json.loads((out / "gpu_check.json").read_text())
+    ours = {row["impl"]: row for row in logits["logits_timing"] if row["impl"].startswith("ours")}
+    assert set(ours) == {"ours-dgpo", "ours-grpo", "ours-forward-no_grad"}
+    assert all(row["sync_ms"] > 0 and row["wall_ms"] > 0 for row in ours.values())
+    assert {row["impl"] for row in logits["logits_timing"]} >= {"liger-grpo", "trl-grpo"}  # each ran or says why
+    assert logits["env"]["dgpo_ops_commit"]
+
+    linear = json.loads((out / "fused_linear.json").read_text())
+    results = linear["rows"][0]["results"]
+    assert set(results) == {"ours", "gemm_floor"} and "loss" in results["ours"] and "loss" not in results["gemm_floor"]
+    assert all(r["seconds_median"] > 0 for r in results.values())
+
+    update = json.loads((out / "train_step.json").read_text())
+    assert update["complete"] and [r["path"] for r in update["results"]] == ["dgpo_linear"]
+    assert update["results"][0]["rows"][0]["seconds_median"] > 0
+
+    grid = json.loads((out / "passes.json").read_text())
+    assert grid["complete"] and [(r["method"], r["option"], r["path"]) for r in grid["rows"]] == [
+        ("gspo", "all", "dgpo_linear")]
+    assert grid["rows"][0]["passes"] == 9.0 and grid["rows"][0]["designed_passes"] == 4.0
+
+
+def test_a_stage_without_budget_left_is_skipped_and_recorded(tmp_path):
+    proc, _, _, stages = run_session(tmp_path, "setup", "tests", GPU_SESSION_BUDGET_S="5")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert stages[0][:2] == ["setup", "0"]
+    assert stages[1] == ["tests", "-", "0", "skipped: budget"]
+
+
+def test_setup_comes_first_and_unknown_stages_are_refused(tmp_path):
+    proc, *_ = run_session(tmp_path, "tests")
+    assert proc.returncode == 2 and "setup must be the first stage" in proc.stderr
+    proc, *_ = run_session(tmp_path, "setup", "nonsense", GPU_SESSION_BUDGET_S="5")
+    assert proc.returncode == 2

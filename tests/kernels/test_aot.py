@@ -1,0 +1,98 @@
+"""Every kernel specialisation compiles ahead of time for sm_80 and sm_90, without spills, with 128-bit
+loads in the bf16 row kernels, one special-function instruction per element in the backward, and
+tensor-core products in the on-chip fused-linear kernels."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+KINDS = {"forward", "backward", "prologue", "finalize", "linear_partials", "linear_rows", "linear_grad"}
+ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
+                 r"\s+(\d+)\s+([0-9.]+|-)\s+(\d+)$")
+
+
+# The tests read one compile report (bench.aot in a subprocess): they run on one xdist worker.
+pytestmark = pytest.mark.xdist_group("aot_report")
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "bench.aot", "--arch", "80", "90"], env=env, cwd=REPO,
+                            capture_output=True, text=True)
+    return result
+
+
+def rows(report):
+    return [ROW.match(line) for line in report.stdout.splitlines() if ROW.match(line)]
+
+
+def test_aot_report_exits_zero(report):
+    assert report.returncode == 0, report.stderr[-4000:]
+
+
+def test_every_specialisation_compiled_for_both_architectures(report):
+    from bench.aot import specialisations
+
+    lines = [line for line in report.stdout.splitlines() if re.match(r"sm_\d+ ", line)]
+    expected = len(specialisations())
+    assert sum(line.startswith("sm_80 ") for line in lines) == expected
+    assert sum(line.startswith("sm_90 ") for line in lines) == expected
+    assert not [line for line in lines if "FAILED" in line]
+    kinds = {m.group(2) for m in rows(report)}
+    assert kinds == KINDS
+
+
+def test_no_local_memory_and_vectorised_bf16_loads(report):
+    matched = rows(report)
+    assert len(matched) >= 2 * 40
+    for m in matched:
+        arch, kernel, dtype, regs, smem, local, stack, ldg128, stg128, mufu, mma = m.groups()
+        assert int(local) == 0 and int(stack) == 0, m.group(0)
+        assert 0 < int(regs) <= 255, m.group(0)
+        if kernel in ("forward", "backward") and dtype == "bf16":
+            assert int(ldg128) > 0, f"no LDG.E.128 in {m.group(0)}"
+        if kernel == "backward" and dtype == "bf16":
+            assert int(stg128) > 0, f"no STG.E.128 in {m.group(0)}"
+    assert "cvt.rn" in report.stdout
+
+
+def test_one_exp_per_element_in_the_hot_loops(report):
+    # The backward's hot loop runs one MUFU (ex2) per element: 1 - p of the target is taken once per
+    # row. The forward adds one rescale exp per tile to its one exp per element.
+    for m in rows(report):
+        kernel, mufu = m.group(2), m.group(10)
+        if kernel == "backward":
+            assert float(mufu) == 1.0, m.group(0)
+        elif kernel == "forward":
+            assert 1.0 <= float(mufu) <= 1.1, m.group(0)
+        else:
+            assert mufu == "-", m.group(0)
+
+
+def test_on_chip_linear_products_run_on_tensor_cores(report):
+    # wgmma (HGMMA) on sm_90, mma.sync (HMMA) on sm_80, for bf16 weights and for fp32 weights rounded
+    # in registers; the row kernels multiply nothing.
+    seen = set()
+    for m in rows(report):
+        arch, kernel, mma = m.group(1), m.group(2), int(m.group(11))
+        if kernel in ("linear_partials", "linear_grad"):
+            assert mma > 0, m.group(0)
+            seen.add((arch, kernel))
+        else:
+            assert mma == 0, m.group(0)
+    assert seen == {(arch, kernel) for arch in ("sm_80", "sm_90") for kernel in ("linear_partials", "linear_grad")}
+    assert "sm_90 HGMMA" in report.stdout and "sm_80 HMMA" in report.stdout
+
+
+def test_aot_refuses_to_run_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-m", "bench.aot"], env=env, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode != 0 and "unset TRITON_INTERPRET" in result.stderr

@@ -1,0 +1,301 @@
+"""fused_linear_dgpo_loss against reference_loss on the materialised logits: every method, token
+and sequence level, bias, logit_scale, softcap, temperature, KL, entropy; both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (METHOD_VARIANTS, for_method, largest_allocations, linear_case, logits_batch, make_logits,
+                     variant_id)
+
+import dgpo_ops
+
+
+def run_linear(variant, backend, options, dtype=torch.float32, seed=0, logits_on_chip=False, **case):
+    name, params = variant
+    (hidden, weight, bias), inputs = linear_case(seed=seed, dtype=dtype, **case)
+    projection = dict(logit_scale=case.get("logit_scale", 1.0), softcap=case.get("softcap"))
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
+    ref_leaves = [t.detach().double().clone().requires_grad_(True) if t is not None else None for t in leaves]
+    logits = make_logits(*ref_leaves, **projection)
+    ref = dgpo_ops.reference_loss(logits, **inputs, method=name, **params, **options)
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], method=name, **params,
+                                          **projection, **options, backend=backend, logits_on_chip=logits_on_chip,
+                                          memory_budget=2 * 70 * 4 * 2)  # two-token tiles: many chunks
+    wanted = [t for t in ref_leaves if t is not None]
+    ref_grads = torch.autograd.grad(ref.loss, wanted)
+    grads = torch.autograd.grad(out.loss, [t for t in leaves if t is not None])
+    return ref, out, ref_grads, grads
+
+
+OPTION_SETS = {
+    "plain": dict(),
+    "kl_entropy_temperature": dict(beta=0.05, entropy_coef=0.02, temperature=0.8, kl_ratio_correction=True),
+    "gspo": dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", entropy_coef=0.01),
+}
+
+
+# "on_chip": the Triton kernels that keep the logits in registers (logits_on_chip=True).
+PATHS = ["triton", "torch", "on_chip"]
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
+@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("backend", PATHS)
+def test_linear_matches_reference(backend, variant, options):
+    case = dict(logit_scale=1.3, softcap=4.0) if options == "kl_entropy_temperature" else {}
+    on_chip = backend == "on_chip"
+    ref, out, ref_grads, grads = run_linear(variant, "triton" if on_chip else backend,
+                                            for_method(variant[0], OPTION_SETS[options]),
+                                            logits_on_chip=on_chip, **case)
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy.double(), ref.entropy.double(), rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    for key in ref.metrics:
+        torch.testing.assert_close(out.metrics[key].double(), ref.metrics[key].double(), rtol=1e-5, atol=1e-6,
+                                   msg=key)
+
+
+def rounded_like_the_model(logits: torch.Tensor, dtype) -> torch.Tensor:
+    """The product rounded once to ``dtype`` (what the model's lm_head returns), with the gradient of
+    the exact product: rounding is a straight-through step for the reference."""
+    return logits + (logits.to(dtype).double() - logits).detach()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16_weights", "autocast_fp32_weights"])
+@pytest.mark.parametrize("backend", PATHS)
+def test_low_precision_products_equal_the_models_logits(backend, autocast):
+    # The tile is the model's own bf16 logits (the product accumulated in fp32, rounded once), under
+    # autocast or with bf16 weights alike; the loss then keeps fp32 accuracy against an fp64
+    # reference on those logits. Gradients are fp32-accumulated from bf16 operands and come back in
+    # each input's dtype. On chip the operands are rounded to bf16 as they are loaded (no copy of fp32
+    # master weights) and the fp32 product is rounded to bf16 in registers: the same logits as the tiles
+    # (issue 24, item 7: before, on chip kept the fp32 product, and its log-probs differed by up to 1e-2).
+    on_chip = backend == "on_chip"
+    (hidden, weight, bias), inputs = linear_case(dtype=torch.float32 if autocast else torch.bfloat16)
+    operands = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in operands]
+    ref_logits = rounded_like_the_model(make_logits(*ref_leaves), torch.bfloat16)
+    ref = dgpo_ops.reference_loss(ref_logits, **inputs, beta=0.02)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02,
+                                              backend="triton" if on_chip else backend, logits_on_chip=on_chip,
+                                              memory_budget=2 * 70 * 4 * 2)
+    ref_grads = torch.autograd.grad(ref.loss, ref_leaves)
+    grads = torch.autograd.grad(out.loss, leaves)
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)
+    for got, want, leaf in zip(grads, ref_grads, leaves):
+        assert got.dtype == leaf.dtype
+        # the gradient tile is rounded to bf16 before the fp32-accumulated GEMMs: 2^-8 relative per
+        # element, averaging out over the V (or N) terms of each product
+        torch.testing.assert_close(got.double(), want, rtol=2.0**-6, atol=2e-3 * want.abs().max().item())
+
+
+def test_tied_embeddings_accumulate_both_gradients():
+    torch.manual_seed(0)
+    V, H, B, T = 40, 12, 2, 5
+    embedding = torch.randn(V, H, requires_grad=True)
+    tokens = torch.randint(0, V, (B, T))
+    inputs = logits_batch(B, T, V, seed=1)
+    inputs.pop("logits")
+    inputs["old_logps"] = None
+
+    def hidden_of(weight):
+        return torch.tanh(weight[tokens] * 1.5)
+
+    out = dgpo_ops.fused_linear_dgpo_loss(hidden_of(embedding), embedding, **inputs)
+    (grad,) = torch.autograd.grad(out.loss, embedding)
+    ref_weight = embedding.detach().clone().requires_grad_(True)
+    ref = dgpo_ops.reference_loss(hidden_of(ref_weight) @ ref_weight.T, **inputs)
+    (ref_grad,) = torch.autograd.grad(ref.loss, ref_weight)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_incoming_gradient_scales_every_parameter():
+    (hidden, weight, bias), inputs = linear_case()
+    leaves = [t.requires_grad_(True) for t in (hidden, weight, bias)]
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2])
+    once = torch.autograd.grad(out.loss, leaves, retain_graph=True)
+    thrice = torch.autograd.grad(3.0 * out.loss, leaves)
+    for a, b in zip(once, thrice):
+        torch.testing.assert_close(b, 3.0 * a)
+
+
+def test_double_backward_is_refused():
+    # Its gradients are made in the forward, with no graph: create_graph=True would hand them back
+    # without the second-order terms of hidden and weight. It fails instead.
+    (hidden, weight, bias), inputs = linear_case()
+    leaves = [t.requires_grad_(True) for t in (hidden, weight, bias)]
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2])
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.loss, leaves, create_graph=True)
+
+
+def test_masked_tokens_get_zero_hidden_gradient():
+    (hidden, weight, _), inputs = linear_case(bias=False)
+    hidden.requires_grad_(True)
+    out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, entropy_coef=0.1)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    masked = ~inputs["mask"] | (inputs["target_ids"] == -100)
+    assert masked.any() and grad[masked].abs().max() == 0 and grad[~masked].abs().max() > 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_forward_only_logprobs(backend):
+    (hidden, weight, bias), inputs = linear_case(softcap=5.0)
+    logps, entropy = dgpo_ops.fused_linear_logprobs(hidden, weight, inputs["target_ids"], inputs["mask"], bias=bias,
+                                                    softcap=5.0, temperature=0.7, backend=backend)
+    ref = dgpo_ops.reference_loss(make_logits(hidden, weight, bias, softcap=5.0), inputs["target_ids"],
+                                  inputs["advantages"], inputs["mask"], temperature=0.7)
+    torch.testing.assert_close(logps, ref.logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(method="sapo", gate="erf", entropy_coef=0.1, beta=0.1),
+     dict(method="grpo", eps_low=1.0, eps_high=50.0, importance_sampling_level="sequence",
+          aggregation="seq_mean_token_mean", softcap=3.0, logit_scale=0.7)],
+)
+def test_cpu_path_gradcheck_fp64(kwargs):
+    # Methods and regions whose gradient is the derivative of their value (see test_fused_parity).
+    (hidden, weight, bias), inputs = linear_case(B=2, T=3, H=4, V=6, seed=2, dtype=torch.float64)
+    leaves = tuple(t.requires_grad_(True) for t in (hidden, weight, bias))
+
+    def loss(h, w, b):
+        return dgpo_ops.fused_linear_dgpo_loss(h, w, **inputs, bias=b, backend="torch", **kwargs).loss
+
+    assert torch.autograd.gradcheck(loss, leaves, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_no_allocation_of_n_by_v_elements():
+    N, H, V = 512, 32, 4096
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, N, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    target = torch.randint(0, V, (1, N), generator=g)
+    advantages = torch.ones(1)
+
+    def step():
+        out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, target, advantages, memory_budget=V * 4 * 64)
+        out.loss.backward()
+
+    sizes = largest_allocations(step)
+    assert sizes[0] < N * V * 4, sizes[:3]
+    assert weight.grad is not None and torch.isfinite(weight.grad).all()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [(dict(weight=torch.randn(70, 15)), "weight"), (dict(weight=torch.randn(70, 16).double()), "dtype"),
+     (dict(bias=torch.randn(69)), "bias"), (dict(inplace=True), "inplace"), (dict(softcap=-1.0), "softcap"),
+     (dict(logit_scale=0.0), "logit_scale"), (dict(target_ids=torch.full((3, 6), 70)), "target_ids")],
+)
+def test_bad_inputs_raise(change, match):
+    (hidden, weight, bias), inputs = linear_case()
+    args = dict(hidden=hidden, weight=weight, bias=bias, **inputs)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        dgpo_ops.fused_linear_dgpo_loss(**args)
+
+
+def _dtensor_weight_worker(rank, world_size, init_file, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        (hidden, weight, bias), inputs = linear_case(seed=7)  # the same inputs on every process
+        leaf = hidden.detach().clone().requires_grad_(True)
+        replicated = distribute_tensor(weight.detach().clone(), mesh, [Replicate()]).requires_grad_(True)
+        replicated_bias = distribute_tensor(bias.detach().clone(), mesh, [Replicate()]).requires_grad_(True)
+        out = dgpo_ops.fused_linear_dgpo_loss(leaf, replicated, **inputs, bias=replicated_bias, beta=0.02)
+        out.loss.backward()
+        assert isinstance(replicated.grad, DTensor) and tuple(replicated.grad.placements) == (Replicate(),)
+        sharded = distribute_tensor(weight.detach().clone(), mesh, [Shard(0)]).requires_grad_(True)
+        try:
+            dgpo_ops.fused_linear_dgpo_loss(leaf, sharded, **inputs)
+            refused = None
+        except ValueError as error:
+            refused = str(error)
+        torch.save({"loss": out.loss.detach(), "hidden": leaf.grad, "weight": replicated.grad.to_local(),
+                    "bias": replicated_bias.grad.to_local(), "refused": refused}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_weights_replicated_are_used_sharded_are_refused(tmp_path):
+    # A replicated DTensor is the whole weight on every process: used as it is, its gradient a
+    # replicated DTensor equal to the plain op's. A Shard(0) DTensor may be FSDP's storage sharding
+    # or a tensor-parallel vocabulary split; the op does not guess (tests/distributed/test_fsdp.py has FSDP2).
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dtensor_weight_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    (hidden, weight, bias), inputs = linear_case(seed=7)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02)
+    out.loss.backward()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got["loss"], out.loss.detach())
+        for name, leaf in zip(("hidden", "weight", "bias"), leaves):
+            torch.testing.assert_close(got[name], leaf.grad, msg=name)
+        assert got["refused"] is not None and "weight is a DTensor placed as (Shard(dim=0),)" in got["refused"]
+
+
+@pytest.mark.parametrize("path", ["triton", "torch", "on_chip", "chunked"])
+def test_non_finite_hidden_on_masked_tokens_is_ignored(path):
+    """A padded position's hidden state may hold anything (NaN, inf): as the logits op ignores non-finite
+    logits on masked tokens, the linear op gives the answer of the same call with those rows zeroed, and
+    finite gradients (issue 24, item 6). ``chunked``: the packed path (``cu_seqlens``)."""
+    (hidden, weight, bias), inputs = linear_case()
+    masked = ~inputs["mask"] | (inputs["target_ids"] == -100)
+    assert masked.any()
+    dirty = hidden.clone()
+    dirty[masked] = float("nan")
+    b, t = masked.nonzero()[0].tolist()
+    dirty[b, t] = float("inf")
+    clean = torch.where(masked[..., None], 0.0, hidden)
+    kwargs = dict(entropy_coef=0.01, bias=bias)
+    if path == "chunked":
+        B, T = masked.shape
+        kwargs.update(cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32), max_seqlen=T)
+        flat = {k: v.reshape(-1) if torch.is_tensor(v) and v.dim() == 2 else v for k, v in inputs.items()}
+        inputs = flat
+        dirty, clean = dirty.reshape(B * T, -1), clean.reshape(B * T, -1)
+    else:
+        kwargs.update(backend="triton" if path == "on_chip" else path, logits_on_chip=path == "on_chip")
+    results = []
+    for h in (dirty, clean):
+        leaves = [h.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, **kwargs)
+        results.append((out.loss, *torch.autograd.grad(out.loss, leaves)))
+    for got, expected in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected)
+
+
+def test_on_chip_and_tiles_score_the_same_logits_under_autocast():
+    """Under bf16 autocast over fp32 weights both paths round the product to bf16 as the model's lm_head
+    does, so their log-probs agree to fp32 rounding (old log-probs from one path give ratios of 1 on the
+    other); with the fp32 product on chip they differed by about 1e-2 nats (issue 24, item 7)."""
+    (hidden, weight, bias), inputs = linear_case(dtype=torch.float32)
+    hidden = hidden * 4  # logits of a few units, where bf16's rounding shows
+    outs = []
+    for on_chip in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, bias=bias, backend="triton",
+                                                        logits_on_chip=on_chip))
+    torch.testing.assert_close(outs[1].logps, outs[0].logps, rtol=0, atol=2e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+    assert logits.dtype == torch.bfloat16
+    model = torch.log_softmax(logits.float(), -1).gather(-1, inputs["target_ids"].clamp(min=0)[..., None])[..., 0]
+    scored = inputs["mask"] & (inputs["target_ids"] != -100)
+    torch.testing.assert_close(outs[1].logps[scored], model[scored], rtol=0, atol=2e-5)

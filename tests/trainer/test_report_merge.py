@@ -1,0 +1,138 @@
+"""``python -m dgpo_ops.trainer.report`` over several run JSONs: runs of one command on disjoint seeds (run in
+several sittings or on several machines) merge into one result, and anything else is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dgpo_ops.trainer.report import final_numbers, final_table, main, merge_results
+
+METHODS = ["dgpo", "grpo"]
+
+
+def fake_result(seeds, **arguments):
+    """A run.json of ``dgpo-ops train --compare dgpo,grpo`` on ``seeds``: accuracy after RL = 0.5 + seed/10
+    (+0.05 for dgpo), pass@2 0.1 above it, entropy 0.3 - seed/100."""
+    runs = []
+    for seed in seeds:
+        for method in METHODS:
+            after = 0.5 + seed / 10 + (0.05 if method == "dgpo" else 0.0)
+            runs.append({
+                "method": method, "seed": seed,
+                "before": {"accuracy": 0.2, "n": 8}, "after": {"accuracy": after, "n": 8, "pass@1": after - 0.1,
+                                                               "pass@2": after + 0.1},
+                "eval_curve": [{"step": 0, "accuracy": 0.2, "pass@1": 0.1, "pass@2": 0.3},
+                               {"step": 4, "accuracy": after, "pass@1": after - 0.1, "pass@2": after + 0.1}],
+                "log_history": [{"step": s, "entropy": 0.3 - seed / 100} for s in range(1, 5)],
+                "rl_time_s": 1.0, "sft_time_s": 0.5, "run_time_s": 2.0,
+            })
+    from dgpo_ops.trainer.report import summarize
+
+    args = {"seed": seeds[0], "seeds": len(seeds), "output_dir": f"/tmp/out-{seeds[0]}", "no_progress": True,
+            "max_steps": 4, "compare": ",".join(METHODS), **arguments}
+    return {"command": f"dgpo-ops train --seed {seeds[0]} --seeds {len(seeds)}", "arguments": args,
+            "methods": METHODS, "seeds": list(seeds), "task": "addition", "model": "tiny", "complete": True,
+            "output_dir": f"/tmp/out-{seeds[0]}",
+            "wall_time_s": 10.0 * len(seeds), "environment": {"git_commit": "abc"}, "summary": summarize(runs),
+            "warm_start": [{"seed": s, "steps": 2} for s in seeds], "runs": runs}
+
+
+def test_merge_of_disjoint_seeds_equals_the_run_on_all_of_them():
+    whole = fake_result([0, 1, 2])
+    merged = merge_results([fake_result([2]), fake_result([0, 1])])  # any order of the parts
+    assert merged["seeds"] == [0, 1, 2]
+    assert [(r["seed"], r["method"]) for r in merged["runs"]] == [(r["seed"], r["method"]) for r in whole["runs"]]
+    assert [w["seed"] for w in merged["warm_start"]] == [0, 1, 2]
+    assert merged["summary"] == whole["summary"]
+    assert final_table(merged) == final_table(whole)
+    assert merged["arguments"]["seed"] == 0 and merged["arguments"]["seeds"] == 3
+    assert merged["wall_time_s"] == pytest.approx(30.0)
+    assert [m["seeds"] for m in merged["merged_from"]] == [[2], [0, 1]]
+    dgpo = next(row for row in final_numbers(merged) if row["method"] == "dgpo")
+    assert dgpo["seeds"] == 3
+    assert dgpo["after"] == pytest.approx((0.65, 0.55, 0.75))
+    assert dgpo["pass@2"] == pytest.approx((0.75, 0.65, 0.85))
+
+
+def test_merge_refuses_different_commands_and_shared_seeds():
+    with pytest.raises(ValueError, match="max_steps"):
+        merge_results([fake_result([0]), fake_result([1], max_steps=8)])
+    with pytest.raises(ValueError, match=r"seeds \[1\]"):
+        merge_results([fake_result([0, 1]), fake_result([1, 2])])
+    other_task = fake_result([1])
+    other_task["task"] = "addition, 1-3 digits"
+    with pytest.raises(ValueError, match="task"):
+        merge_results([fake_result([0]), other_task])
+    with pytest.raises(ValueError, match="one range"):
+        merge_results([fake_result([0]), fake_result([5])])  # not what --seed 0 --seeds 2 would run
+    incomplete = fake_result([1])
+    incomplete["complete"] = False
+    assert merge_results([fake_result([0]), incomplete])["complete"] is False
+
+
+def test_merge_keeps_each_parts_provenance_and_only_what_they_share():
+    later = fake_result([1])
+    later["environment"] = {"git_commit": "def"}
+    merged = merge_results([fake_result([0]), later])
+    assert merged["environment"] is None and merged["command"] is None and merged["output_dir"] is None
+    assert [m["environment"]["git_commit"] for m in merged["merged_from"]] == ["abc", "def"]
+    assert [m["output_dir"] for m in merged["merged_from"]] == ["/tmp/out-0", "/tmp/out-1"]
+    assert [m["command"] for m in merged["merged_from"]] == ["dgpo-ops train --seed 0 --seeds 1",
+                                                             "dgpo-ops train --seed 1 --seeds 1"]
+    assert merge_results([fake_result([0]), fake_result([1])])["environment"] == {"git_commit": "abc"}
+
+
+def test_table_of_a_part_where_one_method_has_no_pass_at_k():
+    """A run where one method's evaluations lack pass@k (e.g. cut short) still tabulates: '-' there."""
+    result = fake_result([0])
+    for run in result["runs"]:
+        if run["method"] == "grpo":
+            run["after"] = {"accuracy": run["after"]["accuracy"], "n": 8}
+            run["eval_curve"] = [{k: v for k, v in e.items() if not k.startswith("pass@")} for e in run["eval_curve"]]
+    rows = {cells[0]: cells for line in final_table(result).splitlines()[2:]
+            if (cells := [c.strip() for c in line.strip("|").split("|")])}
+    assert rows["grpo"][2:4] == ["-", "-"]
+    assert rows["dgpo"][2:4] == ["0.450", "0.650"]
+
+
+def test_report_command_writes_the_merge_and_redraws_it(tmp_path, capsys):
+    parts = []
+    for seeds in ([0], [1, 2]):
+        path = tmp_path / f"seeds{seeds[0]}.json"
+        path.write_text(json.dumps(fake_result(seeds)))
+        parts.append(str(path))
+    merged_path = tmp_path / "all.json"
+    assert main([*parts, "--merged", str(merged_path)]) == 0
+    first = capsys.readouterr().out
+    assert (tmp_path / "all.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(merged_path.read_text())["seeds"] == [0, 1, 2]
+    assert main([str(merged_path), "--out", str(tmp_path / "again.png")]) == 0  # the merge reproduces itself
+    assert capsys.readouterr().out.split("figure:")[0] == first.split("figure:")[0]
+    with pytest.raises(SystemExit):
+        main([parts[0], parts[0], "--merged", str(tmp_path / "x.json")])  # the same seeds twice: a usage error
+    with pytest.raises(SystemExit):
+        main(parts)  # several parts and nowhere named for the merge: the figure would land beside a part
+
+
+def test_horizon_tables_average_over_seeds_with_their_range():
+    """docs/train/horizon_tables.py: evaluation curves at chosen steps and windowed training metrics, as the mean
+    over seeds with the min-max."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "train" / "horizon_tables.py"
+    spec = importlib.util.spec_from_file_location("horizon_tables", path)
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    result = fake_result([0, 1, 2])
+    accuracy = tables.eval_table(result, "accuracy", [0, 4]).splitlines()
+    assert accuracy[0] == "| accuracy at step | dgpo | grpo |"
+    assert accuracy[3] == "| 4 | 0.650 [0.550, 0.750] | 0.600 [0.500, 0.700] |"
+    passes = tables.eval_table(result, "pass@2", [4]).splitlines()
+    assert passes[2] == "| 4 | 0.750 [0.650, 0.850] | 0.700 [0.600, 0.800] |"
+    entropy = tables.window_table(result, "entropy", "entropy", 2, 4).splitlines()
+    assert entropy[2:] == ["| 1-2 | 0.290 [0.280, 0.300] | 0.290 [0.280, 0.300] |",
+                           "| 3-4 | 0.290 [0.280, 0.300] | 0.290 [0.280, 0.300] |"]
+    clipped = tables.window_table(result, "clipped", "clipped", 4, 4).splitlines()
+    assert clipped[2] == "| 1-4 | - | - |"  # the fake runs log no regions: no number is made up
