@@ -1,7 +1,7 @@
 """What is particular to the on-chip fused-linear kernels (``logits_on_chip=True``: logits only in
 registers): vocabulary splits, strided operands, skipped blocks, no tile buffers, the errors. Their
-parity with the fp64 reference for every method and precision is in ``test_fused_linear.py`` (the
-``on_chip`` path), under the Triton interpreter here and on CUDA in ``test_cuda.py``."""
+parity with the fp64 reference for every method and precision is in ``tests/ops/test_fused_linear.py`` (the
+``on_chip`` path), under the Triton interpreter here and on CUDA in ``tests/ops/test_cuda.py``."""
 
 from __future__ import annotations
 
