@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,10 +40,9 @@ def child(path: str, method: str, option: str, model_name: str, repeats: int) ->
     """One case in this process: one untimed update, ``repeats`` timed ones; printed as one JSON line."""
     import torch
 
-    from bench.train_step import _peak_bytes, _reset_peak, build_trainer, synthetic_rollouts, update
+    from bench.train_step import build_trainer, synthetic_rollouts, timed_updates, update
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     prompt_length, lengths = SHAPES[model_name]
     completion_length = lengths[0]
     policy_loss, method_fields = METHODS[method]
@@ -55,17 +53,8 @@ def child(path: str, method: str, option: str, model_name: str, repeats: int) ->
             trainer._last_world_entropy = ACTIVE_ADAPTIVE_ENTROPY
         inputs = synthetic_rollouts(prompt_length, completion_length, trainer.model.config.vocab_size, device)
         first = update(trainer, inputs, record=True)
-        _reset_peak(device)
-        times = []
-        for _ in range(repeats):
-            sync()
-            started = time.perf_counter()
-            update(trainer, inputs)
-            sync()
-            times.append(time.perf_counter() - started)
         result = {"path": path, "method": method, "option": option, "prompt_length": prompt_length,
-                  "completion_length": completion_length, "seconds": times,
-                  "seconds_median": statistics.median(times), "peak_bytes": _peak_bytes(device),
+                  "completion_length": completion_length, **timed_updates(trainer, inputs, repeats, device),
                   "loss": first["loss"]}
     print(json.dumps(result), flush=True)
     return result

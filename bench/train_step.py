@@ -262,6 +262,22 @@ def _peak_bytes(device: str) -> int:
     return _status_kib("VmHWM") * 1024
 
 
+def timed_updates(trainer, inputs, repeats: int, device: str) -> dict:
+    """``repeats`` synchronised, timed updates after the peak reset: their times, median and peak memory."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    _reset_peak(device)
+    times = []
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        update(trainer, inputs)
+        sync()
+        times.append(time.perf_counter() - started)
+    return {"seconds": times, "seconds_median": statistics.median(times), "peak_bytes": _peak_bytes(device)}
+
+
 def out_of_memory(error: BaseException) -> bool:
     """An allocation failure of the device (the caching allocator's, or cuBLAS's workspace)."""
     import torch
@@ -294,15 +310,7 @@ def measure_lengths(trainer, prompt_length, lengths, repeats, device):
             row.update(update(trainer, inputs, record=True))
             sync()
             row["first_update_s"] = time.perf_counter() - started
-            _reset_peak(device)
-            times = []
-            for _ in range(repeats):
-                sync()
-                started = time.perf_counter()
-                update(trainer, inputs)
-                sync()
-                times.append(time.perf_counter() - started)
-            row.update(seconds=times, seconds_median=statistics.median(times), peak_bytes=_peak_bytes(device))
+            row.update(timed_updates(trainer, inputs, repeats, device))
             row["tokens_per_s"] = tokens / row["seconds_median"]
         except (RuntimeError, torch.OutOfMemoryError) as e:
             if not out_of_memory(e):
