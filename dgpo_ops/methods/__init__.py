@@ -1,1 +1,2 @@
-"""The method table (one row per method) and what derives from it: names, trainer fields, styles, the psi atlas."""
+"""The method table (one row per method) and what derives from it: names, trainer fields, styles, the psi atlas.
+"""

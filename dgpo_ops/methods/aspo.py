@@ -57,5 +57,5 @@ def _aspo(cfg: AspoConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(AspoConfig, _aspo, "flipped ratio for A>0, soft dual clip",
-                           "ASPO: asymmetric importance sampling policy optimization (2025)"),
+               "ASPO: asymmetric importance sampling policy optimization (2025)"),
 )

@@ -1,4 +1,6 @@
-"""What every method is made of: its parameters (``ParamSpec``), its config (``MethodConfig``), the per-token inputs and terms of its torch function, the optional stages around it (a sequence statistic, a token selection) and its row of the table (``MethodSpec``)."""
+"""What every method is made of: its parameters (``ParamSpec``), its config (``MethodConfig``), the per-token
+inputs and terms of its torch function, the optional stages around it (a sequence statistic, a token
+selection) and its row of the table (``MethodSpec``)."""
 
 from __future__ import annotations
 

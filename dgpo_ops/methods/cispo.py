@@ -62,7 +62,7 @@ def _dispo(cfg: DispoConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob",
-                            "CISPO: MiniMax-M1, arXiv:2506.13585", variants=({}, {"eps_low": 0.2, "eps_high": 0.28})),
+               "CISPO: MiniMax-M1, arXiv:2506.13585", variants=({}, {"eps_low": 0.2, "eps_high": 0.28})),
     MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A",
-                            "DISPO: Rawal et al. 2026, arXiv:2602.00983"),
+               "DISPO: Rawal et al. 2026, arXiv:2602.00983"),
 )

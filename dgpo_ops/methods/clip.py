@@ -1,4 +1,5 @@
-"""The trust-region pieces several methods share: the clip parameters, region codes, PPO's clipped ratio, the capped importance weight and the unclipped ratio. Each method's own terms are in its file."""
+"""The trust-region pieces several methods share: the clip parameters, region codes, PPO's clipped ratio, the
+capped importance weight and the unclipped ratio. Each method's own terms are in its file."""
 
 from __future__ import annotations
 

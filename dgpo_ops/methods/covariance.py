@@ -1,4 +1,5 @@
-"""Clip-Cov and KL-Cov (verl's clip_cov, kl_cov): tokens picked by the covariance of advantage and log-prob over the call, a batch-level token selection after the per-token terms."""
+"""Clip-Cov and KL-Cov (verl's clip_cov, kl_cov): tokens picked by the covariance of advantage and log-prob over
+the call, a batch-level token selection after the per-token terms."""
 
 from __future__ import annotations
 
@@ -76,16 +77,16 @@ def _kl_cov_selection(cfg: KlCovConfig, terms: TokenTerms, x: TokenInputs, score
 
 SPECS = (
     MethodSpec(ClipCovConfig, _clip_cov, "PPO clip; a random few tokens of high covariance of A and "
-                               "log-prob get no gradient",
-                               "Clip-Cov: Cui et al. 2025, 'The Entropy Mechanism of Reinforcement Learning for "
-                               "Reasoning Language Models', arXiv:2505.22617",
-                               # ratio 1 cuts every candidate: tests comparing two paths then cut the same tokens
-                               # (tests/methods/test_token_selection.py draws at the default ratio)
-                               variants=({"clip_cov_ratio": 1.0}, {"clip_cov_ratio": 1.0, "clip_cov_lb": -1.0,
-                                                                   "clip_cov_ub": 1.0}),
-                               token_selection=_clip_cov_selection),
+               "log-prob get no gradient",
+               "Clip-Cov: Cui et al. 2025, 'The Entropy Mechanism of Reinforcement Learning for "
+               "Reasoning Language Models', arXiv:2505.22617",
+               # ratio 1 cuts every candidate: tests comparing two paths then cut the same tokens
+               # (tests/methods/test_token_selection.py draws at the default ratio)
+               variants=({"clip_cov_ratio": 1.0}, {"clip_cov_ratio": 1.0, "clip_cov_lb": -1.0,
+                                                   "clip_cov_ub": 1.0}),
+               token_selection=_clip_cov_selection),
     MethodSpec(KlCovConfig, unclipped_ratio, "unclipped ratio; the tokens of highest covariance of A and "
-                             "log-prob get a penalty on the log-ratio's absolute value",
-                             "KL-Cov: Cui et al. 2025, arXiv:2505.22617",
-                             variants=({}, {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}), token_selection=_kl_cov_selection),
+               "log-prob get a penalty on the log-ratio's absolute value",
+               "KL-Cov: Cui et al. 2025, arXiv:2505.22617",
+               variants=({}, {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}), token_selection=_kl_cov_selection),
 )

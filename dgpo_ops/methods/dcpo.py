@@ -40,6 +40,6 @@ def _dcpo(cfg: DcpoConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(DcpoConfig, _dcpo, "PPO clip with bounds from the old probability",
-                           "DCPO: Yang et al. (Baichuan), 'Dynamic Clipping Policy Optimization'",
-                           aggregation="seq_sum_token_mean"),  # DCPO's "only token mean"
+               "DCPO: Yang et al. (Baichuan), 'Dynamic Clipping Policy Optimization'",
+               aggregation="seq_sum_token_mean"),  # DCPO's "only token mean"
 )

@@ -44,7 +44,7 @@ def _dgpo(cfg: DgpoConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(DgpoConfig, _dgpo, "decoupled polynomial / radical decay of the probability gradient",
-                           "DGPO: Fu et al., 'From log pi to pi: Taming Divergence in Soft Clipping via Bilateral "
-                           "Decoupled Decay of Probability Gradient Weight'",
-                           variants=({}, {"n": 2.0, "m": 3.0}, {"n": 0.0, "m": 1.0})),
+               "DGPO: Fu et al., 'From log pi to pi: Taming Divergence in Soft Clipping via Bilateral "
+               "Decoupled Decay of Probability Gradient Weight'",
+               variants=({}, {"n": 2.0, "m": 3.0}, {"n": 0.0, "m": 1.0})),
 )

@@ -1,4 +1,5 @@
-"""DPPO-TV and DPPO-KL: a capped importance weight; tokens whose probability moved further than a divergence threshold are dropped."""
+"""DPPO-TV and DPPO-KL: a capped importance weight; tokens whose probability moved further than a divergence
+threshold are dropped."""
 
 from __future__ import annotations
 
@@ -65,10 +66,10 @@ def _dppo(cfg: DppoTvConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(DppoTvConfig, _dppo, "capped IS weight; drops tokens whose probability moved more "
-                              "than delta (total variation)",
-                              "DPPO: Divergence-Proximal Policy Optimization, arXiv:2602.04879",
-                              variants=({}, {"delta_low": 0.05, "delta_high": 0.1, "is_cap": 1.5})),
+               "than delta (total variation)",
+               "DPPO: Divergence-Proximal Policy Optimization, arXiv:2602.04879",
+               variants=({}, {"delta_low": 0.05, "delta_high": 0.1, "is_cap": 1.5})),
     MethodSpec(DppoKlConfig, _dppo, "DPPO with the binary KL of the token's probability as the divergence",
-                              "DPPO: Divergence-Proximal Policy Optimization, arXiv:2602.04879",
-                              variants=({}, {"delta_low": 0.01, "delta_high": 0.02, "is_cap": 1.5})),
+               "DPPO: Divergence-Proximal Policy Optimization, arXiv:2602.04879",
+               variants=({}, {"delta_low": 0.01, "delta_high": 0.02, "is_cap": 1.5})),
 )

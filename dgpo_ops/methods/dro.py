@@ -34,6 +34,6 @@ def _dro(cfg: DroConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(DroConfig, _dro, "plain policy gradient with a quadratic penalty on the log-ratio",
-                          "DRO as verl's policy_loss dro (Direct Reward Optimisation: Richemond et al. 2024, "
-                          "arXiv:2405.19107)", variants=({"dro_beta": 0.1}, {"dro_beta": 2.0})),
+               "DRO as verl's policy_loss dro (Direct Reward Optimisation: Richemond et al. 2024, "
+               "arXiv:2405.19107)", variants=({"dro_beta": 0.1}, {"dro_beta": 2.0})),
 )

@@ -1,4 +1,5 @@
-"""GMPO (verl's geo_mean): -A R at each response's geometric mean R of its token ratios, each clipped in log space, a sequence statistic of its own."""
+"""GMPO (verl's geo_mean): -A R at each response's geometric mean R of its token ratios, each clipped in log
+space, a sequence statistic of its own."""
 
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ def clipped_log_ratio_mean(cfg: GeoMeanConfig, x: SequenceInputs) -> torch.Tenso
 
 SPECS = (
     MethodSpec(GeoMeanConfig, unclipped_ratio, "the geometric mean of each response's token ratios, "
-                               "clipped per token in log space",
-                               "GMPO: Geometric-Mean Policy Optimization, Zhao et al. 2025, arXiv:2507.20673",
-                               # (not 0.4, GMPO's own: tests/helpers.py's log-ratio grid holds -0.4, a tie in log space)
-                               variants=({}, {"eps_low": 0.3, "eps_high": 0.35}),
-                               sequence_statistic=clipped_log_ratio_mean, aggregation="seq_mean_token_mean"),
+               "clipped per token in log space",
+               "GMPO: Geometric-Mean Policy Optimization, Zhao et al. 2025, arXiv:2507.20673",
+               # (not 0.4, GMPO's own: tests/helpers.py's log-ratio grid holds -0.4, a tie in log space)
+               variants=({}, {"eps_low": 0.3, "eps_high": 0.35}),
+               sequence_statistic=clipped_log_ratio_mean, aggregation="seq_mean_token_mean"),
 )

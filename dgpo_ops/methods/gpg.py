@@ -28,5 +28,5 @@ def _gpg(cfg: GpgConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(GpgConfig, _gpg, "plain policy gradient: the log-prob times the advantage",
-                          "GPG: Group Policy Gradient, Chu et al. 2025, arXiv:2504.02546"),
+               "GPG: Group Policy Gradient, Chu et al. 2025, arXiv:2504.02546"),
 )

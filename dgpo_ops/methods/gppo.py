@@ -72,6 +72,6 @@ def _gppo(cfg: GppoConfig | CeGppoConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(GppoConfig, _gppo, "gradient-preserving clip, constant boundary weight",
-                           "GPPO: Klear-Reasoner (Kuaishou, 2025)"),
+               "GPPO: Klear-Reasoner (Kuaishou, 2025)"),
     MethodSpec(CeGppoConfig, _gppo, "GPPO with boundary scales beta1, beta2", "CE-GPPO (Kuaishou, 2025)"),
 )

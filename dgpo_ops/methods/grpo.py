@@ -36,7 +36,7 @@ ALIASES = (MethodAlias("dapo", "grpo", {"eps_high": 0.28}, "DAPO's clip-higher")
 
 SPECS = (
     MethodSpec(GrpoConfig, _grpo, "PPO clip; optional dual clip",
-                           "PPO (Schulman et al. 2017) as GRPO uses it (DeepSeekMath, Shao et al. 2024); dual clip: "
-                           "Ye et al. 2019, arXiv:1912.09729",
-                           variants=({}, {"eps_high": 0.28, "dual_clip": 3.0}, {"delta": 1.5}, {"delta": 1.1, "dual_clip": 2.0})),
+               "PPO (Schulman et al. 2017) as GRPO uses it (DeepSeekMath, Shao et al. 2024); dual clip: "
+               "Ye et al. 2019, arXiv:1912.09729",
+               variants=({}, {"eps_high": 0.28, "dual_clip": 3.0}, {"delta": 1.5}, {"delta": 1.1, "dual_clip": 2.0})),
 )

@@ -59,8 +59,8 @@ def _sapo(cfg: SapoConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(SapoConfig, _sapo, "soft gates instead of clipping",
-                           "SAPO: arXiv:2511.20347 (sigmoid gate); the other gates: Denisov et al. 2026, "
-                           "arXiv:2602.19345",
-                           variants=({"gate": "sigmoid"}, {"gate": "erf", "tau_pos": 10.0, "tau_neg": 12.0},
-                                     {"gate": "arctan"}, {"gate": "softsign", "tau_pos": 2.0, "tau_neg": 3.0})),
+               "SAPO: arXiv:2511.20347 (sigmoid gate); the other gates: Denisov et al. 2026, "
+               "arXiv:2602.19345",
+               variants=({"gate": "sigmoid"}, {"gate": "erf", "tau_pos": 10.0, "tau_neg": 12.0},
+                         {"gate": "arctan"}, {"gate": "softsign", "tau_pos": 2.0, "tau_neg": 3.0})),
 )

@@ -1,4 +1,5 @@
-"""VESPO (TRL's loss_type='vespo'): a response's gamma weight of its ratio product times the log-prob, evaluated at its own sequence statistic, the summed log-ratio."""
+"""VESPO (TRL's loss_type='vespo'): a response's gamma weight of its ratio product times the log-prob, evaluated
+at its own sequence statistic, the summed log-ratio."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _vespo(cfg: VespoConfig, x: TokenInputs) -> TokenTerms:
 
 SPECS = (
     MethodSpec(VespoConfig, _vespo, "a sequence's gamma weight of its ratio product times the log-prob",
-                            "VESPO: TRL 1.16's loss_type='vespo' (GRPOTrainer.get_gamma_weights)",
-                            variants=({}, {"k_pos": 1.0, "lambda_pos": 0.5, "k_neg": 4.0, "lambda_neg": 1.0}),
-                            sequence_statistic=summed_log_ratio),
+               "VESPO: TRL 1.16's loss_type='vespo' (GRPOTrainer.get_gamma_weights)",
+               variants=({}, {"k_pos": 1.0, "lambda_pos": 0.5, "k_neg": 4.0, "lambda_neg": 1.0}),
+               sequence_statistic=summed_log_ratio),
 )
