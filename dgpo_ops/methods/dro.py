@@ -1,4 +1,5 @@
-"""DRO (verl's dro): the plain policy gradient plus a quadratic penalty on the log-ratio."""
+"""DRO (verl's dro): the plain policy gradient plus a quadratic penalty on the log-ratio; Kimi k1.5's loss (ROLL's
+``pg_variant="kimi15"``) is the same with the penalty's weight ``tau = 0.1``, an alias."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from dgpo_ops.kernels.interface import KernelParam, MethodId
-from dgpo_ops.methods.base import MethodConfig, MethodSpec, TokenInputs, TokenTerms, param
+from dgpo_ops.methods.base import MethodAlias, MethodConfig, MethodSpec, TokenInputs, TokenTerms, param
 
 
 @dataclass(frozen=True)
@@ -37,3 +38,5 @@ SPECS = (
                "DRO as verl's policy_loss dro (Direct Reward Optimisation: Richemond et al. 2024, "
                "arXiv:2405.19107)", variants=({"dro_beta": 0.1}, {"dro_beta": 2.0})),
 )
+# ROLL's kimi15 (Kimi k1.5, arXiv:2501.12599, eq. 3): -A l + (tau / 2) (l - l_old)^2 with kimi15_tau = 0.1, dro's loss
+ALIASES = (MethodAlias("kimi15", "dro", {"dro_beta": 0.1}, "Kimi k1.5's squared log-ratio penalty (ROLL's kimi15)"),)

@@ -28,7 +28,7 @@ def section(title: str) -> str:
 
 def method_sections() -> dict[str, str]:
     methods = section("Methods")
-    parts = re.split(r"^### `([a-z_]+)`\n", methods, flags=re.M)
+    parts = re.split(r"^### `([a-z0-9_]+)`\n", methods, flags=re.M)
     return dict(zip(parts[1::2], parts[2::2]))
 
 

@@ -20,7 +20,7 @@ README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 def readme_names() -> list[str]:
     table = README[README.index(START):README.index(END)]
-    return re.findall(r"^\| `([a-z_]+)` \|", table, re.M)
+    return re.findall(r"^\| `([a-z0-9_]+)` \|", table, re.M)
 
 
 def test_the_readme_table_lists_every_method_and_alias():
