@@ -1,11 +1,10 @@
 """ROLL's kimi15 loss re-derived from ROLL's source, against dgpo-ops' ``kimi15`` (dro with ``dro_beta = 0.1``).
 
 ROLL cannot be installed as an oracle (the PyPI package ``roll`` is another project), so its lines are written here as
-they compute, from alibaba/ROLL at ``ROLL_COMMIT``: ``_compute_kimi15_loss`` (roll/pipeline/rlvr/actor_pg_worker.py
-L408-442: ``-A logp + tau / 2 (logp - lp_old)^2``, ``kimi15_tau`` 0.1 by default) and ``agg_loss`` /
-``masked_mean`` (roll/utils/functionals.py L229-297: ``seq-mean-token-mean``, ROLL's default ``loss_agg_mode``, is
-each response's masked mean, ``sum / (mask_sum + 1e-8)`` and 0 for an empty one, summed over the responses with a
-scored token and divided by their count plus 1e-8)."""
+they compute, from alibaba/ROLL at ``ROLL_COMMIT`` (the files and lines in ``ROLL_SOURCE``): ``_compute_kimi15_loss``
+is ``-A logp + tau / 2 (logp - lp_old)^2`` with ``kimi15_tau`` 0.1 by default, and ``agg_loss``'s
+``seq-mean-token-mean``, ROLL's default ``loss_agg_mode``, is each response's masked mean (``sum / (mask_sum + 1e-8)``,
+0 for an empty one), summed over the responses with a scored token and divided by their count plus 1e-8."""
 
 from __future__ import annotations
 
@@ -15,6 +14,10 @@ import torch
 import dgpo_ops
 
 ROLL_COMMIT = "8eb27cc2dc34c4d1310b169d9b86d339004d811a"
+ROLL_SOURCE = {
+    "_compute_kimi15_loss": "roll/pipeline/rlvr/actor_pg_worker.py, lines 408-442",
+    "agg_loss, masked_mean": "roll/utils/functionals.py, lines 229-297",
+}
 
 
 def roll_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
