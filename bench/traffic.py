@@ -26,10 +26,23 @@ H100_TBS, H200_TBS = 3.35, 4.8  # HBM3 / HBM3e bandwidth, TB/s (1e12 bytes/s)
 SIZES = [(n, v) for n in (1024, 4096, 8192) for v in (32000, 151936, 262144)]
 ARCH = 90
 ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
-# Words of the fp32 parameter vector each method's epilogue loads (kernels/method_table.token_terms:
-# every method loads LOW_POS and HIGH_POS; dgpo adds N and M, grpo adds DUAL_CLIP). The same words for
-# every token of a launch, so they come from L2 after the first token; listed apart from per-token bytes.
-PARAM_WORDS = {"dgpo": 4, "grpo": 3}
+# The Triton function of kernels/method_table.py that each method's epilogue runs. The words of the fp32 parameter
+# vector it loads (``param_words``) are the same for every token of a launch, so they come from L2 after the first
+# token; listed apart from per-token bytes.
+METHOD_TERMS = {"dgpo": "_dgpo_terms", "grpo": "_ppo_clip_terms"}
+
+
+def param_words(method: str) -> int:
+    """The ``tl.load``s of ``params_ptr`` in the method's Triton function, read from its source."""
+    import inspect
+
+    from dgpo_ops.kernels import method_table
+
+    tree = ast.parse(inspect.getsource(method_table))
+    function = next(node for node in tree.body if isinstance(node, ast.FunctionDef)
+                    and node.name == METHOD_TERMS[method])
+    return sum(1 for node in ast.walk(function) if _is_tl_call(node, "load")
+               and any(isinstance(name, ast.Name) and name.id == "params_ptr" for name in ast.walk(node.args[0])))
 ACCESS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?(LDG|STG)(\.[A-Z0-9.]+)?\s")
 
 
@@ -85,7 +98,7 @@ def derived(kind: str, spec, method: str | None) -> dict:
     ``tl.load``/``tl.store``: inside the ``for`` over vocabulary tiles with an ``offsets`` address it is
     row traffic (the pointer's element size per vocabulary entry), otherwise one scalar per token. The
     element size comes from the pointer's type in the AOT signature. The method's parameter words are
-    loaded by ``method_table.token_terms`` (PARAM_WORDS), called with ``method_params_ptr``. A helper of
+    loaded by ``method_table.token_terms`` (``param_words``), called with ``method_params_ptr``. A helper of
     the kernel's own module called as a statement (``finish_row``) is walked as part of the kernel."""
     import triton
 
@@ -128,7 +141,7 @@ def derived(kind: str, spec, method: str | None) -> dict:
                 account(sub, "store", in_loop)
             elif isinstance(sub, ast.Call) and any(isinstance(a, ast.Name) and a.id == "method_params_ptr"
                                                    for a in sub.args):
-                out["param_bytes"] += 4 * PARAM_WORDS[method]
+                out["param_bytes"] += 4 * param_words(method)
             elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id == "read_targets":
                 # kernels/tokens.read_targets: one target id, and the mask value when HAS_MASK
                 reads = out["side_reads"]
