@@ -37,10 +37,11 @@ def method_params(method: str) -> list[MethodParam]:
 
 
 def required_params(name: str) -> dict:
-    """Values for the parameters a method (or alias) has no default for (dro's ``dro_beta``, as verl's), from its
-    first test variant: what a listing or a test of every method by name passes."""
-    method, _ = resolve(name)
-    required = [p.name for p in method_params(method) if p.default is None and not p.spec.optional]
+    """Values for the parameters a method (or alias) has no default for (dro's ``dro_beta``, as verl's; kimi15, an
+    alias, presets it), from its first test variant: what a listing or a test of every method by name passes."""
+    method, presets = resolve(name)
+    required = [p.name for p in method_params(method)
+                if p.default is None and not p.spec.optional and p.name not in presets]
     return {param: METHODS[method].variants[0][param] for param in required}
 
 

@@ -7,6 +7,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from dgpo_ops.trainer import DGPOConfig, DGPOTrainer  # noqa: E402
+from dgpo_ops.trainer.cli import exit_process  # noqa: E402
 from trainer_fixtures import build_tokenizer, length_reward, prompt_dataset  # noqa: E402
 
 model_dir, out = sys.argv[1], pathlib.Path(sys.argv[2])
@@ -23,3 +24,6 @@ rank = trainer.accelerator.process_index
     "dcpo": trainer.smooth_advantages.state_dict(),
     "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
 }))
+# Without the interpreter's teardown, where gloo's threads can abort a finished rank (pytorch/pytorch#179291), as
+# dgpo-ops train exits.
+exit_process(0)
