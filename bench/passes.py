@@ -253,9 +253,13 @@ def main(argv=None) -> int:
                 print(f"[passes {len(doc['rows'])}/{total}] {method:<8} {option:<17} {path:<12} "
                       f"{row['passes']:.2f} (designed {row['designed_passes']:.2f}; forward {row['forward_passes']:.2f},"
                       f" backward {row['backward_passes']:.2f}, {row['calls']} calls)", flush=True)
+    return finish(doc, out, markdown(doc))
+
+
+def finish(doc: dict, out, table: str) -> int:
+    """Mark a grid's results complete, write them with their table beside them (``.md``), print the table."""
     doc["complete"] = True
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    table = markdown(doc)
     out.with_suffix(".md").write_text(table)
     print(table)
     return 0

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.passes import ACTIVE_ADAPTIVE_ENTROPY, METHODS, OPTIONS, PATH_LABELS, PATHS, _choose
+from bench.passes import ACTIVE_ADAPTIVE_ENTROPY, METHODS, OPTIONS, PATH_LABELS, PATHS, _choose, finish
 from bench.train_step import SHAPES
 
 RESULTS_DIR = REPO / "bench" / "results"
@@ -152,12 +152,7 @@ def main(argv=None) -> int:
         shown = row.get("error") or f"{row['seconds_median']:.2f} s, peak {row['peak_bytes'] / 1e9:.2f} GB"
         print(f"[passes_time {index}/{len(cases)}] {method:<8} {option:<17} {path:<12} {shown}", flush=True)
     doc["load_average"][1] = _load()
-    doc["complete"] = True
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    table = markdown(doc)
-    out.with_suffix(".md").write_text(table)
-    print(table)
-    return 0
+    return finish(doc, out, markdown(doc))
 
 
 if __name__ == "__main__":
