@@ -6,6 +6,9 @@
 * the lm_head module instead of its weight: the op runs as the module's own forward, so a sharding
   engine gathers the weight and reduces its gradient (``dgpo_ops.distributed.head``);
 * otherwise the eager op (``dgpo_ops.ops.logits``, ``dgpo_ops.ops.linear``).
+
+Before any of them, the rollout-correction stage (``dgpo_ops.corrections.stage``) turns ``rollout_logps`` into
+rollout weights and a mask, so every route runs one copy of it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dgpo_ops.core.inputs import LossBatch, check_generator
 from dgpo_ops.core.options import LossOptions, trace_constant
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import per_token_function
+from dgpo_ops.corrections.stage import apply_rollout_correction
 from dgpo_ops.distributed.head import head_forward
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
@@ -31,11 +35,22 @@ def refuse_under_compile(layout: CallLayout, batch: LossBatch) -> None:
     check_generator(batch.generator, batch.target_ids.device if torch.is_tensor(batch.target_ids) else "cpu")
 
 
+def with_rollout_correction(batch: LossBatch, options: LossOptions, layout: CallLayout, route) -> PolicyLossOutput:
+    """``route(batch)`` on the batch the rollout-correction stage makes, with the stage's metrics."""
+    batch, metrics = apply_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens)
+    out = route(batch)
+    return out if metrics is None else out._replace(metrics=out.metrics.with_rollout(metrics))
+
+
 def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: CallLayout = CallLayout()
                       ) -> PolicyLossOutput:
     """``fused_dgpo_loss`` once its options are built."""
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
+    return with_rollout_correction(batch, options, layout, lambda batch: _logits_route(logits, batch, options, layout))
+
+
+def _logits_route(logits, batch: LossBatch, options: LossOptions, layout: CallLayout) -> PolicyLossOutput:
     if torch.compiler.is_compiling():
         refuse_under_compile(layout, batch)
         return compiled_fused_loss(logits, batch, options)
@@ -46,10 +61,16 @@ def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: Lo
                              projection_options: ProjectionOptions, layout: CallLayout = CallLayout()
                              ) -> PolicyLossOutput:
     """``fused_linear_dgpo_loss`` once its options are built."""
+    return with_rollout_correction(batch, options, layout, lambda batch: _linear_route(
+        hidden, weight, bias, batch, options, projection_options, layout))
+
+
+def _linear_route(hidden, weight, bias, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,
+                  layout: CallLayout) -> PolicyLossOutput:
     if isinstance(weight, torch.nn.Module):  # the lm_head module: the op runs as its forward
         def as_head_forward(head_hidden, head_weight, head_bias):
-            return linear_loss_from_options(head_hidden, head_weight, head_bias if bias is None else bias,
-                                            batch, options, projection_options, layout).tensors()
+            return _linear_route(head_hidden, head_weight, head_bias if bias is None else bias,
+                                 batch, options, projection_options, layout).tensors()
 
         return PolicyLossOutput.from_tensors(head_forward(weight, as_head_forward, hidden))
     if layout.vocab_parallel_group is not None:
@@ -85,6 +106,8 @@ def fused_dgpo_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    rollout_logps: torch.Tensor | None = None,
+    rollout_correction=None,
     generator: torch.Generator | None = None,
     inplace: bool = False,
     backend: str = "auto",
@@ -97,9 +120,10 @@ def fused_dgpo_loss(
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
         importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
-        validation=validation, **method_params,
+        validation=validation, rollout_correction=rollout_correction, **method_params,
     )
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
+                      rollout_logps)
     return loss_from_options(logits, batch, options, CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 
 
@@ -113,10 +137,10 @@ class DGPOLoss(torch.nn.Module):
         self.vocab_parallel_group = vocab_parallel_group
 
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
-                loss_normalizer=None, rollout_weights=None, cu_seqlens=None, max_seqlen=None,
+                loss_normalizer=None, rollout_weights=None, rollout_logps=None, cu_seqlens=None, max_seqlen=None,
                 generator=None) -> PolicyLossOutput:
         batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer,
-                          generator)
+                          generator, rollout_logps)
         return loss_from_options(logits, batch, self.options,
                                  CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen))
 
@@ -148,6 +172,8 @@ def fused_linear_dgpo_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    rollout_logps: torch.Tensor | None = None,
+    rollout_correction=None,
     generator: torch.Generator | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     logits_on_chip: bool = False,
@@ -160,13 +186,15 @@ def fused_linear_dgpo_loss(
 ) -> PolicyLossOutput:
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
-        importance_sampling_level=importance_sampling_level, backend=backend, validation=validation, **method_params,
+        importance_sampling_level=importance_sampling_level, backend=backend, validation=validation,
+        rollout_correction=rollout_correction, **method_params,
     )
     if torch.compiler.is_compiling():  # a trace-time constant, as the loss options (options.trace_constant)
         logit_scale, softcap = trace_constant(logit_scale), trace_constant(softcap)
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
                                            logits_on_chip=logits_on_chip)
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
+                      rollout_logps)
     return linear_loss_from_options(hidden, weight, bias, batch, options, projection_options,
                                     CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 

@@ -54,6 +54,15 @@ ARGUMENTS = {
     "rollout_weights": "per-token weights on the policy term (truncated importance sampling), or None; vespo "
                        "and geo_mean fold them into their sequence statistic instead, as TRL folds vLLM's "
                        "importance ratio and verl its rollout weights' geometric mean.",
+    "rollout_logps": "the inference engine's per-token log-probs of the sampled tokens (shaped like "
+                     "``target_ids``; NaN where the engine gave none, handled as the correction's framework does), "
+                     "or None. With ``old_logps`` they give the mismatch metrics (``mismatch_kl_k1``, "
+                     "``mismatch_kl_k3``, ``sampling_logp_difference_mean``/``_max``) and feed ``rollout_correction``.",
+    "rollout_correction": "a ``dgpo_ops.corrections.RolloutCorrection`` (TRL's, verl's, OpenRLHF's, NeMo-RL's, "
+                          "SkyRL's, AReaL's modes under their own names: docs/corrections.md), or None. It runs "
+                          "before the loss on ``old_logps`` and ``rollout_logps`` (both required), giving the rollout "
+                          "weights (so not together with ``rollout_weights``) and the rejections, which leave the "
+                          "mask (the normaliser counts only the tokens kept).",
     "generator": "what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a "
                  "``torch.Generator`` on the logits' device; None: torch's default generator of that device. A "
                  "key is drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens "

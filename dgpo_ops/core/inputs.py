@@ -46,6 +46,9 @@ class LossBatch(NamedTuple):
     rollout_weights: torch.Tensor | None = None
     loss_normalizer: float | torch.Tensor | None = None
     generator: torch.Generator | None = None  # what a random token selection draws from (clip_cov)
+    # the inference engine's per-token log-probs: read by the rollout-correction stage (dgpo_ops.corrections),
+    # which runs before every route and hands them on as rollout_weights and a mask, never further
+    rollout_logps: torch.Tensor | None = None
 
     def tensors(self) -> tuple:
         """The tensors in the order the custom ops of ``dgpo_ops.ops.compiled`` take them (the normaliser apart)."""

@@ -25,14 +25,25 @@ REGION_METRICS = {
 
 
 class LossMetrics(Mapping):
-    """``metrics["eur"]`` is a 0-dim fp32 tensor on the loss's device; no value is read on the host."""
+    """``metrics["eur"]`` is a 0-dim fp32 tensor on the loss's device; no value is read on the host.
 
-    def __init__(self, stats: torch.Tensor):
+    ``rollout``: the metrics of the rollout-correction stage (``dgpo_ops.corrections``), present only in calls
+    given ``rollout_logps``; they follow ``METRIC_NAMES`` in iteration, but not in ``as_tensor()`` (the
+    vector whose layout the kernels and the trainer's logging fix)."""
+
+    def __init__(self, stats: torch.Tensor, rollout: Mapping[str, torch.Tensor] | None = None):
         if stats.shape != (NUM_STATS,):
             raise ValueError(f"expected a ({NUM_STATS},) statistics vector, got {tuple(stats.shape)}")
         self._stats = stats
+        self._rollout = dict(rollout or {})
+
+    def with_rollout(self, rollout: Mapping[str, torch.Tensor]) -> "LossMetrics":
+        """These metrics and the rollout-correction stage's."""
+        return LossMetrics(self._stats, {**self._rollout, **rollout})
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._rollout:
+            return self._rollout[name]
         try:
             slot = Stat[name.upper()]
         except KeyError:
@@ -40,17 +51,18 @@ class LossMetrics(Mapping):
         return self._stats[slot]
 
     def __iter__(self):
-        return iter(METRIC_NAMES)
+        yield from METRIC_NAMES
+        yield from self._rollout
 
     def __len__(self) -> int:
-        return NUM_STATS
+        return NUM_STATS + len(self._rollout)
 
     def as_tensor(self) -> torch.Tensor:
         """The metrics in ``METRIC_NAMES`` order, as one ``(NUM_STATS,)`` fp32 tensor."""
         return self._stats
 
     def __repr__(self) -> str:
-        return f"LossMetrics({', '.join(METRIC_NAMES)})"
+        return f"LossMetrics({', '.join(self)})"
 
 
 def policy_metrics(

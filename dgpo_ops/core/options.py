@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dgpo_ops.core.aggregation import check_aggregation
+from dgpo_ops.corrections.core import RolloutCorrection
 from dgpo_ops.core.validation import FLOAT32_MAX, VALIDATION_MODES, float32_magnitude_ok
 from dgpo_ops.methods import gspo
 from dgpo_ops.methods.base import MethodConfig
@@ -33,6 +34,9 @@ class LossOptions:
     inplace: bool = False  # fused ops only: write d(loss)/d(logits) into the logits' storage
     backend: str = "auto"  # fused ops only
     validation: str = "auto"  # fused ops only: "immediate", "deferred" or "auto" (dgpo_ops.core.validation)
+    # the stage that turns rollout_logps into rollout weights and rejections (dgpo_ops.corrections), run before
+    # every route: the ops themselves never see it
+    rollout_correction: RolloutCorrection | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, MethodConfig):
@@ -65,6 +69,9 @@ class LossOptions:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.validation not in VALIDATION_MODES:
             raise ValueError(f"validation must be one of {VALIDATION_MODES}, got {self.validation!r}")
+        if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
+            raise ValueError("rollout_correction must be a dgpo_ops.corrections.RolloutCorrection (e.g. "
+                             f"TrlCorrection('token_truncate')) or None, got {self.rollout_correction!r}")
         if METHODS[self.method.name].sequence_statistic is not None and self.importance_sampling_level != "token":
             raise ValueError(f"{self.method.name} is evaluated at its own sequence statistic of each response's "
                              "log-ratios: leave importance_sampling_level at 'token'")

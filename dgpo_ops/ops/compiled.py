@@ -55,7 +55,9 @@ def options_spec(options: LossOptions, projection=None) -> str:
 
 @torch.compiler.assume_constant_result
 def _options_spec(options: LossOptions, projection_fields) -> str:
-    spec = {name: getattr(options, name) for name in LossOptions.__dataclass_fields__ if name != "method"}
+    # the rollout correction runs before the op (dgpo_ops.corrections.stage): the op never reads it
+    spec = {name: getattr(options, name) for name in LossOptions.__dataclass_fields__
+            if name not in ("method", "rollout_correction")}
     spec["method"] = {"name": options.method.name, "params": dataclasses.asdict(options.method)}
     if projection_fields is not None:
         spec["projection"] = dict(projection_fields)

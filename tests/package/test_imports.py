@@ -24,7 +24,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dgpo_ops"
 # Each folder of the checkout and the package it installs as (pyproject.toml's package-dir).
 PARTS = {REPO / "kernels": "dgpo_ops.kernels", PACKAGE: "dgpo_ops", REPO / "trainer": "dgpo_ops.trainer"}
-LAYERS = {"kernels": 0, "methods": 1, "core": 2, "layouts": 3, "ops": 4, "distributed": 5, "api": 6,
+LAYERS = {"kernels": 0, "methods": 1, "corrections": 1.5, "core": 2, "layouts": 3, "ops": 4, "distributed": 5, "api": 6,
           "integrations": 7, "trainer": 7}
 
 

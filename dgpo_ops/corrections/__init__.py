@@ -1,0 +1,7 @@
+"""Training-inference mismatch corrections: a stage of the loss op that turns the inference engine's per-token
+log-probs (``rollout_logps``) into weights on the policy term and rejections from the mask, with each framework's
+modes under its own names (docs/corrections.md)."""
+
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+
+__all__ = ["CorrectionInputs", "CorrectionResult", "RolloutCorrection"]

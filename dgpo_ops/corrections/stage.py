@@ -1,0 +1,81 @@
+"""The rollout-correction stage of a loss call: before any route (padded, packed, split vocabulary, fused
+linear, compiled), the caller's ``rollout_logps`` and ``old_logps`` become per-token ``rollout_weights`` and a
+shrunk mask, so every route runs the correction's one copy of the math and needs nothing of its own. The
+inputs it reads are per-token values every process of a split vocabulary holds whole, so each computes the same
+correction."""
+
+from __future__ import annotations
+
+import torch
+
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, mismatch_metrics, weight_metrics
+from dgpo_ops.kernels.interface import IGNORE_INDEX
+
+
+def _flat_tokens(name: str, value, token_shape, device) -> torch.Tensor:
+    if not torch.is_tensor(value):
+        raise ValueError(f"{name} must be a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
+    if value.shape != token_shape:
+        raise ValueError(f"{name} must have the shape of target_ids, {tuple(token_shape)}, got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but target_ids are on {device}")
+    return value.detach().reshape(-1).to(torch.float32)
+
+
+def correction_inputs(batch, cu_seqlens=None) -> CorrectionInputs:
+    """The stage's view of ``batch`` (a ``LossBatch``): target ids ``(B, T)`` (each row a response), ``(N,)``
+    packed with ``cu_seqlens``, or ``(N,)`` flat (no responses)."""
+    target_ids = batch.target_ids
+    if not torch.is_tensor(target_ids) or target_ids.dim() not in (1, 2):
+        raise ValueError("target_ids must be a (B, T) or (N,) tensor")
+    shape, device = target_ids.shape, target_ids.device
+    if batch.old_logps is None:
+        raise ValueError("rollout_logps need old_logps: a rollout correction compares the inference engine's "
+                         "log-probs with the trainer's log-probs of the sampling-time policy")
+    scored = target_ids.reshape(-1) != IGNORE_INDEX
+    if batch.mask is not None:
+        if not torch.is_tensor(batch.mask) or batch.mask.shape != shape:
+            got = tuple(batch.mask.shape) if torch.is_tensor(batch.mask) else type(batch.mask).__name__
+            raise ValueError(f"mask must have shape {tuple(shape)}, got {got}")
+        scored = scored & (batch.mask.detach().reshape(-1) != 0)
+    if cu_seqlens is not None:  # PackedLayout checks the boundaries themselves on the route
+        n_sequences = cu_seqlens.numel() - 1
+        token = torch.arange(shape.numel(), device=device)
+        sequence = torch.searchsorted(cu_seqlens.to(torch.int64)[1:], token, right=True).clamp(max=n_sequences - 1)
+    elif target_ids.dim() == 2:
+        n_sequences = shape[0]
+        sequence = torch.arange(n_sequences, device=device).repeat_interleave(shape[1])
+    else:
+        n_sequences, sequence = 0, None
+    return CorrectionInputs(_flat_tokens("old_logps", batch.old_logps, shape, device),
+                            _flat_tokens("rollout_logps", batch.rollout_logps, shape, device),
+                            scored, sequence, n_sequences)
+
+
+def apply_rollout_correction(batch, correction, cu_seqlens=None):
+    """``(batch, metrics)``: the batch the routes run on (the correction's weights as ``rollout_weights``, its
+    rejections out of the mask, no ``rollout_logps``) and the stage's metrics; ``(batch, None)`` for a call
+    without ``rollout_logps``."""
+    if batch.rollout_logps is None:
+        if correction is not None:
+            raise ValueError(f"rollout_correction {correction!r} needs rollout_logps (the inference engine's "
+                             "per-token log-probs) and old_logps")
+        return batch, None
+    if correction is not None and batch.rollout_weights is not None:
+        raise ValueError("pass rollout_weights or a rollout_correction, not both: the correction computes the "
+                         "rollout weights from rollout_logps")
+    inputs = correction_inputs(batch, cu_seqlens)
+    result = CorrectionResult() if correction is None else correction(inputs)
+    metrics = mismatch_metrics(inputs)
+    if correction is not None:
+        metrics.update(weight_metrics(inputs, result))
+        metrics.update(result.metrics or {})
+    shape = batch.target_ids.shape
+    changes = {"rollout_logps": None}
+    if result.weights is not None:
+        changes["rollout_weights"] = result.weights.reshape(shape)
+    if result.keep is not None:
+        changes["mask"] = (inputs.mask & result.keep).reshape(shape)
+    return batch._replace(**changes), metrics

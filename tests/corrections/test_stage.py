@@ -1,0 +1,65 @@
+"""The rollout-correction stage's plumbing: ``rollout_logps`` reach the stage on every route (reference, both
+kernel sets, packed, fused linear, torch.compile) and, without a correction, change nothing but add the mismatch
+metrics verl and TRL log; wrong input fails with a ValueError that names it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_cases import ROUTES, mismatch_batch, run_route
+
+import dgpo_ops
+
+MISMATCH_METRICS = ("mismatch_kl_k1", "mismatch_kl_k3", "sampling_logp_difference_mean",
+                    "sampling_logp_difference_max")
+
+
+def expected_mismatch_metrics(batch):
+    """verl's compute_offpolicy_metrics ``kl`` and ``k3_kl`` (masked means; no NaN in these inputs) and TRL's
+    sampling_logp_difference over the scored tokens, re-derived here from their definitions."""
+    mask = batch["mask"]
+    old, rollout = batch["old_logps"][mask].double(), batch["rollout_logps"][mask].double()
+    log_ratio = old - rollout
+    return {
+        "mismatch_kl_k1": (rollout - old).mean(),
+        "mismatch_kl_k3": (torch.exp(log_ratio) - log_ratio - 1).mean(),
+        "sampling_logp_difference_mean": log_ratio.abs().mean(),
+        "sampling_logp_difference_max": log_ratio.abs().max(),
+    }
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("drift", [0.05, 3.0])
+def test_rollout_logps_give_the_mismatch_metrics_and_leave_the_loss(route, drift):
+    batch = mismatch_batch(drift)
+    with_logps, grad = run_route(route, batch, method="grpo")
+    without = {k: v for k, v in batch.items() if k != "rollout_logps"}
+    # the compiled runner's call takes rollout_logps: the same call, eager and without them
+    plain, plain_grad = run_route("torch" if route == "compiled" else route, without, method="grpo")
+    torch.testing.assert_close(with_logps.loss, plain.loss)
+    torch.testing.assert_close(grad, plain_grad)
+    for name, want in expected_mismatch_metrics(batch).items():
+        torch.testing.assert_close(with_logps.metrics[name].double(), want, rtol=1e-5, atol=1e-6)
+    assert not any(name in plain.metrics for name in MISMATCH_METRICS)
+
+
+def test_nan_inference_logps_are_left_out_of_the_logp_difference():
+    batch = mismatch_batch(1.0, nan_tokens=True)
+    out = dgpo_ops.reference_loss(**batch, method="grpo")
+    finite = batch["mask"] & ~torch.isnan(batch["rollout_logps"])
+    difference = (batch["old_logps"] - batch["rollout_logps"])[finite].abs()
+    torch.testing.assert_close(out.metrics["sampling_logp_difference_mean"], difference.mean())
+    torch.testing.assert_close(out.metrics["sampling_logp_difference_max"], difference.max())
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("fn", ["reference_loss", "fused_dgpo_loss"])
+def test_wrong_rollout_logps_fail_loudly(fn):
+    batch = mismatch_batch(0.5)
+    call = getattr(dgpo_ops, fn)
+    with pytest.raises(ValueError, match="rollout_logps need old_logps"):
+        call(**{**batch, "old_logps": None}, method="grpo")
+    with pytest.raises(ValueError, match="rollout_logps must have the shape of target_ids"):
+        call(**{**batch, "rollout_logps": batch["rollout_logps"][:, :-1]}, method="grpo")
+    with pytest.raises(ValueError, match="rollout_logps must be a floating-point tensor"):
+        call(**{**batch, "rollout_logps": batch["target_ids"]}, method="grpo")
