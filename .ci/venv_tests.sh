@@ -21,12 +21,12 @@ pip_quiet() {  # pip -q, without the "Location ... is ignored" lines this machin
     return $status
 }
 
-run_tests() {  # run_tests TEST_FILE: pytest in the venv; skipped tests count as a failure there
+run_tests() {  # run_tests TEST_FILE...: pytest in the venv; skipped tests count as a failure there
     echo "== tests ($((SECONDS - start)) s)"
     local out=$tmp/pytest.log status=0
     # -p no:xdist: the file runs in this one process (tests/conftest.py spreads the main suite over workers
     # where pytest-xdist is installed; the vLLM venv has it from the dev extra)
-    "$venv/bin/python" -m pytest "$1" -q -rs -p no:cacheprovider -p no:xdist 2>&1 | tee "$out" || status=$?
+    "$venv/bin/python" -m pytest "$@" -q -rs -p no:cacheprovider -p no:xdist 2>&1 | tee "$out" || status=$?
     if [[ $status -eq 0 ]] && grep -Eq "[0-9]+ skipped" "$out"; then
         echo "$NAME tests were skipped in the $NAME venv" >&2
         status=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dgpo-ops inside verl 0.9.1 on CPU: tests/integrations/test_verl.py in a venv of its own.
+# dgpo-ops inside verl 0.9.1 on CPU: tests/integrations/test_verl.py and test_verl_corrections.py in a venv of their own.
 #
 # verl 0.9.1 requires transformers >= 5.5.3, < 5.11 (the main suite runs a newer one) and ray; torch comes from
 # its extras, so the venv takes torch 2.13.0 (CPU) and triton 3.9.0 first (the Triton the main environment runs
@@ -33,4 +33,4 @@ entry_points = [ep.value for ep in md.entry_points(group="verl.plugins")]
 assert "dgpo_ops.integrations.verl" in entry_points, entry_points
 PY
 
-run_tests tests/integrations/test_verl.py
+run_tests tests/integrations/test_verl.py tests/integrations/test_verl_corrections.py

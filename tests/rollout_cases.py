@@ -86,6 +86,7 @@ def run_route(route: str, batch: dict, **kwargs) -> tuple[dgpo_ops.PolicyLossOut
                                               **kwargs)
             return result.loss, dict(result.metrics)
 
+        torch._dynamo.reset()  # each case's options are a new trace-time constant: a fresh cache, no recompile limit
         loss, metrics = torch.compile(call, fullgraph=True, backend="aot_eager")(logits, batch["rollout_logps"])
         loss.backward()
         return dgpo_ops.PolicyLossOutput(loss, None, None, metrics), logits.grad
@@ -93,3 +94,24 @@ def run_route(route: str, batch: dict, **kwargs) -> tuple[dgpo_ops.PolicyLossOut
         raise ValueError(route)
     out.loss.backward()
     return out, logits.grad
+
+
+def assert_same_as_weights(correction, batch: dict, weights: torch.Tensor, mask: torch.Tensor, routes=ROUTES,
+                           **kwargs) -> dict:
+    """The call with ``rollout_correction=correction`` on each route equals the same route given the oracle's
+    ``weights`` as ``rollout_weights`` and its ``mask`` (loss, gradient, per-token outputs, metrics vector);
+    returns the reference route's metrics."""
+    plain = {k: v for k, v in batch.items() if k != "rollout_logps"}
+    plain.update(mask=mask, rollout_weights=weights.float())
+    found = None
+    for route in routes:
+        got, got_grad = run_route(route, batch, rollout_correction=correction, **kwargs)
+        want, want_grad = run_route("torch" if route == "compiled" else route, plain, **kwargs)
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{route}: {m}")
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{route}: {m}")
+        for name in dgpo_ops.core.metrics.METRIC_NAMES:
+            torch.testing.assert_close(got.metrics[name], want.metrics[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{route} {name}: {m}")
+        if route == "reference":
+            found = got.metrics
+    return found

@@ -135,10 +135,18 @@ def trace_constant(value):
     guard on its value, and each new value compiles the graph again (``torch._dynamo.config.
     recompile_limit`` applies). Dynamo specialises the key of ``itertools.groupby`` to a constant; outside a
     trace this is the value itself."""
+    if isinstance(value, RolloutCorrection):  # as its field values, each specialised (_build_eager rebuilds it)
+        name, fields = value.as_constants()
+        return CORRECTION_MARK, name, tuple((field, trace_constant(v)) for field, v in fields)
     return next(itertools.groupby((value,)))[0]
 
 
+CORRECTION_MARK = "rollout_correction constants"  # a traced RolloutCorrection's constants (trace_constant)
+
+
 def _build_eager(method, kwargs) -> LossOptions:
+    kwargs = {name: RolloutCorrection.from_constants(value[1:]) if isinstance(value, tuple) and value
+              and value[0] == CORRECTION_MARK else value for name, value in kwargs.items()}
     try:
         key = tuple((name, type(value), value) for name, value in sorted(kwargs.items()))
         return _build_cached(method, type(method), key)

@@ -3,5 +3,7 @@ log-probs (``rollout_logps``) into weights on the policy term and rejections fro
 modes under its own names (docs/corrections.md)."""
 
 from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+from dgpo_ops.corrections.trl import TrlCorrection
+from dgpo_ops.corrections.verl import VerlCorrection
 
-__all__ = ["CorrectionInputs", "CorrectionResult", "RolloutCorrection"]
+__all__ = ["CorrectionInputs", "CorrectionResult", "RolloutCorrection", "TrlCorrection", "VerlCorrection"]

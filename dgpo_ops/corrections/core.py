@@ -10,6 +10,7 @@ torch ops on O(tokens) vectors: no host read, nothing the compiler cannot trace.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -80,11 +81,21 @@ class RolloutCorrection:
     ``LossOptions.rollout_correction``."""
 
     framework = ""
+    KINDS = {}  # class name -> class: how a correction crosses a torch.compile trace as constants (as_constants)
 
-    @property
-    def sequence_level(self) -> bool:
-        """Whether it reduces over each response's tokens (so flat logits cannot take it)."""
-        return False
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        RolloutCorrection.KINDS[cls.__name__] = cls
+
+    def as_constants(self) -> tuple:
+        """``(class name, ((field, value), ...))``: what ``torch.compile`` can hand a constant function (it cannot
+        rebuild a frozen dataclass it did not make); ``from_constants`` makes the correction again."""
+        return type(self).__name__, tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+
+    @staticmethod
+    def from_constants(constants: tuple) -> "RolloutCorrection":
+        name, fields = constants
+        return RolloutCorrection.KINDS[name](**dict(fields))
 
     def __call__(self, inputs: CorrectionInputs) -> CorrectionResult:
         raise NotImplementedError

@@ -1,0 +1,179 @@
+"""verl's ``algorithm.rollout_correction`` (``verl/trainer/ppo/rollout_corr_helper.py``, decoupled mode): IS
+weights (``rollout_is``: token or sequence product, truncated (TIS) at an upper threshold or, with an ``"L_U"``
+threshold, zeroed outside ``[L, U]`` (IcePop); optionally normalised to mean 1 over the call) and rejection
+(``rollout_rs``: comma-separated k1/k2/k3 criteria at token, sequence-sum, sequence-mean or sequence-max level,
+ANDed), whose rejections leave the response mask, so the normaliser counts only the tokens kept.
+
+As verl: log-ratios clamped to +-``SAFETY_BOUND`` before any exponential, sums over the scored tokens,
+``masked_mean``'s ``1e-8``, thresholds parsed by verl's own rules. The weights and the mask are both computed
+from the caller's mask, before either is applied."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+
+SAFETY_BOUND = 20.0
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+IS_LEVELS = ("token", "sequence")
+
+
+def parse_is_threshold(spec) -> tuple[float, float | None]:
+    """``(upper, lower)`` from ``rollout_is_threshold``: a number or ``"U"`` (TIS), ``"L_U"`` (IcePop)
+    (verl's ``_parse_rollout_is_threshold``)."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"rollout_is_threshold must be a number or a 'U' / 'L_U' string, got {spec!r}")
+    lower = None
+    if isinstance(spec, str):
+        text = spec.strip()
+        try:
+            if "_" in text:
+                lower_text, upper_text = text.split("_", 1)
+                lower, upper = float(lower_text), float(upper_text)
+            else:
+                upper = float(text)
+        except ValueError:
+            raise ValueError(f"Invalid rollout_is_threshold {spec!r}") from None
+    else:
+        upper = float(spec)
+    if not upper > 0:
+        raise ValueError(f"rollout_is_threshold upper bound must be positive, got {upper}")
+    if lower is not None and not 0 < lower <= upper:
+        raise ValueError(f"rollout_is_threshold lower bound must be positive and <= the upper bound, got {spec!r}")
+    return upper, lower
+
+
+def parse_rs(rollout_rs: str, spec) -> dict[str, tuple[float | None, float]]:
+    """``{option: (lower, upper)}`` from ``rollout_rs`` and ``rollout_rs_threshold`` (verl's
+    ``compute_rollout_rejection_mask`` option list, de-duplicated in order, and ``_parse_rollout_rs_thresholds``:
+    one threshold for every option or one per option; a k1 option's ``"L_U"`` or ``"U"`` meaning ``L = 1/U``)."""
+    if not isinstance(rollout_rs, str):
+        raise ValueError(f"rollout_rs must be a comma-separated string of {RS_OPTIONS}, got {rollout_rs!r}")
+    options = list(dict.fromkeys(part.strip() for part in rollout_rs.split(",") if part.strip()))
+    if not options:
+        raise ValueError("rollout_rs must contain at least one option")
+    for option in options:
+        if option not in RS_OPTIONS:
+            raise ValueError(f"Invalid rollout_rs option {option!r}: must be one of {RS_OPTIONS}")
+    if spec is None:
+        raise ValueError("rollout_rs_threshold must be provided for rejection sampling")
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"rollout_rs_threshold must be a string or a number, got {spec!r}")
+    specs = [str(spec)] if not isinstance(spec, str) else [p.strip() for p in spec.split(",") if p.strip()]
+    if not specs or len(specs) not in (1, len(options)):
+        raise ValueError(f"rollout_rs_threshold needs one threshold for every option or exactly {len(options)}, "
+                         f"got {spec!r}")
+    specs = specs * len(options) if len(specs) == 1 else specs
+    thresholds = {}
+    for option, text in zip(options, specs):
+        try:
+            if option.endswith("k1"):
+                lower_text, upper_text = text.split("_", 1) if "_" in text else (str(1.0 / float(text)), text)
+                lower, upper = float(lower_text), float(upper_text)
+                if lower <= 0 or upper <= 0 or lower > upper:
+                    raise ValueError(f"Thresholds for option {option!r} must be positive with lower <= upper, "
+                                     f"got {text!r}")
+            else:
+                if "_" in text:
+                    raise ValueError(f"rollout_rs_threshold for option {option!r} is a single upper bound, "
+                                     f"got {text!r}")
+                lower, upper = None, float(text)
+                if upper <= 0:
+                    raise ValueError(f"Threshold for option {option!r} must be positive, got {text!r}")
+        except ZeroDivisionError:
+            raise ValueError(f"Threshold for option {option!r} must be positive, got {text!r}") from None
+        thresholds[option] = (lower, upper)
+    return thresholds
+
+
+@dataclass(frozen=True)
+class VerlCorrection(RolloutCorrection):
+    """``algorithm.rollout_correction``'s fields (verl's YAML defaults: no IS, threshold 2.0, no RS).
+    ``bypass_mode`` (the current policy's detached log-probs in place of old ones) is not supported: it needs the
+    current log-probs before the loss, which this stage runs before."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: str | float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: str | float | None = None
+
+    framework = "verl"
+
+    def __post_init__(self):
+        if self.rollout_is is None and self.rollout_rs is None:
+            raise ValueError("VerlCorrection needs rollout_is or rollout_rs (without either verl computes only "
+                             "the mismatch metrics, which rollout_logps alone give)")
+        if self.rollout_is is not None:
+            if self.rollout_is not in IS_LEVELS:
+                raise ValueError(f"rollout_is must be one of {IS_LEVELS} or None, got {self.rollout_is!r}")
+            parse_is_threshold(self.rollout_is_threshold)
+        if not isinstance(self.rollout_is_batch_normalize, bool):
+            raise ValueError(f"rollout_is_batch_normalize must be a bool, got {self.rollout_is_batch_normalize!r}")
+        if self.rollout_rs is not None:
+            parse_rs(self.rollout_rs, self.rollout_rs_threshold)
+
+    def __call__(self, x: CorrectionInputs) -> CorrectionResult:
+        log_ratio = x.log_ratio
+        metrics = {}
+        weights = keep = None
+        if self.rollout_is is not None:
+            weights, metrics = self.is_weights(x, log_ratio)
+        if self.rollout_rs is not None:
+            keep = self.rejection_keep(x, log_ratio)
+        return CorrectionResult(weights, keep, metrics)
+
+    def is_weights(self, x: CorrectionInputs, log_ratio: torch.Tensor):
+        """verl's ``compute_rollout_correction_weights``."""
+        upper, lower = parse_is_threshold(self.rollout_is_threshold)
+        if self.rollout_is == "token":
+            raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        else:
+            total = x.sequence_sum(log_ratio, "verl's rollout_is='sequence'")
+            raw = x.to_tokens(torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)))
+        raw = x.masked(raw)
+        if lower is None:
+            weights = raw.clamp(max=upper)
+            metrics = {}
+        else:
+            inside = (raw >= lower) & (raw <= upper)
+            weights = torch.where(inside, raw, 0.0)
+            metrics = {"rollout_is_oob_ratio": x.token_mean((~inside).float(), eps=1e-8)}
+        if self.rollout_is_batch_normalize:
+            if self.rollout_is == "token":
+                mean = x.token_mean(weights, eps=1e-8)
+            else:
+                count = x.sequence_count()
+                per_sequence = x.sequence_sum(weights) / (count + 1e-8)
+                present = (count > 0).float()
+                mean = (per_sequence * present).sum() / present.sum().clamp(min=1e-8)
+            normalise = mean > 1e-8  # verl's guard, as a select: no host read
+            weights = torch.where(normalise, weights / mean, weights)
+            metrics["rollout_is_batch_norm_factor"] = torch.where(normalise, mean, 1.0)
+        return weights, metrics
+
+    def rejection_keep(self, x: CorrectionInputs, log_ratio: torch.Tensor) -> torch.Tensor:
+        """verl's ``compute_rollout_rejection_mask``: the tokens every option keeps."""
+        safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        k = {"k1": -safe, "k2": 0.5 * safe ** 2, "k3": torch.exp(safe) - 1.0 - safe}
+        keep = torch.ones_like(x.mask)
+        for option, (lower, upper) in parse_rs(self.rollout_rs, self.rollout_rs_threshold).items():
+            level, estimator = option.rsplit("_", 1)
+            values = k[estimator]
+            if level == "seq_sum":
+                values = x.to_tokens(x.sequence_sum(values, f"verl's {option}"))
+            elif level == "seq_mean":
+                values = x.to_tokens(x.sequence_sum(values, f"verl's {option}") / (x.sequence_count() + 1e-8))
+            elif level == "seq_max":
+                values = x.to_tokens(x.sequence_max(values))
+            if estimator == "k1":
+                inside = (values >= math.log(lower)) & (values <= math.log(upper))
+            else:
+                inside = values <= upper
+            keep = keep & inside
+        return keep

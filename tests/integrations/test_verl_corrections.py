@@ -1,0 +1,89 @@
+"""verl's ``algorithm.rollout_correction`` as a correction stage equals verl 0.9.1's own
+``verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_rejection_mask`` on the same inputs: its
+IS weights (token and sequence, TIS and IcePop, batch-normalised) and its rejection (every one of the eleven
+``rollout_rs`` options, and chains of them), on every route, with ragged and fully masked responses and drifts
+of several nats. Runs in verl's venv (``.ci/verl_cpu.sh``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl runs in its own venv: bash .ci/verl_cpu.sh")
+
+from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch  # noqa: E402
+from verl.trainer.ppo import rollout_corr_helper  # noqa: E402
+
+from dgpo_ops.corrections import VerlCorrection  # noqa: E402
+
+RS_CASES = [
+    ("token_k1", "0.5_2.0"), ("token_k1", "2.0"), ("token_k2", 0.5), ("token_k3", "0.3"),
+    ("seq_sum_k1", "0.2_5.0"), ("seq_sum_k2", 2.0), ("seq_sum_k3", 3.0),
+    ("seq_mean_k1", "0.7_1.5"), ("seq_mean_k2", 0.4), ("seq_mean_k3", 0.5),
+    ("seq_max_k2", 1.0), ("seq_max_k3", 2.0),
+    ("token_k1,seq_mean_k3", "0.3_3.0,0.6"), ("seq_mean_k3,token_k2,seq_mean_k3", 1.0),
+]
+IS_CASES = [("token", 2.0, False), ("token", "0.5_5.0", False), ("sequence", "2.0", False),
+            ("sequence", "0.1_10", False), ("token", 3.0, True), ("sequence", 5.0, True)]
+
+
+def verl_correction(batch, **fields):
+    """verl's weights (ones where it computes none) and modified response mask on the batch."""
+    weights, mask, metrics = rollout_corr_helper.compute_rollout_correction_and_rejection_mask(
+        batch["old_logps"].double(), batch["rollout_logps"].double(), batch["mask"].double(), **fields)
+    weights = torch.ones_like(batch["old_logps"]) if weights is None else weights.batch["rollout_is_weights"]
+    return weights, mask.bool(), metrics
+
+
+@pytest.mark.parametrize("rollout_rs,threshold", RS_CASES)
+@pytest.mark.parametrize("drift", [0.3, 3.0])
+def test_rejection_equals_verl(rollout_rs, threshold, drift):
+    batch = mismatch_batch(drift, seed=5)
+    weights, mask, _ = verl_correction(batch, rollout_is=None, rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
+    routes = ROUTES if rollout_rs in ("seq_mean_k3", "token_k1,seq_mean_k3") else ("reference", "torch", "packed")
+    correction = VerlCorrection(rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
+    assert_same_as_weights(correction, batch, weights, mask, routes, method="grpo")
+
+
+@pytest.mark.parametrize("rollout_is,threshold,normalize", IS_CASES)
+@pytest.mark.parametrize("drift", [0.3, 3.0])
+def test_is_weights_equal_verl(rollout_is, threshold, normalize, drift):
+    batch = mismatch_batch(drift, seed=6)
+    weights, mask, metrics = verl_correction(batch, rollout_is=rollout_is, rollout_is_threshold=threshold,
+                                             rollout_is_batch_normalize=normalize)
+    correction = VerlCorrection(rollout_is=rollout_is, rollout_is_threshold=threshold,
+                                rollout_is_batch_normalize=normalize)
+    routes = ROUTES if drift == 0.3 else ("reference", "torch", "packed")
+    ours = assert_same_as_weights(correction, batch, weights, mask, routes, method="grpo",
+                                  aggregation="seq_mean_token_mean")
+    torch.testing.assert_close(ours["mismatch_kl_k1"].double(), torch.tensor(metrics["rollout_corr/kl"],
+                                                                            dtype=torch.float64))
+    torch.testing.assert_close(ours["mismatch_kl_k3"].double(), torch.tensor(metrics["rollout_corr/k3_kl"],
+                                                                            dtype=torch.float64))
+    for name in ("rollout_is_oob_ratio", "rollout_is_batch_norm_factor"):
+        if f"rollout_corr/{name}" in metrics:
+            torch.testing.assert_close(ours[name].double(), torch.tensor(metrics[f"rollout_corr/{name}"],
+                                                                        dtype=torch.float64))
+
+
+def test_is_and_rejection_together_equal_verl():
+    batch = mismatch_batch(1.0, seed=7)
+    fields = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1,token_k3",
+                  rollout_rs_threshold="0.5_2.0,1.0")
+    weights, mask, _ = verl_correction(batch, **fields)
+    assert_same_as_weights(VerlCorrection(**fields), batch, weights, mask, ROUTES, method="cispo",
+                           aggregation="seq_mean_token_sum_norm")
+
+
+@pytest.mark.parametrize("fields", [
+    dict(rollout_is="token", rollout_is_threshold="3_2"), dict(rollout_is="token", rollout_is_threshold=-1.0),
+    dict(rollout_is="token", rollout_is_threshold="x"), dict(rollout_rs="token_k1"),
+    dict(rollout_rs="token_k4", rollout_rs_threshold=1.0), dict(rollout_rs="token_k2", rollout_rs_threshold="0.1_2"),
+    dict(rollout_rs="token_k1,token_k2,token_k3", rollout_rs_threshold="1,2"),
+    dict(rollout_rs="seq_sum_k1", rollout_rs_threshold="2_1"),
+])
+def test_threshold_parsing_refuses_what_verl_refuses(fields):
+    with pytest.raises(ValueError):
+        VerlCorrection(**fields)
+    with pytest.raises((ValueError, TypeError)):
+        verl_correction(mismatch_batch(0.3), **{"rollout_is": None, **fields})
