@@ -2,8 +2,9 @@
 log-probs (``rollout_logps``) into weights on the policy term and rejections from the mask, with each framework's
 modes under its own names (docs/corrections.md)."""
 
+from dgpo_ops.corrections.areal import ArealCorrection, decoupled_ppo, m2po
 from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
 from dgpo_ops.corrections.trl import TrlCorrection
 from dgpo_ops.corrections.verl import VerlCorrection
 
-__all__ = ["CorrectionInputs", "CorrectionResult", "RolloutCorrection", "TrlCorrection", "VerlCorrection"]
+__all__ = ["ArealCorrection", "decoupled_ppo", "m2po", "CorrectionInputs", "CorrectionResult", "RolloutCorrection", "TrlCorrection", "VerlCorrection"]
