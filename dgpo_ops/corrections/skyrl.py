@@ -1,0 +1,102 @@
+"""SkyRL's ``trainer.algorithm.off_policy_correction`` (``skyrl_train/utils/off_policy_correction_utils.py:
+compute_off_policy_correction``), applied inside every SkyRL policy loss when ``tis_ratio_type`` or
+``sequence_mask_metric`` is set. On ``r = exp(clamp(old - rollout, +-20))``, in order, each step on the mask the
+previous ones left:
+
+1. outlier rejection: a response with any scored token's ``r`` above ``outlier_token_is_threshold_high`` or below
+   ``_low`` (each optional) leaves the mask;
+2. per-token rejection (both ``token_mask_eps_low`` and ``_high`` set): tokens with ``r`` outside
+   ``[1 - eps_low, 1 + eps_high]`` leave the mask;
+3. TIS: ``min(r, token_tis_ratio_clip_high)`` per token, or ``min(exp(clamp(sum r's logs, +-20)),
+   sequence_tis_ratio_clip_high)`` per response (the product, over the tokens still scored);
+4. sequence rejection: the geometric mean (``exp(clamp(mean log r, +-20))``) outside ``[geo_mask_low,
+   geo_mask_high]``, or the product outside ``[product_mask_low, product_mask_high]``: the response leaves.
+
+The rejections shrink the mask, so the normaliser counts only the tokens kept."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+
+SAFETY_BOUND = 20.0
+
+
+def _number(name, value, optional=True):
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SkyRLCorrection(RolloutCorrection):
+    """SkyRL's ``off_policy_correction`` fields, with its defaults."""
+
+    tis_ratio_type: str | None = None  # "token" | "sequence"
+    token_tis_ratio_clip_high: float = 2.0
+    sequence_tis_ratio_clip_high: float = 5.0
+    sequence_mask_metric: str | None = None  # "geometric" | "product"
+    geo_mask_high: float = 1.01
+    geo_mask_low: float = 0.99
+    product_mask_high: float = 2.0
+    product_mask_low: float = 0.5
+    outlier_token_is_threshold_low: float | None = None
+    outlier_token_is_threshold_high: float | None = None
+    token_mask_eps_low: float | None = None
+    token_mask_eps_high: float | None = None
+
+    framework = "skyrl"
+
+    def __post_init__(self):
+        if self.tis_ratio_type not in (None, "token", "sequence"):
+            raise ValueError(f"tis_ratio_type must be 'token', 'sequence' or None, got {self.tis_ratio_type!r}")
+        if self.sequence_mask_metric not in (None, "geometric", "product"):
+            raise ValueError(f"sequence_mask_metric must be 'geometric', 'product' or None, got "
+                             f"{self.sequence_mask_metric!r}")
+        if self.tis_ratio_type is None and self.sequence_mask_metric is None:
+            raise ValueError("SkyRL applies its off-policy correction only with tis_ratio_type or "
+                             "sequence_mask_metric set")
+        for name in ("token_tis_ratio_clip_high", "sequence_tis_ratio_clip_high", "geo_mask_high", "geo_mask_low",
+                     "product_mask_high", "product_mask_low"):
+            _number(name, getattr(self, name), optional=False)
+        for name in ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high", "token_mask_eps_low",
+                     "token_mask_eps_high"):
+            _number(name, getattr(self, name))
+
+    def __call__(self, x: CorrectionInputs) -> CorrectionResult:
+        log_ratio = x.log_ratio
+        ratio = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        mask = x.mask
+        low, high = self.outlier_token_is_threshold_low, self.outlier_token_is_threshold_high
+        if low is not None or high is not None:
+            outside = torch.zeros_like(mask)
+            if high is not None:
+                outside = outside | (ratio > high)
+            if low is not None:
+                outside = outside | (ratio < low)
+            bad = x.sequence_sum((outside & mask).float(), "SkyRL's outlier rejection") > 0
+            mask = mask & ~x.to_tokens(bad)
+        if self.token_mask_eps_low is not None and self.token_mask_eps_high is not None:
+            mask = mask & (ratio >= 1 - self.token_mask_eps_low) & (ratio <= 1 + self.token_mask_eps_high)
+        now = x._replace(mask=mask)
+        weights = None
+        if self.tis_ratio_type == "token":
+            weights = ratio.clamp(max=self.token_tis_ratio_clip_high)
+        elif self.tis_ratio_type == "sequence":
+            total = now.sequence_sum(log_ratio, "SkyRL's sequence TIS")
+            weights = now.to_tokens(torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).clamp(
+                max=self.sequence_tis_ratio_clip_high))
+        if self.sequence_mask_metric is not None:
+            total = now.sequence_sum(log_ratio, "SkyRL's sequence mask")
+            if self.sequence_mask_metric == "geometric":
+                value, lower, upper = total / now.sequence_count().clamp(min=1.0), self.geo_mask_low, self.geo_mask_high
+            else:
+                value, lower, upper = total, self.product_mask_low, self.product_mask_high
+            value = torch.exp(value.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+            mask = mask & now.to_tokens((value <= upper) & (value >= lower))
+        return CorrectionResult(weights=weights, keep=mask)

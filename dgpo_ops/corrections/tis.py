@@ -1,0 +1,137 @@
+"""The tis / icepop / seq-mask-tis family as OpenRLHF (``openrlhf/models/loss.py: PolicyLoss``) and NeMo-RL
+(``nemo_rl/algorithms/loss/loss_functions.py: ClippedPGLossFn``) apply it: the token ratio
+``pi_old / pi_rollout`` truncated to ``[L, U]`` (tis), zeroed outside it (icepop, bounds kept), or kept raw on the
+responses whose geometric-mean ratio lies in ``[L, U]`` and zeroed on the others (seq-mask-tis: the token weights
+are NOT truncated, whatever OpenRLHF's comment says). No clamp before the exponential. Every mode zeroes a weight
+and keeps the normaliser.
+
+The two differ only where a value is not finite or a response is empty, so they are two classes over one math:
+NeMo-RL maps NaN and +-inf weights to 0 (``nan_to_num``) and NaN log-ratios to 0 in the geometric mean, whose
+``masked_mean`` adds ``1e-8`` to the count; OpenRLHF does neither (an empty response's mean is NaN, so it is
+masked). NeMo-RL also has the weight without truncation (``use_importance_sampling_correction`` alone: type None)
+and the sequence product (``sequence_level_importance_ratios``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+
+TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
+
+
+def _bound(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def truncated_weights(kind: str, token_ratio, low, high, geometric_mean=None):
+    """``token_ratio`` (per token) under ``kind``; ``geometric_mean`` (per token, its response's) for seq-mask-tis."""
+    if kind == "tis":
+        return token_ratio.clamp(min=low, max=high)
+    if kind == "icepop":
+        return token_ratio * ((token_ratio >= low) & (token_ratio <= high))
+    return token_ratio * ((geometric_mean >= low) & (geometric_mean <= high))
+
+
+@dataclass(frozen=True)
+class OpenRLHFCorrection(RolloutCorrection):
+    """``--algo.advantage.is_correction_type`` (tis, icepop, seq-mask-tis) and ``is_correction_threshold``
+    ``(L, U)`` (OpenRLHF's defaults: tis, (0.5, 5.0)); OpenRLHF applies it with ``policy_loss_type='ppo'``."""
+
+    is_correction_type: str = "tis"
+    is_correction_threshold: tuple = (0.5, 5.0)
+
+    framework = "openrlhf"
+
+    def __post_init__(self):
+        if self.is_correction_type not in TIS_TYPES:
+            raise ValueError(f"is_correction_type must be one of {TIS_TYPES}, got {self.is_correction_type!r}")
+        threshold = self.is_correction_threshold
+        if not isinstance(threshold, (tuple, list)) or len(threshold) != 2:
+            raise ValueError(f"is_correction_threshold must be (low, high), got {threshold!r}")
+        for name, value in zip(("low", "high"), threshold):
+            _bound(f"is_correction_threshold {name}", value)
+        object.__setattr__(self, "is_correction_threshold", tuple(float(v) for v in threshold))
+
+    def __call__(self, x: CorrectionInputs) -> CorrectionResult:
+        low, high = self.is_correction_threshold
+        log_ratio = x.log_ratio
+        geometric = None
+        if self.is_correction_type == "seq-mask-tis":  # masked_mean = sum / count: NaN for an empty response
+            count = x.sequence_count()
+            geometric = x.to_tokens(torch.exp(x.sequence_sum(log_ratio, "seq-mask-tis") / count))
+        weights = truncated_weights(self.is_correction_type, torch.exp(log_ratio), low, high, geometric)
+        return CorrectionResult(weights=weights)
+
+
+@dataclass(frozen=True)
+class NemoRLCorrection(RolloutCorrection):
+    """``ClippedPGLossConfig``'s ``truncated_importance_sampling_type`` (None: the untruncated weight of
+    ``use_importance_sampling_correction``), ``truncated_importance_sampling_ratio`` (U),
+    ``truncated_importance_sampling_ratio_min`` (L; tis: None is 0) and ``sequence_level_importance_ratios``."""
+
+    truncated_importance_sampling_type: str | None = None
+    truncated_importance_sampling_ratio: float | None = None
+    truncated_importance_sampling_ratio_min: float | None = None
+    sequence_level_importance_ratios: bool = False
+
+    framework = "nemo_rl"
+
+    def __post_init__(self):
+        kind, high, low = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
+                           self.truncated_importance_sampling_ratio_min)
+        if kind is None:
+            if high is not None or low is not None:
+                raise ValueError("truncated_importance_sampling_ratio(_min) need a truncated_importance_sampling_type")
+        else:
+            if kind not in TIS_TYPES:
+                raise ValueError(f"truncated_importance_sampling_type must be one of {TIS_TYPES} or None, got "
+                                 f"{kind!r}")
+            if high is None or isinstance(high, bool) or not isinstance(high, (int, float)) or not high > 0:
+                raise ValueError("truncated_importance_sampling_ratio must be positive, as NeMo-RL requires")
+            if low is not None:
+                _bound("truncated_importance_sampling_ratio_min", low)
+                if low > high:
+                    raise ValueError("truncated_importance_sampling_ratio_min must be <= "
+                                     "truncated_importance_sampling_ratio")
+            elif kind != "tis":
+                raise ValueError(f"{kind} needs truncated_importance_sampling_ratio_min, as NeMo-RL requires")
+        if not isinstance(self.sequence_level_importance_ratios, bool):
+            raise ValueError("sequence_level_importance_ratios must be a bool")
+        if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
+            raise ValueError("seq-mask-tis is incompatible with sequence_level_importance_ratios, as in NeMo-RL")
+
+    def __call__(self, x: CorrectionInputs) -> CorrectionResult:
+        log_ratio = x.log_ratio
+        kind = self.truncated_importance_sampling_type
+        if self.sequence_level_importance_ratios:
+            # NeMo-RL sums (prev - gen) * mask over the whole row: NaN anywhere in it makes the weight 0
+            sequence = x.require_sequences("NeMo-RL's sequence_level_importance_ratios")
+            total = log_ratio.new_zeros(x.n_sequences).index_add(0, sequence, log_ratio * x.mask)
+            ratio = x.to_tokens(torch.nan_to_num(torch.exp(total), nan=0.0, posinf=0.0, neginf=0.0))
+        else:
+            ratio = torch.nan_to_num(torch.exp(log_ratio), nan=0.0, posinf=0.0, neginf=0.0)
+        metrics = {}
+        if kind is None:
+            weights = ratio
+        else:
+            low = self.truncated_importance_sampling_ratio_min
+            low = 0.0 if low is None else low
+            high = self.truncated_importance_sampling_ratio
+            geometric = None
+            if kind == "seq-mask-tis":
+                safe = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
+                mean = x.sequence_sum(safe, "seq-mask-tis") / (x.sequence_count() + 1e-8)
+                geometric = torch.exp(mean)
+                kept = (geometric >= low) & (geometric <= high)
+                metrics["is_oob_ratio"] = (~kept).float().sum() / (x.n_sequences + 1e-8)
+                geometric = x.to_tokens(geometric)
+            else:
+                inside = (ratio >= low) & (ratio <= high)
+                metrics["is_oob_ratio"] = x.token_mean((~inside).float(), eps=1e-8)
+            weights = truncated_weights(kind, ratio, low, high, geometric)
+        return CorrectionResult(weights=weights, metrics=metrics)

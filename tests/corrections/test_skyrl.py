@@ -1,0 +1,80 @@
+"""SkyRL's ``off_policy_correction`` as the correction stage equals its ``compute_off_policy_correction``,
+re-derived below from SKYRL_UTILS at SKYRL_COMMIT (SkyRL's package pins what this suite cannot take): outlier
+and per-token rejection, token and sequence TIS, geometric and product sequence masks, each step on the mask the
+previous left, on every route, with ragged and fully masked responses and drifts of several nats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch
+
+from dgpo_ops.corrections import SkyRLCorrection
+
+SKYRL_UTILS = "skyrl-train/skyrl_train/utils/off_policy_correction_utils.py"  # compute_off_policy_correction
+SKYRL_COMMIT = "bda5c313a4b28a3599b25d757ca739395611b0bd"
+DEFAULTS = dict(tis_ratio_type=None, token_tis_ratio_clip_high=2.0, sequence_tis_ratio_clip_high=5.0,
+                sequence_mask_metric=None, geo_mask_high=1.01, geo_mask_low=0.99, product_mask_high=2.0,
+                product_mask_low=0.5, outlier_token_is_threshold_low=None, outlier_token_is_threshold_high=None,
+                token_mask_eps_low=None, token_mask_eps_high=None)
+
+
+def safe_exp_delta(delta, clip=20.0):
+    return torch.clamp(delta.to(torch.float32), -clip, clip).exp()
+
+
+def skyrl_correction(old_log_probs, rollout_logprobs, loss_mask, c):
+    """(tis_ratio or ones, loss_mask) as compute_off_policy_correction returns them."""
+    c = {**DEFAULTS, **c}
+    log_ratio = old_log_probs - rollout_logprobs
+    ratio = safe_exp_delta(log_ratio)
+    over = (ratio > c["outlier_token_is_threshold_high"]) & (loss_mask > 0) \
+        if c["outlier_token_is_threshold_high"] is not None else torch.zeros_like(loss_mask, dtype=torch.bool)
+    under = (ratio < c["outlier_token_is_threshold_low"]) & (loss_mask > 0) \
+        if c["outlier_token_is_threshold_low"] is not None else torch.zeros_like(loss_mask, dtype=torch.bool)
+    loss_mask = loss_mask * ((~over & ~under) | (loss_mask == 0)).all(dim=-1, keepdim=True).float()
+    if c["token_mask_eps_low"] is not None and c["token_mask_eps_high"] is not None:
+        in_bounds = (ratio >= (1 - c["token_mask_eps_low"])) & (ratio <= (1 + c["token_mask_eps_high"]))
+        loss_mask = loss_mask * (in_bounds | (loss_mask == 0)).float()
+    tis = torch.ones_like(ratio)
+    if c["tis_ratio_type"] == "token":
+        tis = torch.clamp(ratio, max=c["token_tis_ratio_clip_high"])
+    elif c["tis_ratio_type"] == "sequence":
+        seq = safe_exp_delta((log_ratio * loss_mask).sum(dim=-1, keepdim=True))
+        tis = torch.clamp(seq, max=c["sequence_tis_ratio_clip_high"]).expand_as(ratio)
+    if c["sequence_mask_metric"] == "geometric":
+        num_tokens = loss_mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        geo = safe_exp_delta((log_ratio * loss_mask).sum(dim=-1, keepdim=True) / num_tokens)
+        loss_mask = loss_mask * (~(geo > c["geo_mask_high"]) & ~(geo < c["geo_mask_low"])).float()
+    elif c["sequence_mask_metric"] == "product":
+        seq = safe_exp_delta((log_ratio * loss_mask).sum(dim=-1, keepdim=True))
+        loss_mask = loss_mask * (~(seq > c["product_mask_high"]) & ~(seq < c["product_mask_low"])).float()
+    return tis, loss_mask.bool()
+
+
+CASES = [
+    dict(tis_ratio_type="token"), dict(tis_ratio_type="sequence"), dict(sequence_mask_metric="geometric"),
+    dict(sequence_mask_metric="geometric", geo_mask_low=0.6, geo_mask_high=1.5),
+    dict(sequence_mask_metric="product", product_mask_low=0.1, product_mask_high=10.0),
+    dict(tis_ratio_type="token", outlier_token_is_threshold_low=0.05, outlier_token_is_threshold_high=20.0),
+    dict(tis_ratio_type="sequence", token_mask_eps_low=0.5, token_mask_eps_high=1.0),
+    dict(tis_ratio_type="token", token_mask_eps_low=0.3, token_mask_eps_high=0.5, sequence_mask_metric="geometric",
+         geo_mask_low=0.5, geo_mask_high=2.0, outlier_token_is_threshold_high=50.0),
+]
+
+
+@pytest.mark.parametrize("fields", CASES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize("drift", [0.2, 2.0])
+def test_skyrl_equals_skyrl(fields, drift):
+    batch = mismatch_batch(drift, seed=41)
+    weights, mask = skyrl_correction(batch["old_logps"], batch["rollout_logps"], batch["mask"].float(), fields)
+    routes = ROUTES if fields is CASES[-1] else ("reference", "torch", "packed")
+    expected_weights = weights if "tis_ratio_type" in fields else torch.ones_like(weights)
+    assert_same_as_weights(SkyRLCorrection(**fields), batch, expected_weights, mask, routes, method="grpo")
+
+
+def test_fields_are_checked():
+    for fields in (dict(), dict(tis_ratio_type="seq"), dict(sequence_mask_metric="mean"),
+                   dict(tis_ratio_type="token", geo_mask_high=None)):
+        with pytest.raises(ValueError):
+            SkyRLCorrection(**fields)
