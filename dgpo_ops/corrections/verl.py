@@ -118,6 +118,24 @@ class VerlCorrection(RolloutCorrection):
         if self.rollout_rs is not None:
             parse_rs(self.rollout_rs, self.rollout_rs_threshold)
 
+    @classmethod
+    def from_config(cls, rollout_correction) -> "VerlCorrection":
+        """From verl's ``algorithm.rollout_correction`` (its ``RolloutCorrectionConfig``, a presets' result such as
+        ``RolloutCorrectionConfig.decoupled_geo_rs()``, or the YAML's mapping), as verl's
+        ``compute_rollout_correction_and_add_to_batch`` reads it."""
+        def read(name, default):
+            if isinstance(rollout_correction, dict) or hasattr(rollout_correction, "get"):
+                return rollout_correction.get(name, default)
+            return getattr(rollout_correction, name, default)
+
+        if read("bypass_mode", False):
+            raise ValueError("verl's bypass_mode is not supported: it computes the weights from the current "
+                             "policy's log-probs, which this stage (run before the loss) does not have; use "
+                             "decoupled mode (old_logps from the trainer's forward pass)")
+        return cls(rollout_is=read("rollout_is", None), rollout_is_threshold=read("rollout_is_threshold", 2.0),
+                   rollout_is_batch_normalize=bool(read("rollout_is_batch_normalize", False)),
+                   rollout_rs=read("rollout_rs", None), rollout_rs_threshold=read("rollout_rs_threshold", None))
+
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         log_ratio = x.log_ratio
         metrics = {}

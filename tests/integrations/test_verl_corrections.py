@@ -87,3 +87,52 @@ def test_threshold_parsing_refuses_what_verl_refuses(fields):
         VerlCorrection(**fields)
     with pytest.raises((ValueError, TypeError)):
         verl_correction(mismatch_batch(0.3), **{"rollout_is": None, **fields})
+
+
+PRESETS = ["decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop", "decoupled_seq_is_rs",
+           "decoupled_geo_rs", "decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_verl_config_gives_verls_numbers(preset):
+    """verl's ``algorithm.rollout_correction`` (a preset of RolloutCorrectionConfig): verl computes the weights and
+    the rejected mask before the loss and hands them to the registered policy loss, so ``dgpo_ops.grpo`` through
+    verl's registry equals verl's vanilla loss; ``VerlCorrection.from_config`` of the same config gives the same
+    loss from ``rollout_logps`` in one call of the op."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.workers.config import ActorConfig
+
+    import dgpo_ops
+
+    config = getattr(RolloutCorrectionConfig, preset)()
+    batch = mismatch_batch(1.0, seed=9)
+    # responses 0 and 3 (2 is empty) within the presets' tight rejection bands, 1 far outside them
+    drift = torch.tensor([0.0005, 2.0, 0.0, 0.001])[:, None]
+    batch["rollout_logps"] = batch["old_logps"] + (batch["rollout_logps"] - batch["old_logps"]) * drift
+    weights, mask, _ = verl_correction(batch, rollout_is=config.rollout_is,
+                                       rollout_is_threshold=config.rollout_is_threshold,
+                                       rollout_is_batch_normalize=config.rollout_is_batch_normalize,
+                                       rollout_rs=config.rollout_rs, rollout_rs_threshold=config.rollout_rs_threshold)
+    logits = batch["logits"].double().requires_grad_(True)
+    log_prob = logits.log_softmax(-1).gather(-1, batch["target_ids"][..., None])[..., 0]
+    advantages = batch["advantages"][:, None].expand(mask.shape).double()
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4)
+    verl_args = (batch["old_logps"].double(), log_prob, advantages, mask.double(), "token-mean", actor)
+    theirs = get_policy_loss_fn("vanilla")(*verl_args, rollout_is_weights=weights.double())[0]
+    plugin = get_policy_loss_fn("dgpo_ops.grpo")(*verl_args, rollout_is_weights=weights.double())[0]
+    assert 0 < int(mask.sum()) < int(batch["mask"].sum()) or config.rollout_rs is None
+    torch.testing.assert_close(plugin, theirs, rtol=1e-9, atol=1e-12)
+    ours = dgpo_ops.fused_dgpo_loss(batch["logits"], batch["target_ids"], batch["advantages"], batch["mask"],
+                                    batch["old_logps"], rollout_logps=batch["rollout_logps"], method="grpo",
+                                    eps_low=actor.clip_ratio_low, eps_high=actor.clip_ratio_high,
+                                    dual_clip=actor.clip_ratio_c, backend="torch",
+                                    rollout_correction=VerlCorrection.from_config(config))
+    torch.testing.assert_close(ours.loss.double(), theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_bypass_mode_is_refused_with_the_reason():
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    with pytest.raises(ValueError, match="bypass_mode is not supported"):
+        VerlCorrection.from_config(RolloutCorrectionConfig.bypass_ppo_clip())

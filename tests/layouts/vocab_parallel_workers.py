@@ -10,6 +10,8 @@ import traceback
 import torch
 from helpers import METHOD_VARIANTS, logits_batch, value_error_message
 
+from dgpo_ops.corrections import ArealCorrection, TrlCorrection, VerlCorrection
+
 VOCAB = 60  # divisible by 2 and 3 processes
 BACKENDS = ("torch", "triton")
 OPTION_SETS = {
@@ -26,6 +28,11 @@ EXTRA_JOBS = {  # name -> (method, params, options, per-token advantages, dtype,
     "bf16": ("dgpo", {}, dict(entropy_coef=0.01), False, torch.bfloat16, False),
     # response 1's logits -inf beyond column 30: some processes hold only -inf there
     "minus_inf_columns": ("dgpo", {}, dict(entropy_coef=0.01), False, torch.float32, False),
+    # the rollout-correction stage: computed from per-token inputs every process holds whole
+    "verl_rollout_correction": ("grpo", {}, dict(rollout_correction=VerlCorrection(
+        rollout_is="sequence", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")), False, torch.float32, False),
+    "flat_trl_rollout_correction": ("dgpo", {}, dict(rollout_correction=TrlCorrection("token_mask", 0.5, 2.0)),
+                                    True, torch.float32, True),
     # logits[:, :-1] of a longer sequence: not viewable as (N, V / P), read per response
     "strided": ("grpo", {}, dict(aggregation="seq_mean_token_mean"), False, torch.float32, False),
 }
@@ -41,6 +48,11 @@ def jobs() -> dict:
     return {**every, **EXTRA_JOBS}
 
 
+def inference_logps(old_logps: torch.Tensor) -> torch.Tensor:
+    """An inference engine's log-probs, a nat or so from the trainer's."""
+    return old_logps + torch.randn(old_logps.shape, generator=torch.Generator().manual_seed(5))
+
+
 def inputs_of(job) -> tuple[dict, dict]:
     """(the whole-vocabulary inputs, the loss keywords) of a job, the same in every process."""
     method, params, options, per_token_adv, dtype, flat = job
@@ -51,6 +63,9 @@ def inputs_of(job) -> tuple[dict, dict]:
         batch["rollout_weights"] = torch.rand(batch["target_ids"].shape, generator=torch.Generator().manual_seed(3))
     if not options.get("beta"):
         batch.pop("ref_logps")
+    if "rollout_correction" in options:
+        batch.pop("rollout_weights", None)
+        batch["rollout_logps"] = inference_logps(batch["old_logps"])
     if job is EXTRA_JOBS["minus_inf_columns"]:
         batch["logits"][1, :, 30:] = float("-inf")
         batch["target_ids"][1] = batch["target_ids"][1].remainder(30)
@@ -69,6 +84,9 @@ LINEAR_JOBS = {  # name -> loss keywords; the weight split by rows, hidden state
     "linear_gspo": dict(method="grpo", importance_sampling_level="sequence", aggregation="seq_mean_token_mean"),
     "linear_dtensor": dict(method="cispo"),  # the weight a Shard(0) DTensor on a 1-D mesh
     "linear_packed": dict(method="dgpo", aggregation="seq_mean_token_mean"),  # and cu_seqlens
+    # AReaL's decoupled PPO with M2PO, packed: the correction's sequence statistics per packed segment
+    "linear_packed_areal": dict(method="grpo", dual_clip=3.0, rollout_correction=ArealCorrection(
+        level="sequence", lower=0.5, upper=2.0, m2_threshold=0.5)),
 }
 PACKED_LENGTHS = [4, 7, 1, 9]
 
@@ -89,7 +107,9 @@ def linear_inputs(name: str, backend: str = "torch") -> tuple[dict, dict, dict]:
     float64 = dict(generator=generator, dtype=linear_dtype(backend))
     tensors = dict(hidden=torch.randn(3, 7, HIDDEN, **float64), weight=torch.randn(VOCAB, HIDDEN, **float64) * 0.5,
                    bias=torch.randn(VOCAB, **float64))
-    if name == "linear_packed":  # 21 tokens in 4 packed sequences
+    if "rollout_correction" in keywords:
+        batch["rollout_logps"] = inference_logps(batch["old_logps"])
+    if name.startswith("linear_packed"):  # 21 tokens in 4 packed sequences
         n = sum(PACKED_LENGTHS)
         tensors["hidden"] = tensors["hidden"].reshape(-1, HIDDEN)[:n]
         batch = {key: value.reshape(-1)[:n] for key, value in batch.items() if key != "advantages"}
