@@ -9,6 +9,7 @@ import pytest
 import torch
 from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch
 
+import dgpo_ops
 from dgpo_ops.corrections import SkyRLCorrection
 
 SKYRL_UTILS = "skyrl-train/skyrl_train/utils/off_policy_correction_utils.py"  # compute_off_policy_correction
@@ -78,3 +79,12 @@ def test_fields_are_checked():
                    dict(tis_ratio_type="token", geo_mask_high=None)):
         with pytest.raises(ValueError):
             SkyRLCorrection(**fields)
+
+
+@pytest.mark.parametrize("aggregation", sorted(dgpo_ops.AGGREGATIONS))
+def test_rejections_change_every_aggregations_normaliser(aggregation):
+    batch = mismatch_batch(1.0, seed=42)
+    weights, mask = skyrl_correction(batch["old_logps"], batch["rollout_logps"], batch["mask"].float(), CASES[-1])
+    assert 0 < int(mask.sum()) < int(batch["mask"].sum())
+    assert_same_as_weights(SkyRLCorrection(**CASES[-1]), batch, weights, mask, ("reference", "torch", "triton",
+                           "packed"), method="grpo", aggregation=aggregation, loss_normalizer=None)

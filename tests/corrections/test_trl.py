@@ -110,3 +110,12 @@ def test_sequence_modes_need_responses():
     with pytest.raises(ValueError, match="flat \\(N, V\\) logits carry no response structure"):
         dgpo_ops.fused_dgpo_loss(**flat, rollout_correction=TrlCorrection("sequence_mask"))
     dgpo_ops.fused_dgpo_loss(**flat, rollout_correction=TrlCorrection("token_mask"))  # token level: fine
+
+
+@pytest.mark.parametrize("aggregation", sorted(dgpo_ops.AGGREGATIONS))
+def test_every_aggregation(aggregation):
+    batch = mismatch_batch(1.0, seed=4)
+    ratio = trl_importance_sampling_ratio(batch["old_logps"], batch["rollout_logps"], batch["mask"].float(),
+                                          "token_truncate", 0.5, 2.0)
+    assert_same_as_weights(TrlCorrection("token_truncate", 0.5, 2.0), batch, ratio, batch["mask"],
+                           ("reference", "torch", "triton", "packed"), method="cispo", aggregation=aggregation)

@@ -16,6 +16,7 @@ from helpers import TOKEN_LEVEL_VARIANTS, variant_id
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dgpo_ops
+from dgpo_ops import corrections
 from dgpo_ops.core.metrics import METRIC_NAMES
 
 SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.nonzero.default",
@@ -182,3 +183,29 @@ def test_the_recorder_catches_a_sync(recorder):
     inputs = loss_inputs()
     rec = recorded(recorder, lambda: dgpo_ops.fused_dgpo_loss(**inputs, validation="immediate").loss.backward())
     assert {"aten._local_scalar_dense.default", "aten.is_nonzero.default"} & set(rec.syncs), rec.syncs
+
+
+CORRECTIONS = {
+    "trl_sequence_mask": corrections.TrlCorrection("sequence_mask", 0.5, 3.0),
+    "verl_is_rs": corrections.VerlCorrection(rollout_is="sequence", rollout_is_batch_normalize=True,
+                                             rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.5_2.0,1.0"),
+    "openrlhf_seq_mask_tis": corrections.OpenRLHFCorrection("seq-mask-tis", (0.5, 2.0)),
+    "nemo_rl_seq_mask_tis": corrections.NemoRLCorrection("seq-mask-tis", 2.0, 0.5),
+    "swift_sequence_truncate": corrections.SwiftCorrection("sequence_truncate"),
+    "skyrl": corrections.SkyRLCorrection("sequence", sequence_mask_metric="geometric", geo_mask_low=0.5,
+                                         geo_mask_high=2.0, outlier_token_is_threshold_high=10.0),
+    "areal_m2po_sequence": corrections.ArealCorrection(level="sequence", agg="max", upper=3.0, m2_threshold=0.2),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRECTIONS))
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rollout_corrections_are_sync_free(recorder, backend, name):
+    """The rollout-correction stage (M2PO's sort and suffix mean, verl's batch normalisation guard, the
+    sequence reductions) reads nothing on the host."""
+    inputs = loss_inputs()
+    inputs["rollout_logps"] = inputs["old_logps"] + torch.randn(inputs["old_logps"].shape,
+                                                                generator=torch.Generator().manual_seed(2))
+    rec = recorded(recorder, lambda: run_logits(inputs, backend=backend, method="grpo",
+                                                rollout_correction=CORRECTIONS[name]))
+    assert rec.syncs == [], rec.syncs
