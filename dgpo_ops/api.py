@@ -20,7 +20,7 @@ from dgpo_ops.core.inputs import LossBatch, check_generator
 from dgpo_ops.core.options import LossOptions, trace_constant
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import per_token_function
-from dgpo_ops.corrections.stage import apply_rollout_correction
+from dgpo_ops.corrections.stage import with_rollout_correction
 from dgpo_ops.distributed.head import head_forward
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
@@ -35,19 +35,13 @@ def refuse_under_compile(layout: CallLayout, batch: LossBatch) -> None:
     check_generator(batch.generator, batch.target_ids.device if torch.is_tensor(batch.target_ids) else "cpu")
 
 
-def with_rollout_correction(batch: LossBatch, options: LossOptions, layout: CallLayout, route) -> PolicyLossOutput:
-    """``route(batch)`` on the batch the rollout-correction stage makes, with the stage's metrics."""
-    batch, metrics = apply_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens)
-    out = route(batch)
-    return out if metrics is None else out._replace(metrics=out.metrics.with_rollout(metrics))
-
-
 def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: CallLayout = CallLayout()
                       ) -> PolicyLossOutput:
     """``fused_dgpo_loss`` once its options are built."""
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
-    return with_rollout_correction(batch, options, layout, lambda batch: _logits_route(logits, batch, options, layout))
+    return with_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens,
+                                   lambda batch: _logits_route(logits, batch, options, layout))
 
 
 def _logits_route(logits, batch: LossBatch, options: LossOptions, layout: CallLayout) -> PolicyLossOutput:
@@ -61,7 +55,7 @@ def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: Lo
                              projection_options: ProjectionOptions, layout: CallLayout = CallLayout()
                              ) -> PolicyLossOutput:
     """``fused_linear_dgpo_loss`` once its options are built."""
-    return with_rollout_correction(batch, options, layout, lambda batch: _linear_route(
+    return with_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens, lambda batch: _linear_route(
         hidden, weight, bias, batch, options, projection_options, layout))
 
 

@@ -107,11 +107,11 @@ def assert_same_as_weights(correction, batch: dict, weights: torch.Tensor, mask:
     for route in routes:
         got, got_grad = run_route(route, batch, rollout_correction=correction, **kwargs)
         want, want_grad = run_route("torch" if route == "compiled" else route, plain, **kwargs)
-        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{route}: {m}")
-        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{route}: {m}")
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6, msg=lambda m, r=route: f"{r}: {m}")
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6, msg=lambda m, r=route: f"{r}: {m}")
         for name in dgpo_ops.core.metrics.METRIC_NAMES:
             torch.testing.assert_close(got.metrics[name], want.metrics[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{route} {name}: {m}")
+                                       msg=lambda m, r=route, n=name: f"{r} {n}: {m}")
         if route == "reference":
             found = got.metrics
     return found

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dgpo_ops.core.aggregation import check_aggregation
-from dgpo_ops.corrections.core import RolloutCorrection
 from dgpo_ops.core.validation import FLOAT32_MAX, VALIDATION_MODES, float32_magnitude_ok
+from dgpo_ops.corrections.core import RolloutCorrection
 from dgpo_ops.methods import gspo
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.dgpo import DgpoConfig

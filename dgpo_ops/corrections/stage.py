@@ -77,5 +77,16 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None):
     if result.weights is not None:
         changes["rollout_weights"] = result.weights.reshape(shape)
     if result.keep is not None:
-        changes["mask"] = (inputs.mask & result.keep).reshape(shape)
+        keep = result.keep.reshape(shape)
+        # the caller's mask values where kept (its checks still apply to them), 0 where rejected
+        changes["mask"] = keep & (batch.target_ids != IGNORE_INDEX) if batch.mask is None else torch.where(
+            keep, batch.mask, torch.zeros_like(batch.mask))
     return batch._replace(**changes), metrics
+
+
+def with_rollout_correction(batch, correction, cu_seqlens, route):
+    """``route(batch)`` (a loss route, returning a ``PolicyLossOutput``) on the batch the stage makes, with the
+    stage's metrics beside the route's: what every public loss function runs."""
+    batch, metrics = apply_rollout_correction(batch, correction, cu_seqlens)
+    out = route(batch)
+    return out if metrics is None else out._replace(metrics=out.metrics.with_rollout(metrics))

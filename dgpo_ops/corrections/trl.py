@@ -73,8 +73,10 @@ class TrlCorrection(RolloutCorrection):
         else:
             values, keep = ratio, x.mask
         count = keep.sum()
+        smallest = -largest(torch.where(keep, -values, -math.inf), 0.0)
         return {
-            "importance_sampling_ratio_min": torch.where(count > 0, -largest(torch.where(keep, -values, -math.inf), 0.0), 0.0),
+            "importance_sampling_ratio_min": torch.where(count > 0, smallest, 0.0),
             "importance_sampling_ratio_mean": torch.where(keep, values, 0.0).sum() / count.clamp(min=1),
-            "importance_sampling_ratio_max": torch.where(count > 0, largest(torch.where(keep, values, -math.inf), 0.0), 0.0),
+            "importance_sampling_ratio_max": torch.where(count > 0, largest(torch.where(keep, values, -math.inf), 0.0),
+                                                         0.0),
         }

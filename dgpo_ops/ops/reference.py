@@ -13,7 +13,7 @@ from dgpo_ops.core.inputs import LossBatch, prepare_batch
 from dgpo_ops.core.objective import masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.corrections.stage import apply_rollout_correction
+from dgpo_ops.corrections.stage import with_rollout_correction
 from dgpo_ops.layouts.packed import PackedLayout
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.ops.compiled import checked_inputs_op, options_spec, split_normalizer
@@ -56,12 +56,12 @@ def reference_loss(
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
                       rollout_logps)
-    batch, rollout_metrics = apply_rollout_correction(batch, options.rollout_correction, cu_seqlens)
-    if cu_seqlens is not None or max_seqlen is not None:
-        out = packed_reference_loss(logits, batch, options, cu_seqlens, max_seqlen)
-    else:
-        out = reference_loss_from_options(logits, batch, options)
-    return out if rollout_metrics is None else out._replace(metrics=out.metrics.with_rollout(rollout_metrics))
+    def route(batch):
+        if cu_seqlens is not None or max_seqlen is not None:
+            return packed_reference_loss(logits, batch, options, cu_seqlens, max_seqlen)
+        return reference_loss_from_options(logits, batch, options)
+
+    return with_rollout_correction(batch, options.rollout_correction, cu_seqlens, route)
 
 
 def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, cu_seqlens, max_seqlen):

@@ -63,3 +63,19 @@ def test_wrong_rollout_logps_fail_loudly(fn):
         call(**{**batch, "rollout_logps": batch["rollout_logps"][:, :-1]}, method="grpo")
     with pytest.raises(ValueError, match="rollout_logps must be a floating-point tensor"):
         call(**{**batch, "rollout_logps": batch["target_ids"]}, method="grpo")
+
+
+def test_a_rejection_keeps_the_callers_mask_values_and_their_checks():
+    """A rejection zeroes the caller's mask where it rejects and leaves its values elsewhere: a mask that is not
+    0/1 is still refused, an integer mask still works."""
+    from dgpo_ops.corrections import SkyRLCorrection
+
+    batch = mismatch_batch(2.0)
+    correction = SkyRLCorrection("token", token_mask_eps_low=0.5, token_mask_eps_high=1.0)
+    as_int = dgpo_ops.reference_loss(**{**batch, "mask": batch["mask"].long()}, rollout_correction=correction)
+    as_bool = dgpo_ops.reference_loss(**batch, rollout_correction=correction)
+    torch.testing.assert_close(as_int.loss, as_bool.loss)
+    assert 0 < float(as_bool.metrics["rollout_masked_fraction"]) < 1
+    halves = batch["mask"].float() * 0.5
+    with pytest.raises(ValueError, match="mask"):
+        dgpo_ops.reference_loss(**{**batch, "mask": halves}, rollout_correction=correction)
