@@ -79,3 +79,19 @@ def test_a_rejection_keeps_the_callers_mask_values_and_their_checks():
     halves = batch["mask"].float() * 0.5
     with pytest.raises(ValueError, match="mask"):
         dgpo_ops.reference_loss(**{**batch, "mask": halves}, rollout_correction=correction)
+
+
+def test_the_module_holds_the_correction():
+    from dgpo_ops.corrections import TrlCorrection
+
+    batch = mismatch_batch(1.0)
+    correction = TrlCorrection("token_truncate", 0.5, 2.0)
+    module = dgpo_ops.DGPOLoss("grpo", rollout_correction=correction)
+    assert "TrlCorrection" in repr(module)
+    logits = batch.pop("logits")
+    rollout_logps = batch.pop("rollout_logps")
+    got = module(logits, **batch, rollout_logps=rollout_logps)
+    want = dgpo_ops.fused_dgpo_loss(logits, **batch, rollout_logps=rollout_logps, method="grpo",
+                                    rollout_correction=correction)
+    torch.testing.assert_close(got.loss, want.loss)
+    assert dgpo_ops.LossOptions.build("grpo", rollout_correction=correction) is module.options  # built once
