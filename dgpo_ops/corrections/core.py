@@ -97,6 +97,9 @@ class RolloutCorrection:
         name, fields = constants
         return RolloutCorrection.KINDS[name](**dict(fields))
 
+    def check_method(self, method: str) -> None:
+        """Refuse (``ValueError``) a method the framework refuses with this correction; ``LossOptions`` asks."""
+
     def __call__(self, inputs: CorrectionInputs) -> CorrectionResult:
         raise NotImplementedError
 

@@ -50,6 +50,10 @@ class TrlCorrection(RolloutCorrection):
         """The product over the response (the ``sequence_*`` modes), not the token's own ratio."""
         return self.mode.startswith("sequence")
 
+    def check_method(self, method: str) -> None:
+        if method == "vespo" and self.sequence_level:  # TRL's GRPOTrainer refuses it: vespo folds token weights
+            raise ValueError(f"vespo needs a token_* vllm_importance_sampling_mode, as TRL requires; got {self.mode!r}")
+
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         log_diff = torch.nan_to_num(x.masked(x.log_ratio), nan=0.0)
         if self.sequence_level:

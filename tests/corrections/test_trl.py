@@ -119,3 +119,13 @@ def test_every_aggregation(aggregation):
                                           "token_truncate", 0.5, 2.0)
     assert_same_as_weights(TrlCorrection("token_truncate", 0.5, 2.0), batch, ratio, batch["mask"],
                            ("reference", "torch", "triton", "packed"), method="cispo", aggregation=aggregation)
+
+
+def test_vespo_takes_the_token_modes_only_as_trl():
+    batch = mismatch_batch(0.5)
+    with pytest.raises(ValueError, match="vespo needs a token_"):
+        dgpo_ops.reference_loss(**batch, method="vespo", rollout_correction=TrlCorrection("sequence_mask"))
+    ratio = trl_importance_sampling_ratio(batch["old_logps"], batch["rollout_logps"], batch["mask"].float(),
+                                          "token_mask", None, 3.0)
+    assert_same_as_weights(TrlCorrection("token_mask"), batch, ratio, batch["mask"], ("reference", "torch", "packed"),
+                           method="vespo")
