@@ -70,7 +70,6 @@ class ArealCorrection(RolloutCorrection):
     rejection_sampling: bool = True
     m2_threshold: float | None = None
 
-    framework = "areal"
 
     def __post_init__(self):
         for name, allowed in (("level", LEVELS), ("action", ACTIONS), ("metric", METRICS), ("agg", AGGREGATIONS)):

@@ -80,7 +80,6 @@ class RolloutCorrection:
     framework's names and defaults (``dgpo_ops.corrections``). Frozen and hashable: it travels in
     ``LossOptions.rollout_correction``."""
 
-    framework = ""
     KINDS = {}  # class name -> class: how a correction crosses a torch.compile trace as constants (as_constants)
 
     def __init_subclass__(cls, **kwargs):

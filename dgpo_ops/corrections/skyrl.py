@@ -50,7 +50,6 @@ class SkyRLCorrection(RolloutCorrection):
     token_mask_eps_low: float | None = None
     token_mask_eps_high: float | None = None
 
-    framework = "skyrl"
 
     def __post_init__(self):
         if self.tis_ratio_type not in (None, "token", "sequence"):

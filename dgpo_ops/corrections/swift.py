@@ -25,7 +25,6 @@ class SwiftCorrection(RolloutCorrection):
     rollout_importance_sampling_mode: str = "token_truncate"
     rollout_importance_sampling_threshold: float = 2.0
 
-    framework = "ms_swift"
 
     def __post_init__(self):
         if self.rollout_importance_sampling_mode not in TRL_MODES:

@@ -45,7 +45,6 @@ class OpenRLHFCorrection(RolloutCorrection):
     is_correction_type: str = "tis"
     is_correction_threshold: tuple = (0.5, 5.0)
 
-    framework = "openrlhf"
 
     def __post_init__(self):
         if self.is_correction_type not in TIS_TYPES:
@@ -79,7 +78,6 @@ class NemoRLCorrection(RolloutCorrection):
     truncated_importance_sampling_ratio_min: float | None = None
     sequence_level_importance_ratios: bool = False
 
-    framework = "nemo_rl"
 
     def __post_init__(self):
         kind, high, low = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,

@@ -32,7 +32,6 @@ class TrlCorrection(RolloutCorrection):
     clip_min: float | None = None
     clip_max: float | None = 3.0
 
-    framework = "trl"
 
     def __post_init__(self):
         if self.mode not in TRL_MODES:

@@ -103,7 +103,6 @@ class VerlCorrection(RolloutCorrection):
     rollout_rs: str | None = None
     rollout_rs_threshold: str | float | None = None
 
-    framework = "verl"
 
     def __post_init__(self):
         if self.rollout_is is None and self.rollout_rs is None:
