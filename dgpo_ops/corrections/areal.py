@@ -17,24 +17,16 @@ with ``dual_clip`` for AReaL's ``c_clip``), times the behaviour weight ``pi_prox
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, kl_estimates
 
 LEVELS = ("token", "sequence")
 ACTIONS = ("mask", "clamp")
 METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3")
 AGGREGATIONS = ("sum", "mean", "max")
-
-
-def _number(name, value, optional=False):
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
 
 
 def m2po_keep(x: CorrectionInputs, threshold: float) -> torch.Tensor:
@@ -76,9 +68,9 @@ class ArealCorrection(RolloutCorrection):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"AReaL's rejection_sampling.{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")
-        _number("upper", self.upper)
-        _number("lower", self.lower, optional=True)
-        _number("m2_threshold", self.m2_threshold, optional=True)
+        check_number("upper", self.upper)
+        check_number("lower", self.lower, optional=True)
+        check_number("m2_threshold", self.m2_threshold, optional=True)
         if not isinstance(self.rejection_sampling, bool):
             raise ValueError(f"rejection_sampling must be a bool, got {self.rejection_sampling!r}")
         if not self.rejection_sampling and self.m2_threshold is None:
@@ -113,23 +105,24 @@ class ArealCorrection(RolloutCorrection):
 
     def behaviour_weight(self, x: CorrectionInputs):
         """AReaL's ``apply_rejection_sampling``: the weight (0 where it masks) and its filtered fraction."""
-        difference = x.old_logps - x.rollout_logps  # log pi_prox / pi_behave
+        difference = x.log_ratio  # log pi_prox / pi_behave
         log_ratio = torch.where(torch.isfinite(difference), difference, 0.0)
-        metric = {"ratio": torch.exp(log_ratio), "kl_k1": difference, "kl_k2": difference ** 2 / 2.0,
-                  "kl_k3": torch.exp(-difference) - 1 - difference}[self.metric]
+        if self.metric == "ratio":
+            metric = torch.exp(log_ratio)
+        else:  # AReaL's KLEstimator._compute_approx_kl(prox, behave): its log-ratio is behave - prox, unsanitised
+            metric = kl_estimates(-difference)[self.metric.removeprefix("kl_")]
         weight = torch.exp(log_ratio)
         lower = self.lower if self.lower is not None else 0.0
         if self.level == "token":
             inside = self.in_bounds(metric)
         else:
             values = log_ratio if self.metric == "ratio" else metric
-            count = x.sequence_count().clamp(min=1)
             if self.metric == "ratio":  # the weight is the sequence's geometric mean
-                weight = x.to_tokens(torch.exp(x.sequence_sum(log_ratio, "AReaL's sequence level") / count))
+                weight = x.to_tokens(torch.exp(x.sequence_mean(log_ratio, "AReaL's sequence level")))
             if self.agg == "sum":
                 aggregate = x.sequence_sum(values, "AReaL's sequence level")
             elif self.agg == "mean":
-                aggregate = x.sequence_sum(values, "AReaL's sequence level") / count
+                aggregate = x.sequence_mean(values, "AReaL's sequence level")
             else:
                 aggregate = x.sequence_max(values, empty=0.0)
             inside = x.to_tokens(self.in_bounds(torch.exp(aggregate) if self.metric == "ratio" else aggregate))

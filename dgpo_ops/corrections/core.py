@@ -11,10 +11,46 @@ torch ops on O(tokens) vectors: no host read, nothing the compiler cannot trace.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+SAFETY_BOUND = 20.0  # verl's, SkyRL's and ms-swift's clamp on a log-ratio before its exponential
+
+
+def clamped_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(clamp(log_ratio, -20, 20))``: verl's, SkyRL's (``safe_exp_delta``) and ms-swift's ratio (NaN stays
+    NaN)."""
+    return torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+
+
+def kl_estimates(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Schulman's per-token estimators of ``KL(q || p)`` from ``log_ratio = log p / q`` on tokens sampled from
+    ``q``: ``k1 = -log_ratio``, ``k2 = log_ratio^2 / 2``, ``k3 = exp(log_ratio) - 1 - log_ratio``. verl's
+    rejection and mismatch metrics take them at ``old - rollout``; AReaL's ``KLEstimator`` at ``rollout - old``."""
+    return {"k1": -log_ratio, "k2": 0.5 * log_ratio ** 2, "k3": torch.exp(log_ratio) - 1.0 - log_ratio}
+
+
+def check_number(name: str, value, *, optional: bool = False, minimum: float | None = None,
+                 positive: bool = False) -> None:
+    """Refuse (``ValueError``) a field that is not a finite number (``None`` too, unless ``optional``), or below
+    ``minimum``, or not above 0 when ``positive``: a string, a bool or NaN would otherwise compare silently."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def check_order(low_name: str, low, high_name: str, high) -> None:
+    """Refuse bounds in the wrong order (either may be None: no bound), which would reject every token."""
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{low_name} ({low}) must be <= {high_name} ({high})")
 
 
 class CorrectionInputs(NamedTuple):
@@ -54,6 +90,13 @@ class CorrectionInputs(NamedTuple):
         found = values.new_full((self.n_sequences,), float("-inf")).scatter_reduce(
             0, sequence, self.masked(values, float("-inf")), reduce="amax")
         return torch.where(self.sequence_count() > 0, found, empty)
+
+    def sequence_mean(self, values: torch.Tensor, what: str = "a sequence-level correction",
+                      eps: float = 0.0) -> torch.Tensor:
+        """``(n_sequences,)`` means over each response's scored tokens: ``sum / (count + eps)``, with ``eps = 0``
+        as ``sum / max(count, 1)`` (a response without tokens: 0)."""
+        count = self.sequence_count()
+        return self.sequence_sum(values, what) / ((count + eps) if eps else count.clamp(min=1.0))
 
     def to_tokens(self, per_sequence: torch.Tensor) -> torch.Tensor:
         """A per-response value on each of its tokens."""
@@ -111,17 +154,22 @@ def largest(values: torch.Tensor, empty: float) -> torch.Tensor:
 def mismatch_metrics(inputs: CorrectionInputs) -> dict[str, torch.Tensor]:
     """What the frameworks log about the mismatch itself, whatever the correction: verl's ``kl`` (k1, mean of
     ``rollout - old``) and ``k3_kl`` (mean of ``exp(r) - r - 1``, ``r = old - rollout``) and TRL's
-    ``sampling_logp_difference`` mean and max (``|old - rollout|``, NaN left out), over the scored tokens."""
+    ``sampling_logp_difference`` mean and max (``|old - rollout|``), all over the same tokens: the scored ones
+    whose log-ratio is not NaN (TRL leaves NaN out; verl's would be NaN), so the four describe one set."""
     log_ratio = inputs.log_ratio
-    finite = inputs.mask & ~torch.isnan(log_ratio)
-    difference = torch.where(finite, log_ratio.abs(), 0.0)
-    n_finite = finite.sum().clamp(min=1).to(torch.float32)
-    safe = torch.where(finite, log_ratio, 0.0)
+    counted = inputs.mask & ~torch.isnan(log_ratio)
+    n_counted = counted.sum().clamp(min=1).to(torch.float32)
+    safe = torch.where(counted, log_ratio, 0.0)
+    k = kl_estimates(safe)
+
+    def mean(values):
+        return torch.where(counted, values, 0.0).sum() / n_counted
+
     return {
-        "mismatch_kl_k1": inputs.token_mean(-safe),
-        "mismatch_kl_k3": inputs.token_mean(torch.exp(safe) - safe - 1.0),
-        "sampling_logp_difference_mean": difference.sum() / n_finite,
-        "sampling_logp_difference_max": largest(difference, 0.0),
+        "mismatch_kl_k1": mean(k["k1"]),
+        "mismatch_kl_k3": mean(k["k3"]),
+        "sampling_logp_difference_mean": mean(safe.abs()),
+        "sampling_logp_difference_max": largest(safe.abs(), 0.0),
     }
 
 

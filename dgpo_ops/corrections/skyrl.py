@@ -16,21 +16,12 @@ The rejections shrink the mask, so the normaliser counts only the tokens kept.""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
-
-SAFETY_BOUND = 20.0
-
-
-def _number(name, value, optional=True):
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
+from dgpo_ops.corrections.core import (CorrectionInputs, CorrectionResult, RolloutCorrection, check_number,
+                                       check_order, clamped_exp)
 
 
 @dataclass(frozen=True)
@@ -60,16 +51,23 @@ class SkyRLCorrection(RolloutCorrection):
         if self.tis_ratio_type is None and self.sequence_mask_metric is None:
             raise ValueError("SkyRL applies its off-policy correction only with tis_ratio_type or "
                              "sequence_mask_metric set")
-        for name in ("token_tis_ratio_clip_high", "sequence_tis_ratio_clip_high", "geo_mask_high", "geo_mask_low",
-                     "product_mask_high", "product_mask_low"):
-            _number(name, getattr(self, name), optional=False)
+        for name in ("token_tis_ratio_clip_high", "sequence_tis_ratio_clip_high"):  # a weight <= 0 flips the loss
+            check_number(name, getattr(self, name), positive=True)
+        for name in ("geo_mask_high", "geo_mask_low", "product_mask_high", "product_mask_low"):
+            check_number(name, getattr(self, name), minimum=0.0)
         for name in ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high", "token_mask_eps_low",
                      "token_mask_eps_high"):
-            _number(name, getattr(self, name))
+            check_number(name, getattr(self, name), optional=True)
+        for low, high in (("geo_mask_low", "geo_mask_high"), ("product_mask_low", "product_mask_high"),
+                          ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high")):
+            check_order(low, getattr(self, low), high, getattr(self, high))
+        if (self.token_mask_eps_low is None) != (self.token_mask_eps_high is None):
+            raise ValueError("token_mask_eps_low and token_mask_eps_high go together: SkyRL applies its per-token "
+                             "mask only with both set and silently ignores one alone")
 
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         log_ratio = x.log_ratio
-        ratio = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        ratio = clamped_exp(log_ratio)
         mask = x.mask
         low, high = self.outlier_token_is_threshold_low, self.outlier_token_is_threshold_high
         if low is not None or high is not None:
@@ -88,14 +86,14 @@ class SkyRLCorrection(RolloutCorrection):
             weights = ratio.clamp(max=self.token_tis_ratio_clip_high)
         elif self.tis_ratio_type == "sequence":
             total = now.sequence_sum(log_ratio, "SkyRL's sequence TIS")
-            weights = now.to_tokens(torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).clamp(
-                max=self.sequence_tis_ratio_clip_high))
+            weights = now.to_tokens(clamped_exp(total).clamp(max=self.sequence_tis_ratio_clip_high))
         if self.sequence_mask_metric is not None:
-            total = now.sequence_sum(log_ratio, "SkyRL's sequence mask")
             if self.sequence_mask_metric == "geometric":
-                value, lower, upper = total / now.sequence_count().clamp(min=1.0), self.geo_mask_low, self.geo_mask_high
+                value = now.sequence_mean(log_ratio, "SkyRL's sequence mask")
+                lower, upper = self.geo_mask_low, self.geo_mask_high
             else:
-                value, lower, upper = total, self.product_mask_low, self.product_mask_high
-            value = torch.exp(value.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+                value = now.sequence_sum(log_ratio, "SkyRL's sequence mask")
+                lower, upper = self.product_mask_low, self.product_mask_high
+            value = clamped_exp(value)
             mask = mask & now.to_tokens((value <= upper) & (value >= lower))
         return CorrectionResult(weights=weights, keep=mask)

@@ -6,15 +6,12 @@ geometric-mean ratio (``exp(mean(log(max(ratio, 1e-10))))``), not TRL's product;
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, clamped_exp
 from dgpo_ops.corrections.trl import TRL_MODES
-
-SAFETY_BOUND = 20.0
 
 
 @dataclass(frozen=True)
@@ -30,19 +27,18 @@ class SwiftCorrection(RolloutCorrection):
         if self.rollout_importance_sampling_mode not in TRL_MODES:
             raise ValueError(f"rollout_importance_sampling_mode must be one of {TRL_MODES}, got "
                              f"{self.rollout_importance_sampling_mode!r}")
-        threshold = self.rollout_importance_sampling_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
-            raise ValueError(f"rollout_importance_sampling_threshold must be a finite number, got {threshold!r}")
+        # a threshold <= 0 truncates every weight to it (a negative one flips the loss) or masks every token
+        check_number("rollout_importance_sampling_threshold", self.rollout_importance_sampling_threshold,
+                     positive=True)
 
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         mode, threshold = self.rollout_importance_sampling_mode, self.rollout_importance_sampling_threshold
-        ratio = torch.exp(x.log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        ratio = clamped_exp(x.log_ratio)
         if mode == "token_truncate":
             return CorrectionResult(weights=ratio.clamp(max=threshold))
         if mode == "token_mask":
             return CorrectionResult(weights=torch.where(ratio <= threshold, ratio, 0.0))
-        log_sum = x.sequence_sum(torch.log(ratio.clamp(min=1e-10)), f"ms-swift's {mode}")
-        geometric = x.to_tokens(torch.exp(log_sum / x.sequence_count().clamp(min=1.0)))
+        geometric = x.to_tokens(torch.exp(x.sequence_mean(torch.log(ratio.clamp(min=1e-10)), f"ms-swift's {mode}")))
         if mode == "sequence_truncate":
             return CorrectionResult(weights=geometric.clamp(max=threshold))
         return CorrectionResult(weights=ratio * (geometric <= threshold))

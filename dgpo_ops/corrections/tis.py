@@ -13,19 +13,13 @@ and the sequence product (``sequence_level_importance_ratios``)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, check_order
 
 TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
-
-
-def _bound(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def truncated_weights(kind: str, token_ratio, low, high, geometric_mean=None):
@@ -53,16 +47,17 @@ class OpenRLHFCorrection(RolloutCorrection):
         if not isinstance(threshold, (tuple, list)) or len(threshold) != 2:
             raise ValueError(f"is_correction_threshold must be (low, high), got {threshold!r}")
         for name, value in zip(("low", "high"), threshold):
-            _bound(f"is_correction_threshold {name}", value)
+            check_number(f"is_correction_threshold {name}", value, minimum=0.0)
+        check_order("is_correction_threshold low", threshold[0], "high", threshold[1])
         object.__setattr__(self, "is_correction_threshold", tuple(float(v) for v in threshold))
 
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         low, high = self.is_correction_threshold
         log_ratio = x.log_ratio
         geometric = None
-        if self.is_correction_type == "seq-mask-tis":  # masked_mean = sum / count: NaN for an empty response
-            count = x.sequence_count()
-            geometric = x.to_tokens(torch.exp(x.sequence_sum(log_ratio, "seq-mask-tis") / count))
+        if self.is_correction_type == "seq-mask-tis":  # OpenRLHF's sum / count (NaN for a response without tokens,
+            # whose weights nothing reads: 0 here)
+            geometric = x.to_tokens(torch.exp(x.sequence_mean(log_ratio, "seq-mask-tis")))
         weights = truncated_weights(self.is_correction_type, torch.exp(log_ratio), low, high, geometric)
         return CorrectionResult(weights=weights)
 
@@ -89,13 +84,11 @@ class NemoRLCorrection(RolloutCorrection):
             if kind not in TIS_TYPES:
                 raise ValueError(f"truncated_importance_sampling_type must be one of {TIS_TYPES} or None, got "
                                  f"{kind!r}")
-            if high is None or isinstance(high, bool) or not isinstance(high, (int, float)) or not high > 0:
-                raise ValueError("truncated_importance_sampling_ratio must be positive, as NeMo-RL requires")
+            check_number("truncated_importance_sampling_ratio", high, positive=True)  # NeMo-RL requires > 0
             if low is not None:
-                _bound("truncated_importance_sampling_ratio_min", low)
-                if low > high:
-                    raise ValueError("truncated_importance_sampling_ratio_min must be <= "
-                                     "truncated_importance_sampling_ratio")
+                check_number("truncated_importance_sampling_ratio_min", low, minimum=0.0)
+                check_order("truncated_importance_sampling_ratio_min", low, "truncated_importance_sampling_ratio",
+                            high)
             elif kind != "tis":
                 raise ValueError(f"{kind} needs truncated_importance_sampling_ratio_min, as NeMo-RL requires")
         if not isinstance(self.sequence_level_importance_ratios, bool):
@@ -123,8 +116,7 @@ class NemoRLCorrection(RolloutCorrection):
             geometric = None
             if kind == "seq-mask-tis":
                 safe = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
-                mean = x.sequence_sum(safe, "seq-mask-tis") / (x.sequence_count() + 1e-8)
-                geometric = torch.exp(mean)
+                geometric = torch.exp(x.sequence_mean(safe, "seq-mask-tis", eps=1e-8))
                 kept = (geometric >= low) & (geometric <= high)
                 metrics["is_oob_ratio"] = (~kept).float().sum() / (x.n_sequences + 1e-8)
                 geometric = x.to_tokens(geometric)

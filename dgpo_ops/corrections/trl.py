@@ -13,14 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, largest
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, largest
 
 TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def _optional_bound(name, value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)):
-        raise ValueError(f"{name} must be a number or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -36,8 +31,8 @@ class TrlCorrection(RolloutCorrection):
     def __post_init__(self):
         if self.mode not in TRL_MODES:
             raise ValueError(f"TRL's vllm_importance_sampling_mode must be one of {TRL_MODES}, got {self.mode!r}")
-        _optional_bound("clip_min", self.clip_min)
-        _optional_bound("clip_max", self.clip_max)
+        check_number("clip_min", self.clip_min, optional=True)  # None: no bound on that side, as TRL
+        check_number("clip_max", self.clip_max, optional=True)
         if self.clip_min is not None and self.clip_max is not None and self.clip_min >= self.clip_max:
             raise ValueError(f"clip_min ({self.clip_min}) must be less than clip_max ({self.clip_max}), as TRL "
                              "requires")

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection
+from dgpo_ops.corrections.core import (SAFETY_BOUND, CorrectionInputs, CorrectionResult, RolloutCorrection,
+                                       clamped_exp, kl_estimates)
 
-SAFETY_BOUND = 20.0
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 IS_LEVELS = ("token", "sequence")
@@ -149,10 +149,9 @@ class VerlCorrection(RolloutCorrection):
         """verl's ``compute_rollout_correction_weights``."""
         upper, lower = parse_is_threshold(self.rollout_is_threshold)
         if self.rollout_is == "token":
-            raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+            raw = clamped_exp(log_ratio)
         else:
-            total = x.sequence_sum(log_ratio, "verl's rollout_is='sequence'")
-            raw = x.to_tokens(torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)))
+            raw = x.to_tokens(clamped_exp(x.sequence_sum(log_ratio, "verl's rollout_is='sequence'")))
         raw = x.masked(raw)
         if lower is None:
             weights = raw.clamp(max=upper)
@@ -165,9 +164,8 @@ class VerlCorrection(RolloutCorrection):
             if self.rollout_is == "token":
                 mean = x.token_mean(weights, eps=1e-8)
             else:
-                count = x.sequence_count()
-                per_sequence = x.sequence_sum(weights) / (count + 1e-8)
-                present = (count > 0).float()
+                per_sequence = x.sequence_mean(weights, eps=1e-8)
+                present = (x.sequence_count() > 0).float()
                 mean = (per_sequence * present).sum() / present.sum().clamp(min=1e-8)
             normalise = mean > 1e-8  # verl's guard, as a select: no host read
             weights = torch.where(normalise, weights / mean, weights)
@@ -176,8 +174,7 @@ class VerlCorrection(RolloutCorrection):
 
     def rejection_keep(self, x: CorrectionInputs, log_ratio: torch.Tensor) -> torch.Tensor:
         """verl's ``compute_rollout_rejection_mask``: the tokens every option keeps."""
-        safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        k = {"k1": -safe, "k2": 0.5 * safe ** 2, "k3": torch.exp(safe) - 1.0 - safe}
+        k = kl_estimates(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
         keep = torch.ones_like(x.mask)
         for option, (lower, upper) in parse_rs(self.rollout_rs, self.rollout_rs_threshold).items():
             level, estimator = option.rsplit("_", 1)
@@ -185,7 +182,7 @@ class VerlCorrection(RolloutCorrection):
             if level == "seq_sum":
                 values = x.to_tokens(x.sequence_sum(values, f"verl's {option}"))
             elif level == "seq_mean":
-                values = x.to_tokens(x.sequence_sum(values, f"verl's {option}") / (x.sequence_count() + 1e-8))
+                values = x.to_tokens(x.sequence_mean(values, f"verl's {option}", eps=1e-8))
             elif level == "seq_max":
                 values = x.to_tokens(x.sequence_max(values))
             if estimator == "k1":

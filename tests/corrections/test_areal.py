@@ -15,8 +15,20 @@ from dgpo_ops.corrections import ArealCorrection, decoupled_ppo, m2po
 
 AREAL_FUNCTIONAL = "areal/utils/functional/functional.py"  # apply_rejection_sampling, ppo_actor_loss_fn
 AREAL_FUNCTIONAL_COMMIT = "2274616c3d28d2120de3beb0831d08b6b6d243ea"
+AREAL_KL = "areal/utils/data.py"  # KLEstimator._compute_approx_kl (L1619-1656), at AREAL_FUNCTIONAL_COMMIT
 AREAL_ACTOR = "areal/trainer/ppo/actor.py"  # _apply_m2po_masking / _get_m2po_loss_mask (L769-850)
 AREAL_ACTOR_COMMIT = "4aef98d8d818af55b43621aaadba047ae10f4e77"
+
+
+def areal_approx_kl(log_probs, log_probs_base, kl_estimator):
+    """AREAL_KL's ``KLEstimator._compute_approx_kl`` with ``apply_clamp=False``, as it reads."""
+    log_ratio = log_probs.float() - log_probs_base.float()
+    if kl_estimator == "k2":
+        log_ratio = log_ratio ** 2 / 2.0
+    if kl_estimator == "k3":
+        log_ratio = -log_ratio
+        log_ratio = log_ratio.exp() - 1 - log_ratio
+    return log_ratio
 
 
 def areal_rejection_sampling(prox, behave, loss_mask, level, action, metric, agg, upper, lower):
@@ -27,8 +39,7 @@ def areal_rejection_sampling(prox, behave, loss_mask, level, action, metric, agg
     log_ratio = prox.float() - behave.float()
     log_ratio = torch.where(torch.isfinite(log_ratio), log_ratio, 0.0)
     d = prox.float() - behave.float()
-    metric_value = {"ratio": torch.exp(log_ratio), "kl_k1": d, "kl_k2": d ** 2 / 2.0,
-                    "kl_k3": torch.exp(-d) - 1 - d}[metric]
+    metric_value = torch.exp(log_ratio) if metric == "ratio" else areal_approx_kl(prox, behave, metric[3:])
     weight = torch.exp(log_ratio)
     original = weight
     use_log = metric == "ratio"
@@ -176,3 +187,14 @@ def test_m2po_keeps_at_least_one_token_and_changes_the_normaliser():
     batch = mismatch_batch(3.0, seed=14)
     out = dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=m2po(1e-9))
     assert float(out.metrics["m2po_masked_fraction"]) == pytest.approx(1 - 1 / float(batch["mask"].sum()))
+
+
+def test_kl_k3_is_areals_non_negative_estimator():
+    """AReaL's kl_k3 metric is ``exp(-d) - 1 + d`` for ``d = prox - behave`` (AREAL_KL; >= 0): the tokens at
+    ``d = 1`` and ``d = -1`` (0.37 and 0.72) are out of an upper bound of 0.3, the others (``d = 0``) in."""
+    batch = mismatch_batch(0.0, seed=11)
+    d = torch.zeros_like(batch["old_logps"])
+    d[0, 0], d[0, 3] = 1.0, -1.0
+    batch["rollout_logps"] = batch["old_logps"] - d
+    out = dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=ArealCorrection(metric="kl_k3", upper=0.3))
+    torch.testing.assert_close(out.metrics["rs_filtered_fraction"], 2 / batch["mask"].sum().float())

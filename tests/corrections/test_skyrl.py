@@ -74,11 +74,20 @@ def test_skyrl_equals_skyrl(fields, drift):
     assert_same_as_weights(SkyRLCorrection(**fields), batch, expected_weights, mask, routes, method="grpo")
 
 
-def test_fields_are_checked():
-    for fields in (dict(), dict(tis_ratio_type="seq"), dict(sequence_mask_metric="mean"),
-                   dict(tis_ratio_type="token", geo_mask_high=None)):
-        with pytest.raises(ValueError):
-            SkyRLCorrection(**fields)
+@pytest.mark.parametrize("fields,message", [
+    (dict(), "only with tis_ratio_type or sequence_mask_metric"), (dict(tis_ratio_type="seq"), "tis_ratio_type"),
+    (dict(sequence_mask_metric="mean"), "sequence_mask_metric"),
+    (dict(tis_ratio_type="token", geo_mask_high=None), "geo_mask_high must be a finite number"),
+    (dict(sequence_mask_metric="geometric", geo_mask_low=1.02), "geo_mask_low \\(1.02\\) must be <= geo_mask_high"),
+    (dict(sequence_mask_metric="product", product_mask_low=3.0), "product_mask_low"),
+    (dict(tis_ratio_type="token", outlier_token_is_threshold_low=5.0, outlier_token_is_threshold_high=2.0),
+     "outlier_token_is_threshold_low"),
+    (dict(tis_ratio_type="token", token_tis_ratio_clip_high=-1.0), "token_tis_ratio_clip_high must be > 0"),
+    (dict(tis_ratio_type="token", token_mask_eps_low=0.2), "token_mask_eps_low and token_mask_eps_high go together"),
+])
+def test_fields_are_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SkyRLCorrection(**fields)
 
 
 @pytest.mark.parametrize("aggregation", sorted(dgpo_ops.AGGREGATIONS))

@@ -50,3 +50,14 @@ def test_swift_sequence_modes_are_not_trls(mode):
     swift = dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=SwiftCorrection(mode, 2.0))
     trl = dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=TrlCorrection(mode, None, 2.0))
     assert not torch.allclose(swift.loss, trl.loss)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(rollout_importance_sampling_mode="token"), "rollout_importance_sampling_mode must be one of"),
+    (dict(rollout_importance_sampling_threshold=0.0), "rollout_importance_sampling_threshold must be > 0"),
+    (dict(rollout_importance_sampling_threshold=-2.0), "rollout_importance_sampling_threshold must be > 0"),
+    (dict(rollout_importance_sampling_threshold="2.0"), "rollout_importance_sampling_threshold must be a finite"),
+])
+def test_fields_are_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SwiftCorrection(**fields)

@@ -123,7 +123,10 @@ def test_the_two_differ_where_values_are_not_finite():
     (NemoRLCorrection, dict(truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=2.0,
                             truncated_importance_sampling_ratio_min=0.5, sequence_level_importance_ratios=True)),
     (NemoRLCorrection, dict(truncated_importance_sampling_ratio=2.0)),
+    (OpenRLHFCorrection, dict(is_correction_type="icepop", is_correction_threshold=(3.0, 2.0))),
+    (OpenRLHFCorrection, dict(is_correction_threshold=("0.5", 5.0))),
+    (NemoRLCorrection, dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio="2.0")),
 ])
 def test_fields_are_checked(cls, fields):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is_correction|truncated_importance_sampling|sequence_level"):
         cls(**fields)
