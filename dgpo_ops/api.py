@@ -41,7 +41,7 @@ def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: Ca
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
     return with_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens,
-                                   lambda batch: _logits_route(logits, batch, options, layout))
+                                   lambda batch: _logits_route(logits, batch, options, layout), options.validation)
 
 
 def _logits_route(logits, batch: LossBatch, options: LossOptions, layout: CallLayout) -> PolicyLossOutput:
@@ -56,7 +56,7 @@ def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: Lo
                              ) -> PolicyLossOutput:
     """``fused_linear_dgpo_loss`` once its options are built."""
     return with_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens, lambda batch: _linear_route(
-        hidden, weight, bias, batch, options, projection_options, layout))
+        hidden, weight, bias, batch, options, projection_options, layout), options.validation)
 
 
 def _linear_route(hidden, weight, bias, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,

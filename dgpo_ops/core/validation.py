@@ -41,7 +41,8 @@ MESSAGES = {
     InputError.ADVANTAGES: "advantages has non-finite values on unmasked tokens",
     InputError.OLD_LOGPS: "old_logps has non-finite values on unmasked tokens",
     InputError.REF_LOGPS: "ref_logps has non-finite values on unmasked tokens",
-    InputError.ROLLOUT_WEIGHTS: "rollout_weights has non-finite values on unmasked tokens",
+    InputError.ROLLOUT_WEIGHTS: "rollout_weights (given, or computed by a rollout_correction from rollout_logps) "
+                                "has non-finite values on unmasked tokens",
     InputError.LOSS_NORMALIZER: "loss_normalizer must be a finite number > 0, within float32's normal range "
                                 "(1.2e-38 to 3.4e38, so that it and its inverse are finite and not 0), got {normalizer}",
     InputError.CU_SEQLENS: "cu_seqlens must start at 0, be non-decreasing, end at the number of packed tokens and "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dgpo_ops.core.validation import resolve_mode
 from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, mismatch_metrics, weight_metrics
 from dgpo_ops.kernels.interface import IGNORE_INDEX
 
@@ -54,10 +55,29 @@ def correction_inputs(batch, cu_seqlens=None) -> CorrectionInputs:
                             scored, sequence, n_sequences)
 
 
-def apply_rollout_correction(batch, correction, cu_seqlens=None):
+def refuse_non_finite_weights(correction, inputs: CorrectionInputs, result: CorrectionResult) -> None:
+    """A ``ValueError`` naming the correction and ``rollout_logps`` where the weights it computed are not finite
+    on a token that stays scored (the routes would refuse them as a ``rollout_weights`` the caller never passed).
+    Host reads: only where validation is immediate."""
+    kept = inputs.mask if result.keep is None else inputs.mask & result.keep
+    bad = kept & ~torch.isfinite(result.weights)
+    if not bad.any():
+        return
+    from_logps = bad & ~(torch.isfinite(inputs.rollout_logps) & torch.isfinite(inputs.old_logps))
+    raise ValueError(
+        f"rollout_correction {correction!r} computed non-finite weights from rollout_logps and old_logps on "
+        f"{int(bad.sum())} scored token(s), {int(from_logps.sum())} of them with a NaN or infinite log-prob (the "
+        "engine gave none), the others an overflowing ratio (an exponentiated sequence sum with no upper bound): "
+        "mask those tokens out, or use a mode that bounds or sanitises the weight, as the framework's loss would "
+        "otherwise be NaN or inf")
+
+
+def apply_rollout_correction(batch, correction, cu_seqlens=None, validation: str = "immediate"):
     """``(batch, metrics)``: the batch the routes run on (the correction's weights as ``rollout_weights``, its
     rejections out of the mask, no ``rollout_logps``) and the stage's metrics; ``(batch, None)`` for a call
-    without ``rollout_logps``."""
+    without ``rollout_logps``. Under immediate ``validation`` (not while compiling) non-finite weights are refused
+    here, by the correction's name; otherwise the route's own check refuses them later (deferred: NaN, then an
+    error naming rollout_weights and rollout_correction)."""
     if batch.rollout_logps is None:
         if correction is not None:
             raise ValueError(f"rollout_correction {correction!r} needs rollout_logps (the inference engine's "
@@ -68,6 +88,9 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None):
                          "rollout weights from rollout_logps")
     inputs = correction_inputs(batch, cu_seqlens)
     result = CorrectionResult() if correction is None else correction(inputs)
+    if (result.weights is not None and not torch.compiler.is_compiling()
+            and resolve_mode(validation, batch.target_ids.device) == "immediate"):
+        refuse_non_finite_weights(correction, inputs, result)
     metrics = mismatch_metrics(inputs)
     if correction is not None:
         metrics.update(weight_metrics(inputs, result))
@@ -84,9 +107,9 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None):
     return batch._replace(**changes), metrics
 
 
-def with_rollout_correction(batch, correction, cu_seqlens, route):
+def with_rollout_correction(batch, correction, cu_seqlens, route, validation: str = "immediate"):
     """``route(batch)`` (a loss route, returning a ``PolicyLossOutput``) on the batch the stage makes, with the
-    stage's metrics beside the route's: what every public loss function runs."""
-    batch, metrics = apply_rollout_correction(batch, correction, cu_seqlens)
+    stage's metrics beside the route's: what every public loss function runs (``validation``: the call's)."""
+    batch, metrics = apply_rollout_correction(batch, correction, cu_seqlens, validation)
     out = route(batch)
     return out if metrics is None else out._replace(metrics=out.metrics.with_rollout(metrics))

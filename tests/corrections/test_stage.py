@@ -97,3 +97,52 @@ def test_the_module_holds_the_correction():
                                     rollout_correction=correction)
     torch.testing.assert_close(got.loss, want.loss)
     assert dgpo_ops.LossOptions.build("grpo", rollout_correction=correction) is module.options  # built once
+
+
+NON_FINITE = {
+    # OpenRLHF's weight of a token the engine gave no log-prob is NaN
+    "nan_logps": (dict(nan_tokens=True), "OpenRLHFCorrection", "on 2 scored token\\(s\\), 2 of them with a NaN"),
+    # TRL's sequence product without clip_max overflows float32 on a long response that drifts by 30 nats a token
+    "overflow": (dict(), "TrlCorrection", "on 6 scored token\\(s\\), 0 of them with a NaN"),
+}
+
+
+def non_finite_case(case):
+    from dgpo_ops.corrections import OpenRLHFCorrection, TrlCorrection
+
+    flags, _, _ = NON_FINITE[case]
+    batch = mismatch_batch(0.5, seed=8, **flags)
+    if case == "overflow":
+        batch["rollout_logps"][0] = batch["old_logps"][0] - 30.0
+        return batch, TrlCorrection("sequence_truncate", clip_min=0.5, clip_max=None)
+    return batch, OpenRLHFCorrection("tis")
+
+
+@pytest.mark.parametrize("case", sorted(NON_FINITE))
+@pytest.mark.parametrize("fn", ["reference_loss", "fused_dgpo_loss"])
+def test_non_finite_weights_are_refused_by_the_corrections_name(case, fn):
+    """The weights the stage computes are not the caller's rollout_weights: the error names the correction,
+    rollout_logps and how many tokens, and why."""
+    batch, correction = non_finite_case(case)
+    _, name, count = NON_FINITE[case]
+    with pytest.raises(ValueError, match=f"rollout_correction {name}\\(.*non-finite weights from rollout_logps.*{count}"):
+        getattr(dgpo_ops, fn)(**batch, method="grpo", rollout_correction=correction)
+
+
+def test_non_finite_weights_under_deferred_validation_name_the_correction_later():
+    """Deferred validation reads nothing now: a NaN loss, then the route's error, which says the weights may be a
+    rollout_correction's."""
+    batch, correction = non_finite_case("nan_logps")
+    dgpo_ops.raise_deferred_errors()
+    out = dgpo_ops.fused_dgpo_loss(**batch, method="grpo", rollout_correction=correction, validation="deferred")
+    assert torch.isnan(out.loss)
+    with pytest.raises(ValueError, match="computed by a rollout_correction from rollout_logps"):
+        dgpo_ops.raise_deferred_errors()
+
+
+def test_non_finite_weights_under_compile_name_the_correction():
+    """Under torch.compile the stage reads nothing on the host (fullgraph); the compiled route's check refuses
+    the weights, saying they may be a rollout_correction's."""
+    batch, correction = non_finite_case("nan_logps")
+    with pytest.raises(ValueError, match="computed by a rollout_correction from rollout_logps"):
+        run_route("compiled", batch, method="grpo", rollout_correction=correction)

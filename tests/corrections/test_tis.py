@@ -103,14 +103,14 @@ def test_nemo_rl_equals_nemo_rl(kind, ratio, ratio_min, sequence_level, drift, n
 
 
 def test_the_two_differ_where_values_are_not_finite():
-    """NeMo-RL zeroes a NaN token's weight; OpenRLHF's weight is NaN there (the call refuses it as a
-    non-finite rollout weight, where OpenRLHF's loss would be NaN)."""
+    """NeMo-RL zeroes a NaN token's weight; OpenRLHF's weight is NaN there (the call refuses it, naming the
+    correction, where OpenRLHF's loss would be NaN)."""
     batch = mismatch_batch(0.5, seed=23, nan_tokens=True)
     import dgpo_ops
 
     out = dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=NemoRLCorrection("icepop", 5.0, 0.2))
     assert torch.isfinite(out.loss)
-    with pytest.raises(ValueError, match="rollout_weights"):
+    with pytest.raises(ValueError, match="rollout_correction OpenRLHFCorrection.* non-finite weights from rollout_logps"):
         dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=OpenRLHFCorrection("icepop", (0.2, 5.0)))
 
 
