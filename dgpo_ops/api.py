@@ -19,7 +19,7 @@ from dgpo_ops.core.docstrings import documented
 from dgpo_ops.core.inputs import LossBatch, check_generator
 from dgpo_ops.core.options import LossOptions, trace_constant
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.core.validation import per_token_function
+from dgpo_ops.core.validation import per_token_function, resolve_mode
 from dgpo_ops.corrections.stage import with_rollout_correction
 from dgpo_ops.distributed.head import head_forward
 from dgpo_ops.layouts.rows import CallLayout
@@ -35,13 +35,21 @@ def refuse_under_compile(layout: CallLayout, batch: LossBatch) -> None:
     check_generator(batch.generator, batch.target_ids.device if torch.is_tensor(batch.target_ids) else "cpu")
 
 
+def validates_now(options: LossOptions, batch: LossBatch) -> bool:
+    """The call's values are checked on the host now (immediate validation), so the rollout-correction stage may
+    read its weights too."""
+    device = batch.target_ids.device if torch.is_tensor(batch.target_ids) else torch.device("cpu")
+    return resolve_mode(options.validation, device) == "immediate"
+
+
 def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: CallLayout = CallLayout()
                       ) -> PolicyLossOutput:
     """``fused_dgpo_loss`` once its options are built."""
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
     return with_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens,
-                                   lambda batch: _logits_route(logits, batch, options, layout), options.validation)
+                                   lambda batch: _logits_route(logits, batch, options, layout),
+                                   validates_now(options, batch))
 
 
 def _logits_route(logits, batch: LossBatch, options: LossOptions, layout: CallLayout) -> PolicyLossOutput:
@@ -56,7 +64,7 @@ def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: Lo
                              ) -> PolicyLossOutput:
     """``fused_linear_dgpo_loss`` once its options are built."""
     return with_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens, lambda batch: _linear_route(
-        hidden, weight, bias, batch, options, projection_options, layout), options.validation)
+        hidden, weight, bias, batch, options, projection_options, layout), validates_now(options, batch))
 
 
 def _linear_route(hidden, weight, bias, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,

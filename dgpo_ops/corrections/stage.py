@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.core.validation import resolve_mode
 from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, mismatch_metrics, weight_metrics
 from dgpo_ops.kernels.interface import IGNORE_INDEX
 
@@ -41,7 +40,13 @@ def correction_inputs(batch, cu_seqlens=None) -> CorrectionInputs:
             got = tuple(batch.mask.shape) if torch.is_tensor(batch.mask) else type(batch.mask).__name__
             raise ValueError(f"mask must have shape {tuple(shape)}, got {got}")
         scored = scored & (batch.mask.detach().reshape(-1) != 0)
-    if cu_seqlens is not None:  # PackedLayout checks the boundaries themselves on the route
+    if cu_seqlens is not None:  # the route's PackedLayout checks the boundaries' values; the map needs their form
+        if target_ids.dim() != 1:
+            raise ValueError(f"packed tokens (cu_seqlens) have (total_tokens,) target_ids, got {tuple(shape)}")
+        if (not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+                or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.device != device):
+            raise ValueError("cu_seqlens must be a 1-D int32 or int64 tensor of at least two boundaries on the "
+                             "tokens' device, [0, len_0, len_0 + len_1, ..., total_tokens]")
         n_sequences = cu_seqlens.numel() - 1
         token = torch.arange(shape.numel(), device=device)
         sequence = torch.searchsorted(cu_seqlens.to(torch.int64)[1:], token, right=True).clamp(max=n_sequences - 1)
@@ -72,12 +77,12 @@ def refuse_non_finite_weights(correction, inputs: CorrectionInputs, result: Corr
         "otherwise be NaN or inf")
 
 
-def apply_rollout_correction(batch, correction, cu_seqlens=None, validation: str = "immediate"):
+def apply_rollout_correction(batch, correction, cu_seqlens=None, immediate: bool = True):
     """``(batch, metrics)``: the batch the routes run on (the correction's weights as ``rollout_weights``, its
     rejections out of the mask, no ``rollout_logps``) and the stage's metrics; ``(batch, None)`` for a call
-    without ``rollout_logps``. Under immediate ``validation`` (not while compiling) non-finite weights are refused
-    here, by the correction's name; otherwise the route's own check refuses them later (deferred: NaN, then an
-    error naming rollout_weights and rollout_correction)."""
+    without ``rollout_logps``. Where the call's validation is ``immediate`` (and not while compiling) non-finite
+    weights are refused here, by the correction's name; otherwise the route's own check refuses them later
+    (deferred: NaN, then an error naming rollout_weights and rollout_correction)."""
     if batch.rollout_logps is None:
         if correction is not None:
             raise ValueError(f"rollout_correction {correction!r} needs rollout_logps (the inference engine's "
@@ -88,8 +93,7 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None, validation: str
                          "rollout weights from rollout_logps")
     inputs = correction_inputs(batch, cu_seqlens)
     result = CorrectionResult() if correction is None else correction(inputs)
-    if (result.weights is not None and not torch.compiler.is_compiling()
-            and resolve_mode(validation, batch.target_ids.device) == "immediate"):
+    if result.weights is not None and immediate and not torch.compiler.is_compiling():
         refuse_non_finite_weights(correction, inputs, result)
     metrics = mismatch_metrics(inputs)
     if correction is not None:
@@ -107,9 +111,10 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None, validation: str
     return batch._replace(**changes), metrics
 
 
-def with_rollout_correction(batch, correction, cu_seqlens, route, validation: str = "immediate"):
+def with_rollout_correction(batch, correction, cu_seqlens, route, immediate: bool = True):
     """``route(batch)`` (a loss route, returning a ``PolicyLossOutput``) on the batch the stage makes, with the
-    stage's metrics beside the route's: what every public loss function runs (``validation``: the call's)."""
-    batch, metrics = apply_rollout_correction(batch, correction, cu_seqlens, validation)
+    stage's metrics beside the route's: what every public loss function runs (``immediate``: the call's
+    validation reads values on the host now)."""
+    batch, metrics = apply_rollout_correction(batch, correction, cu_seqlens, immediate)
     out = route(batch)
     return out if metrics is None else out._replace(metrics=out.metrics.with_rollout(metrics))

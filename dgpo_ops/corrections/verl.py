@@ -21,6 +21,9 @@ from dgpo_ops.corrections.core import (SAFETY_BOUND, CorrectionInputs, Correctio
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 IS_LEVELS = ("token", "sequence")
+# verl 0.9.1's RolloutCorrectionConfig fields (rollout_correction.yaml's keys, and Hydra's _target_)
+VERL_CONFIG_FIELDS = ("_target_", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                      "rollout_rs_threshold", "bypass_mode", "loss_type")
 
 
 def parse_is_threshold(spec) -> tuple[float, float | None]:
@@ -127,12 +130,18 @@ class VerlCorrection(RolloutCorrection):
                 return rollout_correction.get(name, default)
             return getattr(rollout_correction, name, default)
 
+        if isinstance(rollout_correction, dict) or hasattr(rollout_correction, "keys"):  # a mapping: a misspelt
+            unknown = sorted(set(rollout_correction.keys()) - set(VERL_CONFIG_FIELDS))  # field would be ignored
+            if unknown:
+                raise ValueError(f"unknown algorithm.rollout_correction field(s) {unknown}: verl's are "
+                                 f"{VERL_CONFIG_FIELDS}")
+
         if read("bypass_mode", False):
             raise ValueError("verl's bypass_mode is not supported: it computes the weights from the current "
                              "policy's log-probs, which this stage (run before the loss) does not have; use "
                              "decoupled mode (old_logps from the trainer's forward pass)")
         return cls(rollout_is=read("rollout_is", None), rollout_is_threshold=read("rollout_is_threshold", 2.0),
-                   rollout_is_batch_normalize=bool(read("rollout_is_batch_normalize", False)),
+                   rollout_is_batch_normalize=read("rollout_is_batch_normalize", False),
                    rollout_rs=read("rollout_rs", None), rollout_rs_threshold=read("rollout_rs_threshold", None))
 
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:

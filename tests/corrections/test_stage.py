@@ -67,6 +67,23 @@ def test_wrong_rollout_logps_fail_loudly(fn):
         call(**{**batch, "rollout_logps": batch["target_ids"]}, method="grpo")
 
 
+@pytest.mark.parametrize("bad", ["one boundary", "no boundary", "2-D", "float", "padded tokens"])
+def test_a_bad_cu_seqlens_fails_loudly_before_the_stage_uses_it(bad):
+    """The stage maps packed tokens to their responses before the route checks cu_seqlens: a cu_seqlens it
+    cannot read is refused by name there, not with an indexing error."""
+    from dgpo_ops.corrections import TrlCorrection
+    from rollout_cases import pack
+
+    batch = mismatch_batch(0.5)
+    packed, cu = pack(batch)
+    cu = {"one boundary": cu[:1], "no boundary": cu[:0], "2-D": cu[None], "float": cu.float(),
+          "padded tokens": cu}[bad]
+    if bad == "padded tokens":
+        packed = batch
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        dgpo_ops.fused_dgpo_loss(**packed, cu_seqlens=cu, method="grpo", rollout_correction=TrlCorrection())
+
+
 def test_a_rejection_keeps_the_callers_mask_values_and_their_checks():
     """A rejection zeroes the caller's mask where it rejects and leaves its values elsewhere: a mask that is not
     0/1 is still refused, an integer mask still works."""

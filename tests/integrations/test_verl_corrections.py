@@ -136,3 +136,29 @@ def test_bypass_mode_is_refused_with_the_reason():
 
     with pytest.raises(ValueError, match="bypass_mode is not supported"):
         VerlCorrection.from_config(RolloutCorrectionConfig.bypass_ppo_clip())
+
+
+@pytest.mark.parametrize("mapping,message", [
+    (dict(rollout_is="token", rollout_is_batch_normalize="false"), "rollout_is_batch_normalize must be a bool"),
+    (dict(rollout_is="token", rollout_is_treshold=3.0), "unknown algorithm.rollout_correction field.*rollout_is_treshold"),
+])
+def test_a_config_mapping_is_read_strictly(mapping, message):
+    """The YAML's mapping: a string where a bool belongs is not truthy, a misspelt field is not ignored."""
+    with pytest.raises(ValueError, match=message):
+        VerlCorrection.from_config(mapping)
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ValueError, match=message):
+        VerlCorrection.from_config(OmegaConf.create(mapping))
+
+
+def test_the_yaml_defaults_and_the_dataclass_read_as_verls():
+    from omegaconf import OmegaConf
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    yaml = OmegaConf.create(dict(_target_="verl.trainer.config.RolloutCorrectionConfig", rollout_is="token",
+                                 rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=None,
+                                 bypass_mode=False, loss_type="ppo_clip", rollout_is_batch_normalize=False))
+    assert VerlCorrection.from_config(yaml) == VerlCorrection(rollout_is="token")
+    assert VerlCorrection.from_config(RolloutCorrectionConfig.decoupled_token_is()) == VerlCorrection(
+        rollout_is="token", rollout_is_threshold=2.0)
