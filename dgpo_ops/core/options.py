@@ -73,7 +73,7 @@ class LossOptions:
             raise ValueError("rollout_correction must be a dgpo_ops.corrections.RolloutCorrection (e.g. "
                              f"TrlCorrection('token_truncate')) or None, got {self.rollout_correction!r}")
         if self.rollout_correction is not None:
-            self.rollout_correction.check_method(self.method.name)
+            self.rollout_correction.check_options(self)
         if METHODS[self.method.name].sequence_statistic is not None and self.importance_sampling_level != "token":
             raise ValueError(f"{self.method.name} is evaluated at its own sequence statistic of each response's "
                              "log-ratios: leave importance_sampling_level at 'token'")

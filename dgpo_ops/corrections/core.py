@@ -139,8 +139,9 @@ class RolloutCorrection:
         name, fields = constants
         return RolloutCorrection.KINDS[name](**dict(fields))
 
-    def check_method(self, method: str) -> None:
-        """Refuse (``ValueError``) a method the framework refuses with this correction; ``LossOptions`` asks."""
+    def check_options(self, options) -> None:
+        """Refuse (``ValueError``) loss options (a ``LossOptions``: the method, ``beta``, ...) with which this
+        correction would not give its framework's numbers, or that the framework refuses; ``LossOptions`` asks."""
 
     def __call__(self, inputs: CorrectionInputs) -> CorrectionResult:
         raise NotImplementedError

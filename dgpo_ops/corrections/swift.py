@@ -31,6 +31,12 @@ class SwiftCorrection(RolloutCorrection):
         check_number("rollout_importance_sampling_threshold", self.rollout_importance_sampling_threshold,
                      positive=True)
 
+    def check_options(self, options) -> None:
+        if options.beta != 0:  # SWIFT's _compute_loss: per_token_loss = (policy + beta * KL) * rollout_is_weights
+            raise ValueError("ms-swift multiplies the KL term by its rollout importance weights too, where this "
+                             "stage weights the policy term only: SwiftCorrection takes beta=0 (got "
+                             f"beta={options.beta})")
+
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         mode, threshold = self.rollout_importance_sampling_mode, self.rollout_importance_sampling_threshold
         ratio = clamped_exp(x.log_ratio)

@@ -44,7 +44,8 @@ class TrlCorrection(RolloutCorrection):
         """The product over the response (the ``sequence_*`` modes), not the token's own ratio."""
         return self.mode.startswith("sequence")
 
-    def check_method(self, method: str) -> None:
+    def check_options(self, options) -> None:
+        method = options.method.name
         if method == "vespo" and self.sequence_level:  # TRL's GRPOTrainer refuses it: vespo folds token weights
             raise ValueError(f"vespo needs a token_* vllm_importance_sampling_mode, as TRL requires; got {self.mode!r}")
 

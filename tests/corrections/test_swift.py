@@ -61,3 +61,13 @@ def test_swift_sequence_modes_are_not_trls(mode):
 def test_fields_are_checked(fields, message):
     with pytest.raises(ValueError, match=message):
         SwiftCorrection(**fields)
+
+
+def test_swift_refuses_a_kl_term_it_would_weight_differently():
+    """At SWIFT_COMMIT ms-swift weights ``policy + beta * KL`` (its _compute_loss, L1078-1081); the stage weights the
+    policy term only, so a call with beta > 0 would not be ms-swift's loss: refused, with the reason."""
+    batch = mismatch_batch(0.5, seed=31)
+    with pytest.raises(ValueError, match="ms-swift multiplies the KL term"):
+        dgpo_ops.reference_loss(**batch, method="grpo", beta=0.04, ref_logps=batch["old_logps"] - 0.1,
+                                rollout_correction=SwiftCorrection())
+    dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=SwiftCorrection())  # beta = 0: fine
