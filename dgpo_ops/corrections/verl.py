@@ -166,9 +166,9 @@ class VerlCorrection(RolloutCorrection):
             weights = raw.clamp(max=upper)
             metrics = {}
         else:
-            inside = (raw >= lower) & (raw <= upper)
-            weights = torch.where(inside, raw, 0.0)
-            metrics = {"rollout_is_oob_ratio": x.token_mean((~inside).float(), eps=1e-8)}
+            weights = torch.where((raw >= lower) & (raw <= upper), raw, 0.0)
+            # verl's metric: a NaN ratio (weight 0 above) is not counted out of bounds
+            metrics = {"rollout_is_oob_ratio": x.token_mean(((raw < lower) | (raw > upper)).float(), eps=1e-8)}
         if self.rollout_is_batch_normalize:
             if self.rollout_is == "token":
                 mean = x.token_mean(weights, eps=1e-8)

@@ -162,3 +162,15 @@ def test_the_yaml_defaults_and_the_dataclass_read_as_verls():
     assert VerlCorrection.from_config(yaml) == VerlCorrection(rollout_is="token")
     assert VerlCorrection.from_config(RolloutCorrectionConfig.decoupled_token_is()) == VerlCorrection(
         rollout_is="token", rollout_is_threshold=2.0)
+
+
+@pytest.mark.parametrize("rollout_is", ["token", "sequence"])
+def test_icepop_with_nan_inference_logps_equals_verl(rollout_is):
+    """A token (token level) or response (sequence level) whose inference log-prob is NaN gets IcePop weight 0,
+    and verl's rollout_is_oob_ratio does not count it out of bounds."""
+    batch = mismatch_batch(0.3, seed=6, nan_tokens=True)
+    weights, mask, metrics = verl_correction(batch, rollout_is=rollout_is, rollout_is_threshold="0.5_5.0")
+    correction = VerlCorrection(rollout_is=rollout_is, rollout_is_threshold="0.5_5.0")
+    ours = assert_same_as_weights(correction, batch, weights, mask, ("reference", "torch", "packed"), method="grpo")
+    torch.testing.assert_close(ours["rollout_is_oob_ratio"].double(),
+                               torch.tensor(metrics["rollout_corr/rollout_is_oob_ratio"], dtype=torch.float64))
