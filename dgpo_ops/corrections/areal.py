@@ -92,7 +92,7 @@ class ArealCorrection(RolloutCorrection):
         metrics = {}
         if self.m2_threshold is not None:
             keep = m2po_keep(x, self.m2_threshold)
-            metrics["m2po_masked_fraction"] = (x.mask & ~keep).sum() / x.mask.sum().clamp(min=1).to(torch.float32)
+            metrics["m2po_masked_fraction"] = x.token_mean((~keep).float())
             x = x._replace(mask=x.mask & keep)
         weights = None
         if self.rejection_sampling:
@@ -126,14 +126,13 @@ class ArealCorrection(RolloutCorrection):
             else:
                 aggregate = x.sequence_max(values, empty=0.0)
             inside = x.to_tokens(self.in_bounds(torch.exp(aggregate) if self.metric == "ratio" else aggregate))
-        n_scored = x.mask.sum().clamp(min=1).to(torch.float32)
         if self.action == "mask":
-            filtered = (x.mask & ~inside).sum() / n_scored
+            filtered = x.token_mean((~inside).float())
             return torch.where(x.mask & inside, weight, 0.0), filtered
         clamped = weight.clamp(min=lower, max=self.upper)
         if self.level == "sequence":  # only the out-of-bounds sequences' tokens are clamped
             clamped = torch.where(inside, weight, clamped)
-        filtered = (x.mask & (clamped != weight)).sum() / n_scored
+        filtered = x.token_mean((clamped != weight).float())
         return torch.where(x.mask, clamped, 0.0), filtered
 
 

@@ -152,6 +152,16 @@ def largest(values: torch.Tensor, empty: float) -> torch.Tensor:
     return values.max() if values.numel() else values.new_full((), empty)
 
 
+def min_mean_max(values: torch.Tensor, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``values``' min, mean and max over the entries ``where`` is True (each 0 where there is none)."""
+    count = where.sum()
+    present = count > 0
+    smallest = -largest(torch.where(where, -values, -math.inf), 0.0)
+    biggest = largest(torch.where(where, values, -math.inf), 0.0)
+    mean = torch.where(where, values, 0.0).sum() / count.clamp(min=1).to(values.dtype)
+    return torch.where(present, smallest, 0.0), mean, torch.where(present, biggest, 0.0)
+
+
 def mismatch_metrics(inputs: CorrectionInputs) -> dict[str, torch.Tensor]:
     """What the frameworks log about the mismatch itself, whatever the correction: verl's ``kl`` (k1, mean of
     ``rollout - old``) and ``k3_kl`` (mean of ``exp(r) - r - 1``, ``r = old - rollout``) and TRL's
@@ -180,12 +190,10 @@ def weight_metrics(inputs: CorrectionInputs, result: CorrectionResult) -> dict[s
     rejected from the mask or weighted 0."""
     keep = inputs.mask if result.keep is None else inputs.mask & result.keep
     weights = torch.ones_like(inputs.old_logps) if result.weights is None else result.weights
-    count = keep.sum().clamp(min=1).to(torch.float32)
-    any_kept = keep.any()
-    dropped = inputs.mask & ~(keep & (weights != 0))
+    smallest, mean, biggest = min_mean_max(weights, keep)
     return {
-        "rollout_weight_min": torch.where(any_kept, -largest(torch.where(keep, -weights, float("-inf")), 0.0), 0.0),
-        "rollout_weight_mean": torch.where(keep, weights, 0.0).sum() / count,
-        "rollout_weight_max": torch.where(any_kept, largest(torch.where(keep, weights, float("-inf")), 0.0), 0.0),
-        "rollout_masked_fraction": dropped.sum() / inputs.mask.sum().clamp(min=1).to(torch.float32),
+        "rollout_weight_min": smallest,
+        "rollout_weight_mean": mean,
+        "rollout_weight_max": biggest,
+        "rollout_masked_fraction": inputs.token_mean((~(keep & (weights != 0))).float()),
     }

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, largest
+from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, min_mean_max
 
 TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -67,15 +67,7 @@ class TrlCorrection(RolloutCorrection):
     def logged(self, x: CorrectionInputs, ratio: torch.Tensor) -> dict:
         """TRL's sampling/importance_sampling_ratio min, mean and max: over every response for the sequence
         modes (fully masked ones included, at ratio 1), over the scored tokens for the token modes."""
-        if self.sequence_level:
-            values, keep = ratio, torch.ones_like(ratio, dtype=torch.bool)
-        else:
-            values, keep = ratio, x.mask
-        count = keep.sum()
-        smallest = -largest(torch.where(keep, -values, -math.inf), 0.0)
-        return {
-            "importance_sampling_ratio_min": torch.where(count > 0, smallest, 0.0),
-            "importance_sampling_ratio_mean": torch.where(keep, values, 0.0).sum() / count.clamp(min=1),
-            "importance_sampling_ratio_max": torch.where(count > 0, largest(torch.where(keep, values, -math.inf), 0.0),
-                                                         0.0),
-        }
+        where = torch.ones_like(ratio, dtype=torch.bool) if self.sequence_level else x.mask
+        smallest, mean, biggest = min_mean_max(ratio, where)
+        return {"importance_sampling_ratio_min": smallest, "importance_sampling_ratio_mean": mean,
+                "importance_sampling_ratio_max": biggest}
