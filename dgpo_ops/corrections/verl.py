@@ -51,6 +51,18 @@ def parse_is_threshold(spec) -> tuple[float, float | None]:
     return upper, lower
 
 
+def _rs_number(text: str, option: str) -> float:
+    """A number of ``rollout_rs_threshold`` (verl's message where it is none; NaN, which verl takes and which
+    would reject every token, refused too)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"Invalid numeric threshold {text!r} for option {option!r}") from None
+    if math.isnan(value):
+        raise ValueError(f"Invalid numeric threshold {text!r} for option {option!r}")
+    return value
+
+
 def parse_rs(rollout_rs: str, spec) -> dict[str, tuple[float | None, float]]:
     """``{option: (lower, upper)}`` from ``rollout_rs`` and ``rollout_rs_threshold`` (verl's
     ``compute_rollout_rejection_mask`` option list, de-duplicated in order, and ``_parse_rollout_rs_thresholds``:
@@ -74,22 +86,19 @@ def parse_rs(rollout_rs: str, spec) -> dict[str, tuple[float | None, float]]:
     specs = specs * len(options) if len(specs) == 1 else specs
     thresholds = {}
     for option, text in zip(options, specs):
-        try:
-            if option.endswith("k1"):
-                lower_text, upper_text = text.split("_", 1) if "_" in text else (str(1.0 / float(text)), text)
-                lower, upper = float(lower_text), float(upper_text)
-                if lower <= 0 or upper <= 0 or lower > upper:
-                    raise ValueError(f"Thresholds for option {option!r} must be positive with lower <= upper, "
-                                     f"got {text!r}")
-            else:
-                if "_" in text:
-                    raise ValueError(f"rollout_rs_threshold for option {option!r} is a single upper bound, "
-                                     f"got {text!r}")
-                lower, upper = None, float(text)
-                if upper <= 0:
-                    raise ValueError(f"Threshold for option {option!r} must be positive, got {text!r}")
-        except ZeroDivisionError:
-            raise ValueError(f"Threshold for option {option!r} must be positive, got {text!r}") from None
+        if option.endswith("k1"):
+            upper = _rs_number(text.split("_", 1)[1] if "_" in text else text, option)
+            lower = _rs_number(text.split("_", 1)[0], option) if "_" in text else (1.0 / upper if upper else 0.0)
+            if lower <= 0 or upper <= 0 or lower > upper:
+                raise ValueError(f"Thresholds for option {option!r} must be positive with lower <= upper, "
+                                 f"got {text!r}")
+        else:
+            if "_" in text:
+                raise ValueError(f"rollout_rs_threshold for option {option!r} is a single upper bound, "
+                                 f"got {text!r}")
+            lower, upper = None, _rs_number(text, option)
+            if upper <= 0:
+                raise ValueError(f"Threshold for option {option!r} must be positive, got {text!r}")
         thresholds[option] = (lower, upper)
     return thresholds
 

@@ -174,3 +174,14 @@ def test_icepop_with_nan_inference_logps_equals_verl(rollout_is):
     ours = assert_same_as_weights(correction, batch, weights, mask, ("reference", "torch", "packed"), method="grpo")
     torch.testing.assert_close(ours["rollout_is_oob_ratio"].double(),
                                torch.tensor(metrics["rollout_corr/rollout_is_oob_ratio"], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rollout_rs,threshold,message", [
+    ("token_k1", "abc", "Invalid numeric threshold 'abc' for option 'token_k1'"),
+    ("token_k1", "0.5_x", "Invalid numeric threshold 'x' for option 'token_k1'"),
+    ("seq_mean_k3", "nan", "Invalid numeric threshold 'nan' for option 'seq_mean_k3'"),
+    ("token_k1", 0, "Thresholds for option 'token_k1' must be positive"),
+])
+def test_a_bad_rs_threshold_names_its_option(rollout_rs, threshold, message):
+    with pytest.raises(ValueError, match=message):
+        VerlCorrection(rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
