@@ -71,6 +71,9 @@ class MethodId(enum.IntEnum):
     DPPO_KL = 9  # ... (binary KL)
     VESPO = 10  # a sequence's gamma weight (TRL's vespo), evaluated at the summed log-ratio
     DRO = 11  # the plain policy gradient plus a quadratic penalty on the log-ratio (verl's dro)
+    PRIME_DPPO = 12  # prime-rl's default: -A r on DPPO's TV-kept tokens plus a squared log-ratio penalty
+    PRIME_IPO = 13  # ... its ipo: the same with a keep band symmetric in the probability's move
+    BANDED_IS = 14  # SkyRL's rollout_is: the importance weight inside an open band, 0 outside
 
 
 class KernelParam(enum.IntEnum):
@@ -99,7 +102,8 @@ class KernelParam(enum.IntEnum):
     K_NEG = 16  # ... and A < 0
     LAMBDA_POS = 17  # vespo's gamma rate for A >= 0 ...
     LAMBDA_NEG = 18  # ... and A < 0
-    PROXIMAL_BETA = 19  # dro's penalty (beta / 2) (l - l_old)^2
+    PROXIMAL_BETA = 19  # the penalty (beta / 2) (l - l_old)^2: dro's, and prime-rl's with beta = 2 kl_tau
+    ADV_SCALE = 20  # prime-rl's adv_tau: the advantage is scaled by it
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)

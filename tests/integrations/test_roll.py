@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle_routes import ROUTES, assert_route_matches, ragged_batch
 
 import dgpo_ops
 
@@ -32,42 +33,19 @@ def roll_kimi15(logp, old_logp, advantages, mask, tau=0.1):
     return (roll_masked_mean(loss_mat, mask) * valid).sum() / (valid.sum() + 1e-8)
 
 
-def batch(seed: int, drift: float):
-    """Ragged responses (one fully masked) and old log-probs up to ``drift`` nats from the current ones."""
-    generator = torch.Generator().manual_seed(seed)
-    B, T, V = 4, 7, 33
-    logits = torch.randn(B, T, V, generator=generator, dtype=torch.float64) * 2
-    targets = torch.randint(0, V, (B, T), generator=generator)
-    lengths = torch.tensor([7, 4, 0, 2])
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-    old_logp = logp + drift * (2 * torch.rand(B, T, generator=generator, dtype=torch.float64) - 1)
-    advantages = torch.randn(B, generator=generator, dtype=torch.float64)
-    return logits, targets, mask, old_logp, advantages
-
-
-@pytest.mark.parametrize("route", ["reference", "fused-torch", "fused-triton"])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("drift", [0.05, 3.0])
 @pytest.mark.parametrize("tau", [None, 0.5])  # None: kimi15's own 0.1
 def test_kimi15_is_rolls_loss(route, drift, tau):
-    logits, targets, mask, old_logp, advantages = batch(seed=5, drift=drift)
-    dtype = torch.float32 if route == "fused-triton" else torch.float64
-    leaf = logits.to(dtype).detach().clone().requires_grad_(True)
-    expected_leaf = logits.detach().clone().requires_grad_(True)
-    logp = torch.log_softmax(expected_leaf, -1).gather(-1, targets[..., None]).squeeze(-1)
-    expected = roll_kimi15(logp, old_logp, advantages, mask.double(), 0.1 if tau is None else tau)
-    expected.backward()
+    batch = ragged_batch(seed=5, drift=drift)
+    mask = batch[2]
     valid = float((mask.sum(-1) > 0).sum())  # ROLL counts the responses with a scored token
-    keywords = dict(mask=mask, old_logps=old_logp.to(dtype), method="kimi15", aggregation="seq_mean_token_mean",
-                    loss_normalizer=valid, **({} if tau is None else {"dro_beta": tau}))
-    if route == "reference":
-        out = dgpo_ops.reference_loss(leaf, targets, advantages.to(dtype), **keywords)
-    else:
-        out = dgpo_ops.fused_dgpo_loss(leaf, targets, advantages.to(dtype), backend=route.split("-")[1], **keywords)
-    out.loss.backward()
-    tolerance = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
-    torch.testing.assert_close(out.loss.double(), expected.detach(), **tolerance)
-    torch.testing.assert_close(leaf.grad.double(), expected_leaf.grad, **tolerance)
+    assert_route_matches(
+        route, batch,
+        lambda logp, old_logp, advantages, mask: roll_kimi15(logp, old_logp, advantages, mask.double(),
+                                                             0.1 if tau is None else tau),
+        method="kimi15", aggregation="seq_mean_token_mean", loss_normalizer=valid,
+        **({} if tau is None else {"dro_beta": tau}))
 
 
 def test_kimi15_is_dro_with_rolls_tau():

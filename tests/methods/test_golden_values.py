@@ -500,6 +500,85 @@ CASES["dppo_kl-default"] = (
     ],
 )
 
+# ---- prime-rl (default_loss_fn / ipo_loss_fn): -adv_tau A r on kept tokens, 0 on dropped ones, plus kl_tau (log r)^2
+# (kl_tau = 0 here, so that dL/dl = -A psi; test_prime_penalty_by_hand checks the penalty). prime_dppo keeps as
+# dppo_tv (p - q <= 0.2 for A > 0, >= -0.2 for A <= 0); prime_ipo keeps |p - q| <= 0.1 whatever A ----
+CASES["prime_dppo-no_penalty"] = (
+    "prime_dppo",
+    {"kl_tau": 0.0},
+    [
+        (1.5, 1.5, Q, -1.5 * 1.5, 1.5, M),  # p - q = 0.15: kept
+        (2.0, 1.5, Q, 0.0, 0.0, HP),  # p - q = 0.3 > 0.2, A > 0: dropped
+        (0.2, -0.7, Q, 0.0, 0.0, LN),  # p - q = -0.24 < -0.2, A < 0: dropped
+        (0.5, -0.7, Q, 0.7 * 0.5, 0.5, M),
+        (2.0, -0.7, Q, 0.7 * 2.0, 2.0, M),  # rose by 0.3 with A < 0: kept (only a fall drops it)
+        (0.2, 1.5, Q, -1.5 * 0.2, 0.2, M),  # fell with A > 0: kept
+        (4.0, 1.5, 0.02, -1.5 * 4.0, 4.0, M),  # p - q = 0.06: kept, the ratio not capped
+    ],
+)
+CASES["prime_dppo-adv_tau"] = (
+    "prime_dppo",
+    {"adv_tau": 0.5, "kl_tau": 0.0, "delta_high": 0.1},
+    [
+        (1.2, 1.5, Q, -0.5 * 1.5 * 1.2, 0.5 * 1.2, M),  # p - q = 0.06
+        (1.5, 1.5, Q, 0.0, 0.0, HP),  # p - q = 0.15 > 0.1
+        (0.5, -0.7, Q, 0.5 * 0.7 * 0.5, 0.5 * 0.5, M),
+    ],
+)
+CASES["prime_ipo-no_penalty"] = (
+    "prime_ipo",
+    {"kl_tau": 0.0},
+    [
+        (1.2, 1.5, Q, -1.5 * 1.2, 1.2, M),  # |p - q| = 0.06: kept
+        (1.5, 1.5, Q, 0.0, 0.0, HP),  # rose by 0.15
+        (1.5, -0.7, Q, 0.0, 0.0, HN),
+        (0.5, 1.5, Q, 0.0, 0.0, LP),  # fell by 0.15
+        (0.5, -0.7, Q, 0.0, 0.0, LN),
+        (0.8, -0.7, Q, 0.7 * 0.8, 0.8, M),
+    ],
+)
+
+# ---- rollout_is (SkyRL's compute_policy_loss_rollout_is): w = r inside the open band (0.8, 1.2), else 0;
+# L = -A w l, psi = w ----
+CASES["rollout_is-default"] = (
+    "rollout_is",
+    {},
+    [
+        (1.1, 1.5, Q, -1.5 * 1.1 * ell(1.1, Q), 1.1, M),
+        (0.9, -0.7, Q, 0.7 * 0.9 * ell(0.9, Q), 0.9, M),
+        (1.5, 1.5, Q, 0.0, 0.0, HP),
+        (0.5, -0.7, Q, 0.0, 0.0, LN),
+        (0.5, 1.5, Q, 0.0, 0.0, LP),
+        (3.0, -0.7, Q, 0.0, 0.0, HN),
+    ],
+)
+CASES["rollout_is-wide"] = (
+    "rollout_is",
+    {"eps_low": 0.5, "eps_high": 1.0},
+    [
+        (1.5, 1.5, Q, -1.5 * 1.5 * ell(1.5, Q), 1.5, M),
+        (0.6, -0.7, Q, 0.7 * 0.6 * ell(0.6, Q), 0.6, M),
+        (2.5, 1.5, Q, 0.0, 0.0, HP),
+        (0.4, -0.7, Q, 0.0, 0.0, LN),
+    ],
+)
+
+
+@pytest.mark.parametrize("method,params", [("prime_dppo", {}), ("prime_ipo", {"kl_tau": 0.25})])
+def test_prime_penalty_by_hand(method, params):
+    """kl_tau (log r)^2 on every token, dropped ones too, with its slope 2 kl_tau log r beside -A psi."""
+    kl_tau = params.get("kl_tau", 1e-3)
+    points = [(1.5, 1.5, Q), (2.0, 1.5, Q), (0.2, -0.7, Q), (0.5, 0.0, Q)]  # kept, dropped, dropped, A = 0
+    log_ratio, adv, old = _inputs(points, requires_grad=True)
+    out = token_terms(method_config(method, **params), log_ratio, adv, old)
+    (grad,) = torch.autograd.grad(out.loss.sum(), log_ratio)
+    kept_pg = {0: -1.5 * 1.5}
+    for i, (r, A, q) in enumerate(points):
+        pg = kept_pg.get(i, 0.0) if method == "prime_dppo" else 0.0  # prime_ipo's 0.1 drops even token 0
+        assert out.loss[i].item() == _approx(pg + kl_tau * math.log(r) ** 2), i
+        assert out.penalty_slope[i].item() == _approx(2 * kl_tau * math.log(r)), i
+        assert grad[i].item() == pytest.approx(-A * out.psi[i].item() + 2 * kl_tau * math.log(r), rel=1e-12), i
+
 
 # --------------------------------------------------------------------------------------------------
 # Tests
