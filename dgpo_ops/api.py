@@ -85,6 +85,7 @@ def fused_dgpo_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     inplace: bool = False,
     backend: str = "auto",
@@ -99,7 +100,8 @@ def fused_dgpo_loss(
         importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
         validation=validation, **method_params,
     )
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
+                      scores)
     return loss_from_options(logits, batch, options, CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 
 
@@ -114,9 +116,9 @@ class DGPOLoss(torch.nn.Module):
 
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
                 loss_normalizer=None, rollout_weights=None, cu_seqlens=None, max_seqlen=None,
-                generator=None) -> PolicyLossOutput:
+                generator=None, scores=None) -> PolicyLossOutput:
         batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer,
-                          generator)
+                          generator, scores)
         return loss_from_options(logits, batch, self.options,
                                  CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen))
 
@@ -148,6 +150,7 @@ def fused_linear_dgpo_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     logits_on_chip: bool = False,
@@ -166,7 +169,8 @@ def fused_linear_dgpo_loss(
         logit_scale, softcap = trace_constant(logit_scale), trace_constant(softcap)
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
                                            logits_on_chip=logits_on_chip)
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
+                      scores)
     return linear_loss_from_options(hidden, weight, bias, batch, options, projection_options,
                                     CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 

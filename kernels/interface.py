@@ -74,6 +74,7 @@ class MethodId(enum.IntEnum):
     PRIME_DPPO = 12  # prime-rl's default: -A r on DPPO's TV-kept tokens plus a squared log-ratio penalty
     PRIME_IPO = 13  # ... its ipo: the same with a keep band symmetric in the probability's move
     BANDED_IS = 14  # SkyRL's rollout_is: the importance weight inside an open band, 0 outside
+    TOPR = 15  # REINFORCE on positive samples, the ratio truncated at 1 on negative ones (split by A's sign here)
 
 
 class KernelParam(enum.IntEnum):
@@ -104,6 +105,8 @@ class KernelParam(enum.IntEnum):
     LAMBDA_NEG = 18  # ... and A < 0
     PROXIMAL_BETA = 19  # the penalty (beta / 2) (l - l_old)^2: dro's, and prime-rl's with beta = 2 kl_tau
     ADV_SCALE = 20  # prime-rl's adv_tau: the advantage is scaled by it
+    POSITIVE_WEIGHT = 21  # topr's weight of the positive samples ...
+    NEGATIVE_WEIGHT = 22  # ... and of the negative ones
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)

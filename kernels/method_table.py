@@ -234,6 +234,17 @@ def _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, SYMMETRIC: tl.co
 
 
 @triton.jit
+def _topr_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    # the table's split without scores: a sample is positive where A > 0
+    positive = adv > 0
+    truncated = tl.minimum(r, 1.0, propagate_nan=codes.NAN_PROPAGATING)
+    psi = tl.where(positive, tl.load(params_ptr + codes.PARAM_POSITIVE_WEIGHT),
+                   tl.load(params_ptr + codes.PARAM_NEGATIVE_WEIGHT) * truncated)
+    region = tl.where((positive == 0) & (r > 1.0) & (adv != 0), codes.REGION_DUAL, codes.REGION_M)
+    return -adv * psi * logp, psi, region
+
+
+@triton.jit
 def _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     # log_ratio is the response's summed log-ratios (the torch objective forms it; the table's _vespo says why)
     pos = adv >= 0
@@ -284,6 +295,8 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         loss, psi, region = _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, True)
     elif METHOD == codes.METHOD_BANDED_IS:
         loss, psi, region = _banded_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
+    elif METHOD == codes.METHOD_TOPR:
+        loss, psi, region = _topr_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     else:
         tl.static_assert(False, "token_terms: unknown METHOD id (add the method's function and branch here)")
     dloss_dlogp = -adv * psi

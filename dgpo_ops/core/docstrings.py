@@ -54,6 +54,9 @@ ARGUMENTS = {
     "rollout_weights": "per-token weights on the policy term (truncated importance sampling), or None; vespo "
                        "and geo_mean fold them into their sequence statistic instead, as TRL folds vLLM's "
                        "importance ratio and verl its rollout weights' geometric mean.",
+    "scores": "each response's score, ``(B,)`` (or per token; ``(n_seqs,)`` packed), or None: the methods that "
+              "split responses by its sign read it (topr's positive and negative samples, as ROLL's episode "
+              "score); where None the advantage's sign stands in. No gradient.",
     "generator": "what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a "
                  "``torch.Generator`` on the logits' device; None: torch's default generator of that device. A "
                  "key is drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens "

@@ -63,7 +63,7 @@ def policy_objective(
         if statistic is gspo.mean_log_ratio:
             importance_log_ratio = log_ratio
     tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp, scored=batch.mask,
-                         generator=generator)
+                         generator=generator, score=batch.scores)
     per_token = tokens.loss
     if batch.rollout_weights is not None and not options.folds_rollout_weights:
         per_token = per_token * batch.rollout_weights

@@ -97,9 +97,10 @@ class LossOptions:
 
     @property
     def token_local(self) -> bool:
-        """Each token's terms depend on that token alone (no sequence statistic, no batch-level selection), so
-        the row kernels' epilogue can evaluate them where they finish a row."""
-        return not self.sequence_level and METHODS[self.method.name].token_selection is None
+        """Each token's terms depend on that token's inputs alone (no sequence statistic, no batch-level selection,
+        no response score), so the row kernels' epilogue can evaluate them where they finish a row."""
+        spec = METHODS[self.method.name]
+        return not self.sequence_level and spec.token_selection is None and not spec.reads_scores
 
     @classmethod
     def build(cls, method="dgpo", **kwargs) -> "LossOptions":

@@ -101,6 +101,7 @@ class TokenInputs(NamedTuple):
     advantage: torch.Tensor
     logp: torch.Tensor  # l = log_ratio + old_logp; differentiable
     old_logp: torch.Tensor
+    score: torch.Tensor | None = None  # the response's score (LossBatch.scores), where the caller passed one
 
 
 class SequenceInputs(NamedTuple):
@@ -142,6 +143,9 @@ class MethodSpec:
     # A batch-level stage after the per-token terms: (config, terms, inputs, scored, generator) -> terms, with
     # statistics over every scored token of the call (the torch objective evaluates such a method).
     token_selection: Callable[..., TokenTerms] | None = None
+    # The method reads each response's score (``TokenInputs.score``, the ``scores`` input: topr's sample split), which
+    # the row kernels' epilogue does not load: the torch objective evaluates it.
+    reads_scores: bool = False
     # The aggregation the method's authors or framework fix: the default of every loss function and of DGPOConfig
     # (TRL's loss_type has none for a method TRL lacks); an explicit aggregation wins. None: token_mean.
     aggregation: str | None = None

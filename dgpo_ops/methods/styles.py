@@ -22,6 +22,7 @@ STYLES: dict[str, tuple[str, object]] = {
     "rollout_is": ("#5254a3", "--"),
     "prime_dppo": ("#843c39", "-"),
     "prime_ipo": ("#e7ba52", "-."),
+    "topr": ("#637939", ":"),
 }
 
 

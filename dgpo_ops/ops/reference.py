@@ -36,6 +36,7 @@ def reference_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
@@ -50,7 +51,8 @@ def reference_loss(
         importance_sampling_level=importance_sampling_level,
         **method_params,
     )
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
+                      scores)
     if cu_seqlens is not None or max_seqlen is not None:
         return packed_reference_loss(logits, batch, options, cu_seqlens, max_seqlen)
     return reference_loss_from_options(logits, batch, options)

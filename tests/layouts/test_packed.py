@@ -61,7 +61,7 @@ def compare(got, want, got_grad, want_grad, rtol=1e-5, atol=1e-6, grad_tolerance
 @pytest.mark.parametrize("loss_fn", ["fused-torch", "fused-triton", "reference"])
 def test_packed_logits_equal_the_padded_layout(variant, options, loss_fn):
     name, params = variant
-    keywords = dict(method=name, **params, **for_method(name, OPTION_SETS[options]))
+    keywords = dict(method=name, **params, **for_method(name, OPTION_SETS[options], responses=len(LENGTHS)))
     batch = padded_batch(per_token_adv=options == "token_mean")
     if not keywords.get("beta"):
         batch.pop("ref_logps")

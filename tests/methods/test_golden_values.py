@@ -563,6 +563,33 @@ CASES["rollout_is-wide"] = (
     ],
 )
 
+# ---- topr (ROLL's _compute_topr_loss): positive samples w = positive_weight, negative ones w = negative_weight
+# min(r, 1); L = -A w l, psi = w. Without scores the advantage's sign splits them (test_topr_splits_by_the_score) ----
+CASES["topr-weights"] = (
+    "topr",
+    {"positive_weight": 0.5, "negative_weight": 2.0},
+    [
+        (1.5, 1.5, Q, -1.5 * 0.5 * ell(1.5, Q), 0.5, M),
+        (0.3, 1.5, Q, -1.5 * 0.5 * ell(0.3, Q), 0.5, M),
+        (0.3, -0.7, Q, 0.7 * 2.0 * 0.3 * ell(0.3, Q), 2.0 * 0.3, M),
+        (1.5, -0.7, Q, 0.7 * 2.0 * 1.0 * ell(1.5, Q), 2.0, DUAL),  # the ratio cut at 1
+    ],
+)
+
+
+def test_topr_splits_by_the_score():
+    """With scores, a response's score (not its advantage) makes it positive: score > 0 with A < 0 is -A l."""
+    points = [(1.5, -0.7, Q), (1.5, 1.5, Q), (0.3, 1.5, Q), (1.5, -0.7, Q)]
+    scores = torch.tensor([1.0, 0.0, -2.0, -0.5], dtype=F64)  # positive, then three negatives (0 is negative)
+    log_ratio, adv, old = _inputs(points)
+    out = token_terms(method_config("topr"), log_ratio, adv, old, score=scores)
+    expected = [(0.7 * ell(1.5, Q), 1.0, M), (-1.5 * 1.0 * ell(1.5, Q), 1.0, DUAL),
+                (-1.5 * 0.3 * ell(0.3, Q), 0.3, M), (0.7 * 1.0 * ell(1.5, Q), 1.0, DUAL)]
+    for i, (loss, psi, region) in enumerate(expected):
+        assert out.loss[i].item() == _approx(loss), i
+        assert out.psi[i].item() == _approx(psi), i
+        assert Region(int(out.region[i])) == region, i
+
 
 @pytest.mark.parametrize("method,params", [("prime_dppo", {}), ("prime_ipo", {"kl_tau": 0.25})])
 def test_prime_penalty_by_hand(method, params):

@@ -40,6 +40,8 @@ def expected_regions(cfg, log_ratio, adv, old_logp):
         region[~kept & (adv < 0)] = Region.LN
         region[kept & (r > cfg.is_cap) & (adv != 0)] = Region.DUAL
         return region
+    if cfg.name == "topr":  # without scores the advantage's sign splits the samples: a negative one's cut ratio
+        return torch.where((adv < 0) & (r > 1), Region.DUAL, Region.M).to(torch.int8)
     if cfg.name in ("prime_dppo", "prime_ipo"):  # DPPO-TV's keep mask (prime_ipo: both sides for every A)
         p, q = (log_ratio + old_logp).exp(), old_logp.exp()
         rose, fell = p - q > cfg.delta_high, p - q < -cfg.delta_low
@@ -103,6 +105,8 @@ def test_regions_follow_their_definitions(variant):
     assert (region[adv == 0] == Region.M).all()
     if cfg.name in ("dppo_tv", "dppo_kl"):  # tokens are dropped on both sides, weights truncated
         assert {Region.HP, Region.LN, Region.DUAL} <= set(region.tolist())
+    elif cfg.name == "topr":
+        assert Region.DUAL in set(region.tolist())
     elif cfg.name == "prime_dppo":
         assert {Region.HP, Region.LN} <= set(region.tolist())
     elif cfg.name == "prime_ipo":  # dropped whatever the sign of A
@@ -217,12 +221,15 @@ def test_on_policy_gives_ratio_one_and_the_plain_policy_gradient(variant):
     # token_mean named: dcpo's own aggregation (seq_sum_token_mean) would scale the gradient by B
     out = dgpo_ops.reference_loss(logits, target, adv, method=name, aggregation="token_mean", **params)
     assert out.metrics["ratio_mean"] == 1.0
-    adv_scale = params.get("adv_tau", 1.0)  # prime-rl's losses scale the advantage
-    assert out.metrics["eur"] == pytest.approx(adv_scale, abs=1e-12)
+    # psi on-policy, per response: 1, but prime-rl's adv_tau and topr's sample weights scale it
+    psi = torch.full((B,), params.get("adv_tau", 1.0), dtype=torch.float64)
+    if name == "topr":  # no scores: the advantage's sign splits the samples
+        psi = torch.where(adv > 0, params.get("positive_weight", 1.0), params.get("negative_weight", 1.0))
+    assert out.metrics["eur"] == pytest.approx(psi.mean().item(), abs=1e-12)
     (grad,) = torch.autograd.grad(out.loss, logits)
     # psi = 1 on-policy: the gradient is the plain policy gradient -A (onehot - p) / N.
     onehot = torch.nn.functional.one_hot(target, V).double()
-    expected = -adv_scale * adv[:, None, None].double() * (onehot - logits.detach().softmax(-1)) / (B * T)
+    expected = -(psi * adv)[:, None, None] * (onehot - logits.detach().softmax(-1)) / (B * T)
     # geo_mean's mean divides by |o_i| + 1e-8, as verl's: a relative 1e-8 / |o_i| off the plain gradient
     rtol = 1e-8 if name == "geo_mean" else 1e-10
     torch.testing.assert_close(grad, expected, rtol=rtol, atol=1e-12)

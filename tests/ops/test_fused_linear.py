@@ -46,7 +46,7 @@ def test_linear_matches_reference(backend, variant, options):
     case = dict(logit_scale=1.3, softcap=4.0) if options == "kl_entropy_temperature" else {}
     on_chip = backend == "on_chip"
     ref, out, ref_grads, grads = run_linear(variant, "triton" if on_chip else backend,
-                                            for_method(variant[0], OPTION_SETS[options]),
+                                            for_method(variant[0], OPTION_SETS[options], responses=3),
                                             logits_on_chip=on_chip, **case)
     torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)

@@ -36,7 +36,7 @@ TOLERANCES = {
 def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=300, device="cpu"):
     name, params = variant
     inputs = logits_batch(B, T, V, seed=seed, dtype=dtype)
-    options = for_method(name, dict(FEATURE_BUNDLES[bundle]))
+    options = for_method(name, dict(FEATURE_BUNDLES[bundle]), responses=B)
     if options.pop("rollout_weights", False):
         inputs["rollout_weights"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) + 0.5
     for key in ("old_logps", "ref_logps"):
