@@ -42,9 +42,10 @@ def response_scores(responses: int) -> torch.Tensor:
 def for_method(method: str, options: dict, responses: int | None = None) -> dict:
     """``options`` as a method takes them: a method evaluated at its own sequence statistic (vespo) is already
     sequence-level and takes no importance_sampling_level (GSPO's option sets then run its sequence path); a method
-    that reads the responses' scores (topr) gets ``response_scores(responses)`` where ``responses`` is given."""
+    that reads the responses' scores (topr), or options with the positive-example NLL, get
+    ``response_scores(responses)`` where ``responses`` is given."""
     spec = dgpo_ops.METHODS[catalog.resolve(method)[0]]
-    if spec.reads_scores and responses is not None:
+    if (spec.reads_scores or options.get("positive_nll_coef")) and responses is not None:
         options = {**options, "scores": response_scores(responses)}
     if spec.sequence_statistic is None:
         return options

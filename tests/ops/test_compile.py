@@ -49,7 +49,8 @@ def leaves(hidden, weight):
 def test_compiled_equals_eager_for_every_method(variant):
     name, params = variant
     hidden, weight, inputs = linear_inputs()
-    kwargs = dict(method=name, **params, beta=0.02, entropy_coef=0.01, **for_method(name, {}, responses=B))
+    kwargs = dict(method=name, **params, beta=0.02, entropy_coef=0.01,
+                  **for_method(name, {"positive_nll_coef": 0.05}, responses=B))
     torch._dynamo.reset()
     compiled = torch.compile(all_three, fullgraph=True, backend="aot_eager")  # fullgraph: no graph break
     eager_leaves, compiled_leaves = leaves(hidden, weight), leaves(hidden, weight)
