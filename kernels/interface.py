@@ -75,6 +75,7 @@ class MethodId(enum.IntEnum):
     PRIME_IPO = 13  # ... its ipo: the same with a keep band symmetric in the probability's move
     BANDED_IS = 14  # SkyRL's rollout_is: the importance weight inside an open band, 0 outside
     TOPR = 15  # REINFORCE on positive samples, the ratio truncated at 1 on negative ones (split by A's sign here)
+    FIPO = 16  # PPO's clipped ratio weighed by exp(future KL), clipped (ms-swift's fipo), at its future-KL statistic
 
 
 class KernelParam(enum.IntEnum):
@@ -107,6 +108,9 @@ class KernelParam(enum.IntEnum):
     ADV_SCALE = 20  # prime-rl's adv_tau: the advantage is scaled by it
     POSITIVE_WEIGHT = 21  # topr's weight of the positive samples ...
     NEGATIVE_WEIGHT = 22  # ... and of the negative ones
+    INFLUENCE_LOW = 23  # fipo's bounds of its influence weight exp(future KL) (0 and +inf when off) ...
+    INFLUENCE_HIGH = 24
+    SAFETY_THRESHOLD = 25  # ... and the ratio above which A < 0 caps it to [0.8, 1] (+inf when off)
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)

@@ -245,6 +245,22 @@ def _topr_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
 
 
 @triton.jit
+def _fipo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    # log_ratio is the token's future sum (the torch objective forms it, as the table's future_log_ratio); PPO's term
+    # uses the token's own ratio, weighed by the clipped influence exp(future sum)
+    own_ratio = tl.exp(tl.clamp(logp - old_logp, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP,
+                                propagate_nan=codes.NAN_PROPAGATING))
+    loss, psi, region = _ppo_clip(own_ratio, adv, tl.load(params_ptr + codes.PARAM_LOW_POS),
+                                  tl.load(params_ptr + codes.PARAM_HIGH_POS), float("inf"),
+                                  tl.load(params_ptr + codes.PARAM_DELTA))
+    influence = tl.clamp(r, tl.load(params_ptr + codes.PARAM_INFLUENCE_LOW),
+                         tl.load(params_ptr + codes.PARAM_INFLUENCE_HIGH), propagate_nan=codes.NAN_PROPAGATING)
+    unsafe = (adv < 0) & (own_ratio > tl.load(params_ptr + codes.PARAM_SAFETY_THRESHOLD))
+    influence = tl.where(unsafe, tl.clamp(influence, 0.8, 1.0, propagate_nan=codes.NAN_PROPAGATING), influence)
+    return influence * loss, influence * psi, region
+
+
+@triton.jit
 def _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     # log_ratio is the response's summed log-ratios (the torch objective forms it; the table's _vespo says why)
     pos = adv >= 0
@@ -295,6 +311,8 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         loss, psi, region = _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, True)
     elif METHOD == codes.METHOD_BANDED_IS:
         loss, psi, region = _banded_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
+    elif METHOD == codes.METHOD_FIPO:
+        loss, psi, region = _fipo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_TOPR:
         loss, psi, region = _topr_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     else:

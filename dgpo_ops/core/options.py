@@ -99,7 +99,8 @@ class LossOptions:
     @property
     def folds_rollout_weights(self) -> bool:
         """The rollout weights enter the method's own sequence statistic instead of multiplying its loss."""
-        return METHODS[self.method.name].sequence_statistic is not None
+        spec = METHODS[self.method.name]
+        return spec.sequence_statistic is not None and spec.statistic_folds_rollout_weights
 
     @property
     def token_local(self) -> bool:

@@ -140,6 +140,9 @@ class MethodSpec:
     # vespo folds vLLM's importance ratio into its log-weight) instead of multiplying the loss. Such a method is
     # sequence-level by itself: the torch objective evaluates it (vespo's summed log-ratio, GMPO's clipped mean).
     sequence_statistic: Callable[..., torch.Tensor] | None = None
+    # Whether the statistic folds the rollout weights in (vespo's, geo_mean's); False: they multiply the loss as for a
+    # per-token method (fipo's future KL weighs the token's own PPO term, which ms-swift's rollout weights multiply).
+    statistic_folds_rollout_weights: bool = True
     # A batch-level stage after the per-token terms: (config, terms, inputs, scored, generator) -> terms, with
     # statistics over every scored token of the call (the torch objective evaluates such a method).
     token_selection: Callable[..., TokenTerms] | None = None

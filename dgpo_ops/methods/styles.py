@@ -23,6 +23,7 @@ STYLES: dict[str, tuple[str, object]] = {
     "prime_dppo": ("#843c39", "-"),
     "prime_ipo": ("#e7ba52", "-."),
     "topr": ("#637939", ":"),
+    "fipo": ("#7b4173", "--"),
 }
 
 

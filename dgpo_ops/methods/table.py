@@ -25,6 +25,7 @@ from dgpo_ops.methods import (
     dgpo,
     dppo,
     dro,
+    fipo,
     geo_mean,
     gpg,
     gppo,
@@ -43,7 +44,7 @@ from dgpo_ops.methods.base import (
 )
 
 # The family modules in the order of the README's table; a new method's module is added here once.
-FAMILIES = (grpo, cispo, gppo, aspo, dgpo, dcpo, sapo, gpg, topr, dppo, vespo, dro, geo_mean, covariance)
+FAMILIES = (grpo, cispo, gppo, aspo, dgpo, dcpo, sapo, gpg, topr, dppo, vespo, fipo, dro, geo_mean, covariance)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for family in FAMILIES for spec in family.SPECS}
 ALIASES: dict[str, MethodAlias] = {alias.name: alias for family in FAMILIES for alias in getattr(family, "ALIASES", ())}

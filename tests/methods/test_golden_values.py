@@ -576,6 +576,49 @@ CASES["topr-weights"] = (
     ],
 )
 
+# ---- fipo (ms-swift): f = clip(exp(F), 1, 1.2) times grpo's terms at the token's own ratio. Called per token,
+# the statistic F is the log-ratio itself (l = log r + l_old), so f = clip(r, 1, 1.2); for A < 0 with r > 4 (the
+# safety threshold) f is clamped to [0.8, 1] ----
+def fipo_weight(r, A, low=1.0, high=1.2, safety=4.0):
+    f = clip(r, low, high)
+    return clip(f, 0.8, 1.0) if A < 0 and r > safety else f
+
+
+CASES["fipo-default"] = (
+    "fipo",
+    {},
+    [
+        (1.1, 1.5, Q, fipo_weight(1.1, 1.5) * -1.5 * 1.1, fipo_weight(1.1, 1.5) * 1.1, M),
+        (1.5, 1.5, Q, fipo_weight(1.5, 1.5) * -1.5 * 1.2, 0.0, HP),
+        (0.5, -0.7, Q, fipo_weight(0.5, -0.7) * 0.7 * 0.8, 0.0, LN),
+        (0.5, 1.5, Q, fipo_weight(0.5, 1.5) * -1.5 * 0.5, 0.5, LP),
+        (3.0, -0.7, Q, fipo_weight(3.0, -0.7) * 0.7 * 3.0, 1.2 * 3.0, HN),
+        (5.0, -0.7, Q, fipo_weight(5.0, -0.7) * 0.7 * 5.0, 1.0 * 5.0, HN),  # the safety cap: f = 1, not 1.2
+    ],
+)
+
+
+def test_fipo_future_sum_by_hand():
+    """F_t = sum_{k >= t} gamma^(k - t) d_k within the row, d = 0 off the mask and above delta, F = 0 off the mask."""
+    from dgpo_ops.methods.base import SequenceInputs
+    from dgpo_ops.methods.fipo import discounted_future_sum, future_log_ratio
+
+    gamma = 2 ** (-1 / 2.0)
+    d = [0.3, -1.0, 2.0, 0.5, -0.2, 0.1, 1.5]  # r = e^2 at position 2: above delta 2.5 (e^2 = 7.4)
+    mask = [True, True, True, False, True, True, False]
+    log_ratio = torch.tensor([d], dtype=F64)
+    cfg = method_config("fipo", decay_rate=2.0, delta=2.5)
+    got = future_log_ratio(cfg, SequenceInputs(log_ratio, torch.ones(1, 1, dtype=F64), torch.tensor([mask]), None))
+    kept = [x if m and math.exp(x) <= 2.5 else 0.0 for x, m in zip(d, mask)]
+    for t in range(7):
+        expected = sum(gamma ** (k - t) * kept[k] for k in range(t, 7)) if mask[t] else 0.0
+        assert got[0, t].item() == _approx(expected) if expected else got[0, t].item() == 0.0, t
+    long = torch.randn(2, 1000, dtype=F64, generator=torch.Generator().manual_seed(0))
+    decay = 2 ** (-1 / 32.0)
+    explicit = torch.stack([sum(decay ** j * long[:, t + j] for j in range(0, 1000 - t)) for t in (0, 1, 500, 999)], 1)
+    torch.testing.assert_close(discounted_future_sum(long, decay)[:, [0, 1, 500, 999]], explicit, rtol=1e-12,
+                               atol=1e-12)
+
 
 def test_topr_splits_by_the_score():
     """With scores, a response's score (not its advantage) makes it positive: score > 0 with A < 0 is -A l."""
