@@ -10,7 +10,14 @@ import torch
 
 from dgpo_ops.kernels.interface import KernelParam, MethodId
 from dgpo_ops.methods.base import MethodConfig, MethodSpec, TokenInputs, TokenTerms, param
-from dgpo_ops.methods.clip import capped_is, eps_high_param, eps_low_param, full_like, regions, symmetric_bounds
+from dgpo_ops.methods.clip import (
+    capped_is,
+    eps_high_param,
+    eps_low_param,
+    full_like,
+    regions,
+    symmetric_bounds,
+)
 
 
 @dataclass(frozen=True)

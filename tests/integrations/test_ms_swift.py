@@ -20,7 +20,8 @@ MS_SWIFT_SOURCE = {
     "_compute_fipo_influence": "swift/rlhf_trainers/grpo_trainer.py, lines 899-946",
     "the fipo loss branch": "swift/rlhf_trainers/grpo_trainer.py, lines 1049-1081",
     "aggregation": "swift/rlhf_trainers/grpo_trainer.py, lines 1140-1143",
-    "fipo_decay_rate, fipo_clip_range, fipo_clip_high_only, fipo_safety_threshold": "swift/rlhf_trainers/args_mixin.py, lines 466-469",
+    "fipo_decay_rate, fipo_clip_range, fipo_clip_high_only, fipo_safety_threshold":
+        "swift/rlhf_trainers/args_mixin.py, lines 466-469",
 }
 
 

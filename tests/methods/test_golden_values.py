@@ -615,7 +615,7 @@ def test_fipo_future_sum_by_hand():
         assert got[0, t].item() == _approx(expected) if expected else got[0, t].item() == 0.0, t
     long = torch.randn(2, 1000, dtype=F64, generator=torch.Generator().manual_seed(0))
     decay = 2 ** (-1 / 32.0)
-    explicit = torch.stack([sum(decay ** j * long[:, t + j] for j in range(0, 1000 - t)) for t in (0, 1, 500, 999)], 1)
+    explicit = torch.stack([sum(decay ** j * long[:, t + j] for j in range(1000 - t)) for t in (0, 1, 500, 999)], 1)
     torch.testing.assert_close(discounted_future_sum(long, decay)[:, [0, 1, 500, 999]], explicit, rtol=1e-12,
                                atol=1e-12)
 

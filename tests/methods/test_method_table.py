@@ -65,7 +65,8 @@ def expected_regions(cfg, log_ratio, adv, old_logp):
     region[(r > high) & (adv > 0)] = Region.HP
     region[(r < low) & (adv > 0)] = Region.LP
     region[(r > high) & (adv < 0)] = Region.HN
-    if cfg.name in ("grpo", "fipo") and cfg.delta is not None:  # TRL's cap fires where it silences a token PPO leaves alone
+    # TRL's cap (grpo's, fipo's) fires where it silences a token PPO leaves alone
+    if cfg.name in ("grpo", "fipo") and cfg.delta is not None:
         high = 1 + cfg.eps_high
         region[(adv > 0) & (r > cfg.delta) & (r <= high)] = Region.DUAL
         region[(adv < 0) & (r > high) & (r > cfg.delta)] = Region.DUAL
