@@ -110,6 +110,7 @@ def fused_dgpo_loss(
     rollout_weights: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
     rollout_correction=None,
+    scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     inplace: bool = False,
     backend: str = "auto",
@@ -125,7 +126,7 @@ def fused_dgpo_loss(
         validation=validation, rollout_correction=rollout_correction, **method_params,
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
-                      rollout_logps)
+                      rollout_logps, scores)
     return loss_from_options(logits, batch, options, CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 
 
@@ -140,9 +141,9 @@ class DGPOLoss(torch.nn.Module):
 
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
                 loss_normalizer=None, rollout_weights=None, rollout_logps=None, cu_seqlens=None, max_seqlen=None,
-                generator=None) -> PolicyLossOutput:
+                generator=None, scores=None) -> PolicyLossOutput:
         batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer,
-                          generator, rollout_logps)
+                          generator, rollout_logps, scores)
         return loss_from_options(logits, batch, self.options,
                                  CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen))
 
@@ -176,6 +177,7 @@ def fused_linear_dgpo_loss(
     rollout_weights: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
     rollout_correction=None,
+    scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     logits_on_chip: bool = False,
@@ -196,7 +198,7 @@ def fused_linear_dgpo_loss(
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
                                            logits_on_chip=logits_on_chip)
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
-                      rollout_logps)
+                      rollout_logps, scores)
     return linear_loss_from_options(hidden, weight, bias, batch, options, projection_options,
                                     CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 

@@ -71,6 +71,11 @@ class MethodId(enum.IntEnum):
     DPPO_KL = 9  # ... (binary KL)
     VESPO = 10  # a sequence's gamma weight (TRL's vespo), evaluated at the summed log-ratio
     DRO = 11  # the plain policy gradient plus a quadratic penalty on the log-ratio (verl's dro)
+    PRIME_DPPO = 12  # prime-rl's default: -A r on DPPO's TV-kept tokens plus a squared log-ratio penalty
+    PRIME_IPO = 13  # ... its ipo: the same with a keep band symmetric in the probability's move
+    BANDED_IS = 14  # SkyRL's rollout_is: the importance weight inside an open band, 0 outside
+    TOPR = 15  # REINFORCE on positive samples, the ratio truncated at 1 on negative ones (split by A's sign here)
+    FIPO = 16  # PPO's clipped ratio weighed by exp(future KL), clipped (ms-swift's fipo), at its future-KL statistic
 
 
 class KernelParam(enum.IntEnum):
@@ -99,7 +104,13 @@ class KernelParam(enum.IntEnum):
     K_NEG = 16  # ... and A < 0
     LAMBDA_POS = 17  # vespo's gamma rate for A >= 0 ...
     LAMBDA_NEG = 18  # ... and A < 0
-    PROXIMAL_BETA = 19  # dro's penalty (beta / 2) (l - l_old)^2
+    PROXIMAL_BETA = 19  # the penalty (beta / 2) (l - l_old)^2: dro's, and prime-rl's with beta = 2 kl_tau
+    ADV_SCALE = 20  # prime-rl's adv_tau: the advantage is scaled by it
+    POSITIVE_WEIGHT = 21  # topr's weight of the positive samples ...
+    NEGATIVE_WEIGHT = 22  # ... and of the negative ones
+    INFLUENCE_LOW = 23  # fipo's bounds of its influence weight exp(future KL) (0 and +inf when off) ...
+    INFLUENCE_HIGH = 24
+    SAFETY_THRESHOLD = 25  # ... and the ratio above which A < 0 caps it to [0.8, 1] (+inf when off)
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)

@@ -121,6 +121,15 @@ def _capped_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
 
 
 @triton.jit
+def _banded_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    low = tl.load(params_ptr + codes.PARAM_LOW_POS)
+    high = tl.load(params_ptr + codes.PARAM_HIGH_POS)
+    outside = (r <= low) | (r >= high)  # an open band; a NaN ratio is not outside (as the table)
+    psi = tl.where(outside, 0.0, r)
+    return tl.where(outside, 0.0, -adv * psi * logp), psi, _regions(r, adv, low, high)
+
+
+@triton.jit
 def _gradient_preserving_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     low = tl.load(params_ptr + codes.PARAM_LOW_POS)
     high = tl.load(params_ptr + codes.PARAM_HIGH_POS)
@@ -205,6 +214,53 @@ def _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, BINARY_KL: tl.con
 
 
 @triton.jit
+def _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, SYMMETRIC: tl.constexpr):
+    # -A adv_tau r on the kept tokens; token_terms adds the penalty (as dro's)
+    delta_low = tl.load(params_ptr + codes.PARAM_THRESHOLD_LOW)
+    delta_high = tl.load(params_ptr + codes.PARAM_THRESHOLD_HIGH)
+    moved = tl.exp(logp) - tl.exp(old_logp)
+    rose = moved > delta_high
+    fell = moved < -delta_low
+    if SYMMETRIC:
+        dropped = rose | fell
+    else:
+        dropped = tl.where(adv > 0, rose, fell)
+    kept = dropped == 0  # "not dropped": a NaN log-prob keeps its token (as the table)
+    psi = tl.where(kept, tl.load(params_ptr + codes.PARAM_ADV_SCALE) * r, 0.0)
+    region = tl.where(logp > old_logp, tl.where(adv > 0, codes.REGION_HP, codes.REGION_HN),
+                      tl.where(adv > 0, codes.REGION_LP, codes.REGION_LN))
+    region = tl.where(kept | (adv == 0), codes.REGION_M, region)
+    return tl.where(kept, -adv * psi, 0.0), psi, region
+
+
+@triton.jit
+def _topr_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    # the table's split without scores: a sample is positive where A > 0
+    positive = adv > 0
+    truncated = tl.minimum(r, 1.0, propagate_nan=codes.NAN_PROPAGATING)
+    psi = tl.where(positive, tl.load(params_ptr + codes.PARAM_POSITIVE_WEIGHT),
+                   tl.load(params_ptr + codes.PARAM_NEGATIVE_WEIGHT) * truncated)
+    region = tl.where((positive == 0) & (r > 1.0) & (adv != 0), codes.REGION_DUAL, codes.REGION_M)
+    return -adv * psi * logp, psi, region
+
+
+@triton.jit
+def _fipo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
+    # log_ratio is the token's future sum (the torch objective forms it, as the table's future_log_ratio); PPO's term
+    # uses the token's own ratio, weighed by the clipped influence exp(future sum)
+    own_ratio = tl.exp(tl.clamp(logp - old_logp, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP,
+                                propagate_nan=codes.NAN_PROPAGATING))
+    loss, psi, region = _ppo_clip(own_ratio, adv, tl.load(params_ptr + codes.PARAM_LOW_POS),
+                                  tl.load(params_ptr + codes.PARAM_HIGH_POS), float("inf"),
+                                  tl.load(params_ptr + codes.PARAM_DELTA))
+    influence = tl.clamp(r, tl.load(params_ptr + codes.PARAM_INFLUENCE_LOW),
+                         tl.load(params_ptr + codes.PARAM_INFLUENCE_HIGH), propagate_nan=codes.NAN_PROPAGATING)
+    unsafe = (adv < 0) & (own_ratio > tl.load(params_ptr + codes.PARAM_SAFETY_THRESHOLD))
+    influence = tl.where(unsafe, tl.clamp(influence, 0.8, 1.0, propagate_nan=codes.NAN_PROPAGATING), influence)
+    return influence * loss, influence * psi, region
+
+
+@triton.jit
 def _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
     # log_ratio is the response's summed log-ratios (the torch objective forms it; the table's _vespo says why)
     pos = adv >= 0
@@ -249,10 +305,21 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         loss, psi, region = _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_DRO:
         loss, psi, region = _reinforce_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
+    elif METHOD == codes.METHOD_PRIME_DPPO:
+        loss, psi, region = _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, False)
+    elif METHOD == codes.METHOD_PRIME_IPO:
+        loss, psi, region = _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, True)
+    elif METHOD == codes.METHOD_BANDED_IS:
+        loss, psi, region = _banded_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
+    elif METHOD == codes.METHOD_FIPO:
+        loss, psi, region = _fipo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
+    elif METHOD == codes.METHOD_TOPR:
+        loss, psi, region = _topr_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     else:
         tl.static_assert(False, "token_terms: unknown METHOD id (add the method's function and branch here)")
     dloss_dlogp = -adv * psi
-    if METHOD == codes.METHOD_DRO:  # (beta / 2) (l - l_old)^2: a slope not proportional to A
+    # (beta / 2) (l - l_old)^2: a slope not proportional to A (dro's; prime-rl's kl_tau term with beta = 2 kl_tau)
+    if (METHOD == codes.METHOD_DRO) or (METHOD == codes.METHOD_PRIME_DPPO) or (METHOD == codes.METHOD_PRIME_IPO):
         beta = tl.load(params_ptr + codes.PARAM_PROXIMAL_BETA)
         drift = logp - old_logp  # unclamped, as verl's penalty (and the table's)
         loss += 0.5 * beta * drift * drift

@@ -41,6 +41,7 @@ class TokenInputs:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     rollout_weights: torch.Tensor | None = None
+    scores: torch.Tensor | None = None  # read by the torch objective only (LossBatch.scores)
 
     def strides(self, tensor: torch.Tensor) -> tuple[int, int]:
         """(response stride, time stride) of a per-token or per-response tensor on the grid."""

@@ -32,10 +32,21 @@ def requires_cuda(test):
 METHOD_VARIANTS = catalog.variants()
 
 
-def for_method(method: str, options: dict) -> dict:
+def response_scores(responses: int) -> torch.Tensor:
+    """Scores 1, -1, 1, ...: their signs differ from those of ``logits_batch``'s advantages (0, +, -, +, ...) on
+    every response after the first, so a method that splits responses by the score (topr) is told apart from one
+    that splits them by the advantage."""
+    return torch.tensor([(-1.0) ** b for b in range(responses)])
+
+
+def for_method(method: str, options: dict, responses: int | None = None) -> dict:
     """``options`` as a method takes them: a method evaluated at its own sequence statistic (vespo) is already
-    sequence-level and takes no importance_sampling_level (GSPO's option sets then run its sequence path)."""
+    sequence-level and takes no importance_sampling_level (GSPO's option sets then run its sequence path); a method
+    that reads the responses' scores (topr), or options with the positive-example NLL, get
+    ``response_scores(responses)`` where ``responses`` is given."""
     spec = dgpo_ops.METHODS[catalog.resolve(method)[0]]
+    if (spec.reads_scores or options.get("positive_nll_coef")) and responses is not None:
+        options = {**options, "scores": response_scores(responses)}
     if spec.sequence_statistic is None:
         return options
     return {k: v for k, v in options.items() if k != "importance_sampling_level"}

@@ -55,6 +55,8 @@ FIELDS: dict[str, ConfigField] = {
     "delta_high": ConfigField("dppo_delta_high"),
     "is_cap": ConfigField("dppo_is_cap"),
     "ppo_kl_coef": ConfigField("ppo_kl_coef"),  # kl_cov's, verl's name
+    "adv_tau": ConfigField("prime_adv_tau"),  # prime_dppo's and prime_ipo's
+    "kl_tau": ConfigField("prime_kl_tau"),
 }
 # A method that reads a parameter of that name otherwise; None: the trainer leaves it at its default.
 METHOD_FIELDS: dict[tuple[str, str], ConfigField | None] = {

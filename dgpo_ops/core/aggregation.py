@@ -22,9 +22,10 @@ AGGREGATIONS: dict[str, tuple[bool, Denominator]] = {
     "seq_mean_token_sum_norm": (False, Denominator.GRID),
     "seq_sum_token_mean": (True, Denominator.ONE),
     "seq_mean_token_sum": (False, Denominator.RESPONSES),  # TRL's luspo: mean over responses of |o_i| l_i
+    "token_sum": (False, Denominator.ONE),  # verl's token-sum: the plain sum over scored tokens
 }
 
-TOKEN_LEVEL_AGGREGATIONS = ("token_mean",)
+TOKEN_LEVEL_AGGREGATIONS = ("token_mean", "token_sum")  # no response structure needed
 
 
 def check_aggregation(aggregation: str) -> None:

@@ -42,9 +42,10 @@ ARGUMENTS = {
     "logit_scale": "the logits are ``logit_scale * (hidden @ weight.T + bias)``.",
     "softcap": "``softcap * tanh(logits / softcap)`` after the scale, as Gemma's final softcap; None: off.",
     "aggregation": "``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``, "
-                   "``seq_sum_token_mean`` or ``seq_mean_token_sum`` (TRL's luspo) (flat ``(N, V)`` logits: token "
-                   "level only); None: the method's own where its authors or framework fix one (dcpo: "
-                   "``seq_sum_token_mean``, geo_mean: ``seq_mean_token_mean``), else ``token_mean``.",
+                   "``seq_sum_token_mean``, ``seq_mean_token_sum`` (TRL's luspo) or ``token_sum`` (verl's "
+                   "token-sum) (flat ``(N, V)`` logits: token level only); None: the method's own where its "
+                   "authors or framework fix one (dcpo: ``seq_sum_token_mean``, geo_mean: "
+                   "``seq_mean_token_mean``), else ``token_mean``.",
     "loss_normalizer": "the token count ``token_mean`` divides by (a number or a one-element tensor, e.g. the "
                        "tokens of every micro-batch of the step); None: this call's scored tokens.",
     "beta": "weight of the k3 KL to ``ref_logps``.",
@@ -63,6 +64,9 @@ ARGUMENTS = {
                           "before the loss on ``old_logps`` and ``rollout_logps`` (both required), giving the rollout "
                           "weights (so not together with ``rollout_weights``) and the rejections, which leave the "
                           "mask (the normaliser counts only the tokens kept).",
+    "scores": "each response's score, ``(B,)`` (or per token; ``(n_seqs,)`` packed), or None: the methods that "
+              "split responses by its sign read it (topr's positive and negative samples, as ROLL's episode "
+              "score); where None the advantage's sign stands in. No gradient.",
     "generator": "what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a "
                  "``torch.Generator`` on the logits' device; None: torch's default generator of that device. A "
                  "key is drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens "

@@ -49,10 +49,13 @@ class LossBatch(NamedTuple):
     # the inference engine's per-token log-probs: read by the rollout-correction stage (dgpo_ops.corrections),
     # which runs before every route and hands them on as rollout_weights and a mask, never further
     rollout_logps: torch.Tensor | None = None
+    # each response's score (its reward), for the methods that split responses by its sign (topr); no gradient
+    scores: torch.Tensor | None = None
 
     def tensors(self) -> tuple:
         """The tensors in the order the custom ops of ``dgpo_ops.ops.compiled`` take them (the normaliser apart)."""
-        return self.target_ids, self.advantages, self.mask, self.old_logps, self.ref_logps, self.rollout_weights
+        return (self.target_ids, self.advantages, self.mask, self.old_logps, self.ref_logps, self.rollout_weights,
+                self.scores)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class TokenBatch:
     rollout_weights: torch.Tensor | None
     scale: torch.Tensor  # s_t, 0 on tokens not scored
     flat: bool  # the caller passed (N, V) logits: outputs are (N,)
+    scores: torch.Tensor | None = None  # each response's score on its tokens (LossBatch.scores)
 
     def unflatten(self, per_token: torch.Tensor) -> torch.Tensor:
         return per_token.reshape(-1) if self.flat else per_token.reshape(self.mask.shape)
@@ -150,8 +154,9 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
                                  allow_per_response=(name == "advantages" and not flat))
         for name, value in ((name, getattr(batch, name)) for name in PER_TOKEN_FLOATS)
     }
+    scores = _check_float_input("scores", batch.scores, token_shape, device, allow_per_response=not flat)
     return TokenInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
-                       mask=None if mask is None else mask.detach(), **floats)
+                       mask=None if mask is None else mask.detach(), scores=scores, **floats)
 
 
 def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.Tensor | None]:
@@ -191,6 +196,9 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=to
         value = on_token_grid(value, inputs.flat, scored.shape)
         if not torch.isfinite(value[scored].to(dtype)).all():
             raise ValueError(MESSAGES[InputError[name.upper()]])
+    if inputs.scores is not None and not torch.isfinite(
+            on_token_grid(inputs.scores, inputs.flat, scored.shape)[scored].to(dtype)).all():
+        raise ValueError("scores has non-finite values on unmasked tokens")
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
     if kind == Normalizer.TENSOR:
         check_normalizer_value(float(tensor))
@@ -216,6 +224,7 @@ def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tens
         rollout_weights=on_grid(inputs.rollout_weights),
         scale=scale,
         flat=inputs.flat,
+        scores=on_grid(inputs.scores),
     )
 
 

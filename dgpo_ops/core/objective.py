@@ -36,9 +36,20 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def check_kl_inputs(batch, options: LossOptions) -> None:
-    """``batch``: anything with ``ref_logps`` (a ``TokenBatch`` or the kernels' ``TokenInputs``)."""
+    """The inputs the added terms read: ``ref_logps`` for the KL, ``scores`` for the positive-example NLL.
+    ``batch``: anything with both (a ``TokenBatch`` or the kernels' ``TokenInputs``)."""
     if options.beta != 0.0 and batch.ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps")
+    if options.positive_nll_coef != 0.0 and batch.scores is None:
+        raise ValueError("positive_nll_coef > 0 needs scores (each response's reward: its positive responses are "
+                         "the correct ones)")
+
+
+def positive_nll(logp: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """VAPO's positive-example NLL as NeMo-RL's ClippedPGLossFn forms it: the mean of ``-l`` over the scored tokens
+    of the responses whose score is > 0, over this call's count of them plus 1e-8 (0 where there is none)."""
+    correct = batch.mask & (batch.scores > 0)
+    return -torch.where(correct, logp, 0.0).sum() / (correct.sum() + 1e-8)
 
 
 def policy_objective(
@@ -63,7 +74,7 @@ def policy_objective(
         if statistic is gspo.mean_log_ratio:
             importance_log_ratio = log_ratio
     tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp, scored=batch.mask,
-                         generator=generator)
+                         generator=generator, score=batch.scores)
     per_token = tokens.loss
     if batch.rollout_weights is not None and not options.folds_rollout_weights:
         per_token = per_token * batch.rollout_weights
@@ -80,6 +91,9 @@ def policy_objective(
     if options.entropy_coef != 0.0:
         per_token = per_token - options.entropy_coef * entropy
     loss = torch.where(batch.mask, per_token, 0.0).mul(batch.scale).sum()
+    if options.positive_nll_coef != 0.0:  # normalised by its own count, whatever the aggregation (as NeMo-RL's)
+        check_kl_inputs(batch, options)
+        loss = loss + options.positive_nll_coef * positive_nll(logp, batch)
     clamped = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return ObjectiveTerms(loss, tokens, clamped, kl)
 

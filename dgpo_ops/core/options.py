@@ -30,6 +30,9 @@ class LossOptions:
     beta: float = 0.0  # KL (k3) coefficient to the reference policy
     kl_ratio_correction: bool = False  # multiply the KL by the importance ratio (TRL's use_bias_correction_kl)
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * H
+    # VAPO's positive-example NLL (NeMo-RL's positive_example_nll_weight): loss += coef * the mean -l over the
+    # scored tokens of the responses whose score is > 0 (needs scores)
+    positive_nll_coef: float = 0.0
     importance_sampling_level: str = "token"  # "sequence" is GSPO's ratio
     inplace: bool = False  # fused ops only: write d(loss)/d(logits) into the logits' storage
     backend: str = "auto"  # fused ops only
@@ -41,7 +44,7 @@ class LossOptions:
     def __post_init__(self):
         if not isinstance(self.method, MethodConfig):
             raise ValueError(f"method must be a MethodConfig, got {type(self.method).__name__}")
-        for name, low_open in (("temperature", True), ("beta", False)):
+        for name, low_open in (("temperature", True), ("beta", False), ("positive_nll_coef", False)):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)) or value < 0 or (low_open and value == 0):
                 raise ValueError(f"{name} must be a finite number {'> 0' if low_open else '>= 0'}, got {value!r}")
@@ -49,6 +52,9 @@ class LossOptions:
         if not float32_magnitude_ok(self.temperature) or not float32_magnitude_ok(1.0 / self.temperature):
             raise ValueError(f"temperature must be a finite number > 0 whose inverse is finite in float32 "
                              f"({1 / FLOAT32_MAX:.2g} <= temperature <= {FLOAT32_MAX:.2g}), got {self.temperature!r}")
+        if not float32_magnitude_ok(self.positive_nll_coef):
+            raise ValueError(f"positive_nll_coef must be a finite number >= 0 that float32 holds, "
+                             f"got {self.positive_nll_coef!r}")
         if not float32_magnitude_ok(self.beta):
             raise ValueError(f"beta must be a finite number >= 0 that float32 holds (at most {FLOAT32_MAX:.2g}), "
                              f"got {self.beta!r}")
@@ -102,13 +108,16 @@ class LossOptions:
     @property
     def folds_rollout_weights(self) -> bool:
         """The rollout weights enter the method's own sequence statistic instead of multiplying its loss."""
-        return METHODS[self.method.name].sequence_statistic is not None
+        spec = METHODS[self.method.name]
+        return spec.sequence_statistic is not None and spec.statistic_folds_rollout_weights
 
     @property
     def token_local(self) -> bool:
-        """Each token's terms depend on that token alone (no sequence statistic, no batch-level selection), so
-        the row kernels' epilogue can evaluate them where they finish a row."""
-        return not self.sequence_level and METHODS[self.method.name].token_selection is None
+        """Each token's terms depend on that token's inputs alone (no sequence statistic, no batch-level selection,
+        no response score), so the row kernels' epilogue can evaluate them where they finish a row."""
+        spec = METHODS[self.method.name]
+        return (not self.sequence_level and spec.token_selection is None and not spec.reads_scores
+                and self.positive_nll_coef == 0.0)  # its normaliser counts the positive responses' tokens
 
     @classmethod
     def build(cls, method="dgpo", **kwargs) -> "LossOptions":

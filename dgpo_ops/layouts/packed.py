@@ -114,16 +114,16 @@ class PackedLayout:
         if batch.mask is not None:
             check_token_shape("mask", batch.mask)
             padded["mask"] = self.pad(batch.mask, 0)
-        for name in PER_TOKEN_FLOATS:
+        for name in (*PER_TOKEN_FLOATS, "scores"):
             value = getattr(batch, name)
             if value is None or not torch.is_tensor(value):
                 continue
-            if name == "advantages":
+            if name in ("advantages", "scores"):
                 if self.advantages_per_sequence(value):
                     padded[name] = value.reshape(self.n_seqs)
                     continue
                 if value.shape == (1, self.n_tokens):
                     value = value.reshape(self.n_tokens)
-            check_token_shape(name, value, per_sequence=name == "advantages")
+            check_token_shape(name, value, per_sequence=name in ("advantages", "scores"))
             padded[name] = self.pad(value.detach(), 0.0)
         return batch._replace(**padded)

@@ -101,6 +101,7 @@ class TokenInputs(NamedTuple):
     advantage: torch.Tensor
     logp: torch.Tensor  # l = log_ratio + old_logp; differentiable
     old_logp: torch.Tensor
+    score: torch.Tensor | None = None  # the response's score (LossBatch.scores), where the caller passed one
 
 
 class SequenceInputs(NamedTuple):
@@ -139,9 +140,15 @@ class MethodSpec:
     # vespo folds vLLM's importance ratio into its log-weight) instead of multiplying the loss. Such a method is
     # sequence-level by itself: the torch objective evaluates it (vespo's summed log-ratio, GMPO's clipped mean).
     sequence_statistic: Callable[..., torch.Tensor] | None = None
+    # Whether the statistic folds the rollout weights in (vespo's, geo_mean's); False: they multiply the loss as for a
+    # per-token method (fipo's future KL weighs the token's own PPO term, which ms-swift's rollout weights multiply).
+    statistic_folds_rollout_weights: bool = True
     # A batch-level stage after the per-token terms: (config, terms, inputs, scored, generator) -> terms, with
     # statistics over every scored token of the call (the torch objective evaluates such a method).
     token_selection: Callable[..., TokenTerms] | None = None
+    # The method reads each response's score (``TokenInputs.score``, the ``scores`` input: topr's sample split), which
+    # the row kernels' epilogue does not load: the torch objective evaluates it.
+    reads_scores: bool = False
     # The aggregation the method's authors or framework fix: the default of every loss function and of DGPOConfig
     # (TRL's loss_type has none for a method TRL lacks); an explicit aggregation wins. None: token_mean.
     aggregation: str | None = None

@@ -1,4 +1,5 @@
-"""CISPO and DISPO: the clipped importance weight times the log-prob (DISPO's bounds by the sign of A)."""
+"""CISPO and DISPO: the clipped importance weight times the log-prob (DISPO's bounds by the sign of A); SkyRL's
+rollout_is: the weight inside an open band, 0 outside it instead of clipped."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import torch
 
 from dgpo_ops.kernels.interface import KernelParam, MethodId
 from dgpo_ops.methods.base import MethodConfig, MethodSpec, TokenInputs, TokenTerms, param
-from dgpo_ops.methods.clip import capped_is, full_like, symmetric_bounds
+from dgpo_ops.methods.clip import (
+    capped_is,
+    eps_high_param,
+    eps_low_param,
+    full_like,
+    regions,
+    symmetric_bounds,
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,18 @@ class DispoConfig(MethodConfig):
         }
 
 
+@dataclass(frozen=True)
+class RolloutIsConfig(MethodConfig):
+    name: ClassVar[str] = "rollout_is"
+    method_id: ClassVar[MethodId] = MethodId.BANDED_IS
+    # SkyRL reads eps_clip_low / eps_clip_high as the band (1 - eps_low, 1 + eps_high)
+    eps_low: float = eps_low_param()
+    eps_high: float = eps_high_param()
+
+    def _kernel_slots(self):
+        return symmetric_bounds(self)
+
+
 def _cispo(cfg: CispoConfig, x: TokenInputs) -> TokenTerms:
     return capped_is(x, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
 
@@ -60,9 +80,23 @@ def _dispo(cfg: DispoConfig, x: TokenInputs) -> TokenTerms:
     return capped_is(x, low, high)
 
 
+def _rollout_is(cfg: RolloutIsConfig, x: TokenInputs) -> TokenTerms:
+    # SkyRL's compute_policy_loss_rollout_is: -sg(w) A l with w = r inside the open band, 0 on and beyond its ends.
+    # Written as "not outside" so that a NaN ratio reaches the loss; an outside token's value is 0 (not 0 * -inf).
+    rd, adv = x.ratio_detached, x.advantage
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    inside = ~((rd <= low) | (rd >= high))
+    weight = torch.where(inside, rd, 0.0)
+    return TokenTerms(torch.where(inside, -adv * weight * x.logp, 0.0), weight, regions(rd, adv, low, high))
+
+
 SPECS = (
     MethodSpec(CispoConfig, _cispo, "clipped IS weight times log-prob",
                "CISPO: MiniMax-M1, arXiv:2506.13585", variants=({}, {"eps_low": 0.2, "eps_high": 0.28})),
     MethodSpec(DispoConfig, _dispo, "CISPO with bounds by sign of A",
                "DISPO: Rawal et al. 2026, arXiv:2602.00983"),
+    MethodSpec(RolloutIsConfig, _rollout_is, "the importance weight times the log-prob inside an open band, "
+               "0 outside (old_logps: the rollout's)",
+               "SkyRL's policy_loss_type 'rollout_is' (GLM-5 tech report, section 4.1.2)",
+               variants=({}, {"eps_low": 0.5, "eps_high": 1.0})),
 )

@@ -24,13 +24,19 @@ class DroConfig(MethodConfig):
         return {KernelParam.PROXIMAL_BETA: self.dro_beta}
 
 
-def _dro(cfg: DroConfig, x: TokenInputs) -> TokenTerms:
-    # REINFORCE plus (beta / 2) (l - l_old)^2 on the unclamped log-ratio, as verl's dro; psi is the policy-gradient
-    # part (1), the penalty's slope beta (l - l_old) is apart.
-    rd = x.ratio_detached
+def proximal_penalty(beta: float, x: TokenInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(beta / 2) (l - l_old)^2`` on the unclamped log-ratio (as verl's dro and prime-rl's kl_tau term) and its
+    slope ``beta (l - l_old)``, detached: ``TokenTerms.penalty_slope``, apart from psi."""
     drift = x.logp - x.old_logp
-    loss = -x.advantage * x.logp + 0.5 * cfg.dro_beta * drift * drift
-    return TokenTerms(loss, torch.ones_like(rd), torch.zeros_like(rd, dtype=torch.int8), cfg.dro_beta * drift.detach())
+    return 0.5 * beta * drift * drift, beta * drift.detach()
+
+
+def _dro(cfg: DroConfig, x: TokenInputs) -> TokenTerms:
+    # REINFORCE plus the penalty, as verl's dro; psi is the policy-gradient part (1)
+    rd = x.ratio_detached
+    penalty, slope = proximal_penalty(cfg.dro_beta, x)
+    return TokenTerms(-x.advantage * x.logp + penalty, torch.ones_like(rd), torch.zeros_like(rd, dtype=torch.int8),
+                      slope)
 
 
 SPECS = (

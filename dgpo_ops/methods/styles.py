@@ -18,6 +18,12 @@ STYLES: dict[str, tuple[str, object]] = {
     "sapo erf": ("#7f7f7f", "-."),
     "sapo arctan": ("#000080", (0, (5, 1))),
     "sapo softsign": ("#b8860b", (0, (3, 1, 1, 1))),
+    # tab20b's darker shades: the spare colours below ran out
+    "rollout_is": ("#5254a3", "--"),
+    "prime_dppo": ("#843c39", "-"),
+    "prime_ipo": ("#e7ba52", "-."),
+    "topr": ("#637939", ":"),
+    "fipo": ("#7b4173", "--"),
 }
 
 

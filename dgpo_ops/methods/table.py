@@ -25,11 +25,13 @@ from dgpo_ops.methods import (
     dgpo,
     dppo,
     dro,
+    fipo,
     geo_mean,
     gpg,
     gppo,
     grpo,
     sapo,
+    topr,
     vespo,
 )
 from dgpo_ops.methods.base import (
@@ -42,7 +44,7 @@ from dgpo_ops.methods.base import (
 )
 
 # The family modules in the order of the README's table; a new method's module is added here once.
-FAMILIES = (grpo, cispo, gppo, aspo, dgpo, dcpo, sapo, gpg, dppo, vespo, dro, geo_mean, covariance)
+FAMILIES = (grpo, cispo, gppo, aspo, dgpo, dcpo, sapo, gpg, topr, dppo, vespo, fipo, dro, geo_mean, covariance)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for family in FAMILIES for spec in family.SPECS}
 ALIASES: dict[str, MethodAlias] = {alias.name: alias for family in FAMILIES for alias in getattr(family, "ALIASES", ())}
@@ -84,6 +86,7 @@ def token_terms(
     logp: torch.Tensor | None = None,
     scored: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    score: torch.Tensor | None = None,
 ) -> TokenTerms:
     """Loss value, gradient weight psi, region (and penalty slope, ``TokenTerms``) of every token.
 
@@ -93,13 +96,15 @@ def token_terms(
     The log ratio is clamped to [-20, 20] straight-through: values are clamped, the gradient
     passes, so psi is evaluated at the clamped ratio instead of being zeroed (an infinite log
     ratio too). A method with a batch-level selection (``MethodSpec.token_selection``) selects among the
-    ``scored`` tokens (default: all), drawing from ``generator`` where it draws at random.
+    ``scored`` tokens (default: all), drawing from ``generator`` where it draws at random. ``score``: each
+    token's response score, for a method that reads it (``MethodSpec.reads_scores``).
     """
     if logp is None:
         logp = log_ratio + old_logp
     log_ratio = straight_through_clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    inputs = TokenInputs(log_ratio, ratio, ratio.detach(), advantage, logp, old_logp)
+    inputs = TokenInputs(log_ratio, ratio, ratio.detach(), advantage, logp, old_logp,
+                         None if score is None else score.detach())
     spec = METHODS[cfg.name]
     terms = spec.token_fn(cfg, inputs)
     if spec.token_selection is not None:

@@ -89,11 +89,11 @@ def split_normalizer(loss_normalizer) -> tuple[OptionalTensor, float | None]:
 # ----------------------------------------------------------------------------- the logits op
 
 
-def _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
+def _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
            normalizer_value) -> LossBatch:
     """The op's flat arguments as the eager path's one object."""
     return LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
-                     _normalizer(normalizer, normalizer_value))
+                     _normalizer(normalizer, normalizer_value), scores=scores)
 
 
 def _logits_plan(logits, batch: LossBatch, spec, needs_grad, checked: bool):
@@ -105,13 +105,14 @@ def _logits_plan(logits, batch: LossBatch, spec, needs_grad, checked: bool):
 @torch.library.custom_op("dgpo_ops::fused_policy_loss", mutates_args=())
 def fused_policy_loss_op(
     logits: torch.Tensor, target_ids: torch.Tensor, advantages: torch.Tensor, mask: OptionalTensor,
-    old_logps: OptionalTensor, ref_logps: OptionalTensor, rollout_weights: OptionalTensor,
+    old_logps: OptionalTensor, ref_logps: OptionalTensor, rollout_weights: OptionalTensor, scores: OptionalTensor,
     normalizer: OptionalTensor, normalizer_value: float | None, spec: str, needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """(loss, per_token, stats, target_index, sequence_stats, seq_scale, status, dloss_dlogp)."""
 
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
+                   normalizer_value)
     plan = _logits_plan(logits, batch, spec, needs_grad, checked=True)
     workspace, loss, stats, coefficient = forward_pass(logits, plan, zero_planes=True)
     if coefficient is None:
@@ -122,10 +123,11 @@ def fused_policy_loss_op(
 
 
 @fused_policy_loss_op.register_fake
-def _(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value,
-      spec, needs_grad):
+def _(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
+      normalizer_value, spec, needs_grad):
     # The structure checks (shapes, dtypes, devices) run here, at trace time, with the eager messages.
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
+                   normalizer_value)
     plan = _logits_plan(logits, batch, spec, needs_grad, checked=False)
     dtype = compute_dtype(logits.dtype)
     workspace = RowWorkspace.allocate(logits.shape[:-1], plan.inputs.grid[0], logits.device, dtype)
@@ -156,7 +158,7 @@ def _(grad_loss, logits, per_token, target_index, sequence_stats, seq_scale, sta
 
 
 def _logits_setup_context(ctx, inputs, output):
-    ctx.spec = inputs[9]
+    ctx.spec = inputs[10]
     ctx.save_for_backward(inputs[0], *output[1:2], *output[3:])
 
 
@@ -164,7 +166,7 @@ def _logits_backward(ctx, grad_loss, *_grads_of_non_differentiable_outputs):
     logits, per_token, target_index, sequence_stats, seq_scale, status, coefficient = ctx.saved_tensors
     grad_logits = fused_policy_loss_backward_op(grad_loss, logits, per_token, target_index, sequence_stats,
                                                 seq_scale, status, coefficient, ctx.spec)
-    return (grad_logits,) + (None,) * 10
+    return (grad_logits,) + (None,) * 11
 
 
 fused_policy_loss_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
@@ -199,12 +201,13 @@ def _dtype(name: str) -> torch.dtype | None:
 def fused_linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: OptionalTensor, target_ids: torch.Tensor,
     advantages: torch.Tensor, mask: OptionalTensor, old_logps: OptionalTensor, ref_logps: OptionalTensor,
-    rollout_weights: OptionalTensor, normalizer: OptionalTensor, normalizer_value: float | None, spec: str,
-    wants: list[bool], autocast: str,
+    rollout_weights: OptionalTensor, scores: OptionalTensor, normalizer: OptionalTensor,
+    normalizer_value: float | None, spec: str, wants: list[bool], autocast: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, per_token, stats, grad_hidden, grad_weight, grad_bias); a gradient not wanted is empty."""
 
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
+                   normalizer_value)
     plan = _linear_plan(weight, batch, spec, any(wants), checked=True)
     loss, per_token, stats, *grads = linear_forward_pass(hidden, weight, bias, plan, wants, _dtype(autocast),
                                                          zero_planes=True)
@@ -214,10 +217,11 @@ def fused_linear_policy_loss_op(
 
 
 @fused_linear_policy_loss_op.register_fake
-def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer,
-      normalizer_value, spec, wants, autocast):
+def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores,
+      normalizer, normalizer_value, spec, wants, autocast):
 
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
+                   normalizer_value)
     plan = _linear_plan(weight, batch, spec, any(wants), checked=False)
     precision = Precision.resolve(weight, plan.projection.softcap, _dtype(autocast))
     call = plan.call
@@ -232,14 +236,14 @@ def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, 
 def _linear_setup_context(ctx, inputs, output):
     hidden, weight, bias = inputs[:3]
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    ctx.wants = inputs[12]
+    ctx.wants = inputs[13]
     ctx.save_for_backward(*output[3:])
 
 
 def _linear_backward(ctx, grad_loss, *_grads_of_other_outputs):
     grads = [g * grad_loss if wanted else None for g, wanted in zip(ctx.saved_tensors, ctx.wants)]
     grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-    return (*grads,) + (None,) * 11
+    return (*grads,) + (None,) * 12
 
 
 fused_linear_policy_loss_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -265,12 +269,13 @@ def compiled_fused_linear_loss(flat_hidden, weight, bias, batch: LossBatch, opti
 @torch.library.custom_op("dgpo_ops::checked_inputs", mutates_args=())
 def checked_inputs_op(
     target_ids: torch.Tensor, advantages: torch.Tensor, mask: OptionalTensor, old_logps: OptionalTensor,
-    ref_logps: OptionalTensor, rollout_weights: OptionalTensor, normalizer: OptionalTensor,
+    ref_logps: OptionalTensor, rollout_weights: OptionalTensor, scores: OptionalTensor, normalizer: OptionalTensor,
     normalizer_value: float | None, logits_shape: list[int], logits_dtype: torch.dtype, spec: str,
 ) -> torch.Tensor:
     options, _ = options_from_spec(spec)
     device = target_ids.device
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value)
+    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
+                   normalizer_value)
     inputs = token_inputs(torch.Size(logits_shape), logits_dtype, device, batch, options.aggregation,
                           options.sequence_reason)
     check_values(inputs, logits_shape[-1], batch.loss_normalizer, compute_dtype(logits_dtype))
@@ -278,6 +283,6 @@ def checked_inputs_op(
 
 
 @checked_inputs_op.register_fake
-def _(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, normalizer, normalizer_value,
+def _(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer, normalizer_value,
       logits_shape, logits_dtype, spec):
     return target_ids.new_empty((), dtype=compute_dtype(logits_dtype))

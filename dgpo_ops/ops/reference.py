@@ -39,6 +39,7 @@ def reference_loss(
     rollout_weights: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
     rollout_correction=None,
+    scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
@@ -55,7 +56,8 @@ def reference_loss(
         **method_params,
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
-                      rollout_logps)
+                      rollout_logps, scores)
+
     def route(batch):
         if cu_seqlens is not None or max_seqlen is not None:
             return packed_reference_loss(logits, batch, options, cu_seqlens, max_seqlen)

@@ -35,7 +35,7 @@ from dgpo_ops.methods.catalog import POLICY_LOSSES, variants  # noqa: E402
 
 MODES = tuple(VERL_AGGREGATIONS)
 # verl's mode -> the package's aggregation with that per-token weight; the normaliser carries verl's counts
-OUR_AGGREGATION = {"token-mean": "token_mean", "token-sum": "token_mean", "seq-mean-token-sum": "token_mean",
+OUR_AGGREGATION = {"token-mean": "token_mean", "token-sum": "token_sum", "seq-mean-token-sum": "token_mean",
                    "seq-mean-token-sum-norm": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean"}
 DP_SIZE, MICRO_BATCHES, PER_MICRO = 2, 2, 3  # the FSDP engine's layout: each rank runs MICRO_BATCHES micro-batches
 B, T, V = DP_SIZE * MICRO_BATCHES * PER_MICRO, 7, 13

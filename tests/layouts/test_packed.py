@@ -40,8 +40,8 @@ def unpack_rows(padded: torch.Tensor, lengths=LENGTHS) -> torch.Tensor:
 
 OPTION_SETS = {
     "token_mean": dict(),
-    "seq_mean_token_mean+kl+entropy+temperature": dict(aggregation="seq_mean_token_mean", beta=0.05,
-                                                       entropy_coef=0.01, temperature=0.7),
+    "seq_mean_token_mean+kl+entropy+temperature+nll": dict(aggregation="seq_mean_token_mean", beta=0.05,
+                                                           entropy_coef=0.01, temperature=0.7, positive_nll_coef=0.1),
     "seq_mean_token_sum_norm": dict(aggregation="seq_mean_token_sum_norm"),
     "seq_sum_token_mean+normalizer": dict(aggregation="seq_sum_token_mean", loss_normalizer=3.0),
     "gspo": dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean"),
@@ -61,7 +61,7 @@ def compare(got, want, got_grad, want_grad, rtol=1e-5, atol=1e-6, grad_tolerance
 @pytest.mark.parametrize("loss_fn", ["fused-torch", "fused-triton", "reference"])
 def test_packed_logits_equal_the_padded_layout(variant, options, loss_fn):
     name, params = variant
-    keywords = dict(method=name, **params, **for_method(name, OPTION_SETS[options]))
+    keywords = dict(method=name, **params, **for_method(name, OPTION_SETS[options], responses=len(LENGTHS)))
     batch = padded_batch(per_token_adv=options == "token_mean")
     if not keywords.get("beta"):
         batch.pop("ref_logps")
@@ -78,11 +78,12 @@ def test_packed_logits_equal_the_padded_layout(variant, options, loss_fn):
     compare(got, want, logits.grad, padded_logits.grad)
 
 
-@pytest.mark.parametrize("options", ["token_mean", "seq_mean_token_mean+kl+entropy+temperature", "gspo"])
+@pytest.mark.parametrize("options", ["token_mean", "seq_mean_token_mean+kl+entropy+temperature+nll", "gspo"])
 @pytest.mark.parametrize("projection", [dict(), dict(softcap=5.0, logit_scale=0.8)], ids=["plain", "softcap"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_packed_hidden_states_equal_the_padded_layout(options, projection, backend):
-    keywords = dict(method="dgpo", **OPTION_SETS[options], **projection, backend=backend)
+    keywords = dict(method="dgpo", **for_method("dgpo", OPTION_SETS[options], responses=len(LENGTHS)), **projection,
+                    backend=backend)
     # The twins in float64, so that the two paths' different summation orders leave nothing to tolerate;
     # the Triton kernels take float32 (the padded layout's own tile path is the comparison, also Triton).
     dtype, tolerance = (torch.float64, 1e-9) if backend == "torch" else (torch.float32, 2e-5)

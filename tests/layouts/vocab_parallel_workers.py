@@ -8,7 +8,7 @@ import os
 import traceback
 
 import torch
-from helpers import METHOD_VARIANTS, logits_batch, value_error_message
+from helpers import METHOD_VARIANTS, for_method, logits_batch, value_error_message
 
 from dgpo_ops.corrections import ArealCorrection, TrlCorrection, VerlCorrection
 
@@ -16,7 +16,8 @@ VOCAB = 60  # divisible by 2 and 3 processes
 BACKENDS = ("torch", "triton")
 OPTION_SETS = {
     "plain": dict(),
-    "kl_entropy_temperature": dict(aggregation="seq_mean_token_mean", beta=0.05, entropy_coef=0.01, temperature=0.7),
+    "kl_entropy_temperature_nll": dict(aggregation="seq_mean_token_mean", beta=0.05, entropy_coef=0.01, temperature=0.7,
+                                       positive_nll_coef=0.1),
 }
 EXTRA_JOBS = {  # name -> (method, params, options, per-token advantages, dtype, flat)
     "gspo": ("grpo", {}, dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", beta=0.02),
@@ -73,7 +74,8 @@ def inputs_of(job) -> tuple[dict, dict]:
         longer = torch.zeros(batch["logits"].shape[0], batch["logits"].shape[1] + 1, VOCAB)
         longer[:, :-1] = batch["logits"]
         batch["logits"] = longer[:, :-1]
-    return batch, dict(method=method, **params, **options)
+    # scores for topr and the positive-example NLL (logits_batch's 3 responses)
+    return batch, dict(method=method, **params, **for_method(method, options, responses=3))
 
 
 HIDDEN = 12

@@ -500,6 +500,155 @@ CASES["dppo_kl-default"] = (
     ],
 )
 
+# ---- prime-rl (default_loss_fn / ipo_loss_fn): -adv_tau A r on kept tokens, 0 on dropped ones, plus kl_tau (log r)^2
+# (kl_tau = 0 here, so that dL/dl = -A psi; test_prime_penalty_by_hand checks the penalty). prime_dppo keeps as
+# dppo_tv (p - q <= 0.2 for A > 0, >= -0.2 for A <= 0); prime_ipo keeps |p - q| <= 0.1 whatever A ----
+CASES["prime_dppo-no_penalty"] = (
+    "prime_dppo",
+    {"kl_tau": 0.0},
+    [
+        (1.5, 1.5, Q, -1.5 * 1.5, 1.5, M),  # p - q = 0.15: kept
+        (2.0, 1.5, Q, 0.0, 0.0, HP),  # p - q = 0.3 > 0.2, A > 0: dropped
+        (0.2, -0.7, Q, 0.0, 0.0, LN),  # p - q = -0.24 < -0.2, A < 0: dropped
+        (0.5, -0.7, Q, 0.7 * 0.5, 0.5, M),
+        (2.0, -0.7, Q, 0.7 * 2.0, 2.0, M),  # rose by 0.3 with A < 0: kept (only a fall drops it)
+        (0.2, 1.5, Q, -1.5 * 0.2, 0.2, M),  # fell with A > 0: kept
+        (4.0, 1.5, 0.02, -1.5 * 4.0, 4.0, M),  # p - q = 0.06: kept, the ratio not capped
+    ],
+)
+CASES["prime_dppo-adv_tau"] = (
+    "prime_dppo",
+    {"adv_tau": 0.5, "kl_tau": 0.0, "delta_high": 0.1},
+    [
+        (1.2, 1.5, Q, -0.5 * 1.5 * 1.2, 0.5 * 1.2, M),  # p - q = 0.06
+        (1.5, 1.5, Q, 0.0, 0.0, HP),  # p - q = 0.15 > 0.1
+        (0.5, -0.7, Q, 0.5 * 0.7 * 0.5, 0.5 * 0.5, M),
+    ],
+)
+CASES["prime_ipo-no_penalty"] = (
+    "prime_ipo",
+    {"kl_tau": 0.0},
+    [
+        (1.2, 1.5, Q, -1.5 * 1.2, 1.2, M),  # |p - q| = 0.06: kept
+        (1.5, 1.5, Q, 0.0, 0.0, HP),  # rose by 0.15
+        (1.5, -0.7, Q, 0.0, 0.0, HN),
+        (0.5, 1.5, Q, 0.0, 0.0, LP),  # fell by 0.15
+        (0.5, -0.7, Q, 0.0, 0.0, LN),
+        (0.8, -0.7, Q, 0.7 * 0.8, 0.8, M),
+    ],
+)
+
+# ---- rollout_is (SkyRL's compute_policy_loss_rollout_is): w = r inside the open band (0.8, 1.2), else 0;
+# L = -A w l, psi = w ----
+CASES["rollout_is-default"] = (
+    "rollout_is",
+    {},
+    [
+        (1.1, 1.5, Q, -1.5 * 1.1 * ell(1.1, Q), 1.1, M),
+        (0.9, -0.7, Q, 0.7 * 0.9 * ell(0.9, Q), 0.9, M),
+        (1.5, 1.5, Q, 0.0, 0.0, HP),
+        (0.5, -0.7, Q, 0.0, 0.0, LN),
+        (0.5, 1.5, Q, 0.0, 0.0, LP),
+        (3.0, -0.7, Q, 0.0, 0.0, HN),
+    ],
+)
+CASES["rollout_is-wide"] = (
+    "rollout_is",
+    {"eps_low": 0.5, "eps_high": 1.0},
+    [
+        (1.5, 1.5, Q, -1.5 * 1.5 * ell(1.5, Q), 1.5, M),
+        (0.6, -0.7, Q, 0.7 * 0.6 * ell(0.6, Q), 0.6, M),
+        (2.5, 1.5, Q, 0.0, 0.0, HP),
+        (0.4, -0.7, Q, 0.0, 0.0, LN),
+    ],
+)
+
+# ---- topr (ROLL's _compute_topr_loss): positive samples w = positive_weight, negative ones w = negative_weight
+# min(r, 1); L = -A w l, psi = w. Without scores the advantage's sign splits them (test_topr_splits_by_the_score) ----
+CASES["topr-weights"] = (
+    "topr",
+    {"positive_weight": 0.5, "negative_weight": 2.0},
+    [
+        (1.5, 1.5, Q, -1.5 * 0.5 * ell(1.5, Q), 0.5, M),
+        (0.3, 1.5, Q, -1.5 * 0.5 * ell(0.3, Q), 0.5, M),
+        (0.3, -0.7, Q, 0.7 * 2.0 * 0.3 * ell(0.3, Q), 2.0 * 0.3, M),
+        (1.5, -0.7, Q, 0.7 * 2.0 * 1.0 * ell(1.5, Q), 2.0, DUAL),  # the ratio cut at 1
+    ],
+)
+
+# ---- fipo (ms-swift): f = clip(exp(F), 1, 1.2) times grpo's terms at the token's own ratio. Called per token,
+# the statistic F is the log-ratio itself (l = log r + l_old), so f = clip(r, 1, 1.2); for A < 0 with r > 4 (the
+# safety threshold) f is clamped to [0.8, 1] ----
+def fipo_weight(r, A, low=1.0, high=1.2, safety=4.0):
+    f = clip(r, low, high)
+    return clip(f, 0.8, 1.0) if A < 0 and r > safety else f
+
+
+CASES["fipo-default"] = (
+    "fipo",
+    {},
+    [
+        (1.1, 1.5, Q, fipo_weight(1.1, 1.5) * -1.5 * 1.1, fipo_weight(1.1, 1.5) * 1.1, M),
+        (1.5, 1.5, Q, fipo_weight(1.5, 1.5) * -1.5 * 1.2, 0.0, HP),
+        (0.5, -0.7, Q, fipo_weight(0.5, -0.7) * 0.7 * 0.8, 0.0, LN),
+        (0.5, 1.5, Q, fipo_weight(0.5, 1.5) * -1.5 * 0.5, 0.5, LP),
+        (3.0, -0.7, Q, fipo_weight(3.0, -0.7) * 0.7 * 3.0, 1.2 * 3.0, HN),
+        (5.0, -0.7, Q, fipo_weight(5.0, -0.7) * 0.7 * 5.0, 1.0 * 5.0, HN),  # the safety cap: f = 1, not 1.2
+    ],
+)
+
+
+def test_fipo_future_sum_by_hand():
+    """F_t = sum_{k >= t} gamma^(k - t) d_k within the row, d = 0 off the mask and above delta, F = 0 off the mask."""
+    from dgpo_ops.methods.base import SequenceInputs
+    from dgpo_ops.methods.fipo import discounted_future_sum, future_log_ratio
+
+    gamma = 2 ** (-1 / 2.0)
+    d = [0.3, -1.0, 2.0, 0.5, -0.2, 0.1, 1.5]  # r = e^2 at position 2: above delta 2.5 (e^2 = 7.4)
+    mask = [True, True, True, False, True, True, False]
+    log_ratio = torch.tensor([d], dtype=F64)
+    cfg = method_config("fipo", decay_rate=2.0, delta=2.5)
+    got = future_log_ratio(cfg, SequenceInputs(log_ratio, torch.ones(1, 1, dtype=F64), torch.tensor([mask]), None))
+    kept = [x if m and math.exp(x) <= 2.5 else 0.0 for x, m in zip(d, mask)]
+    for t in range(7):
+        expected = sum(gamma ** (k - t) * kept[k] for k in range(t, 7)) if mask[t] else 0.0
+        assert got[0, t].item() == _approx(expected) if expected else got[0, t].item() == 0.0, t
+    long = torch.randn(2, 1000, dtype=F64, generator=torch.Generator().manual_seed(0))
+    decay = 2 ** (-1 / 32.0)
+    explicit = torch.stack([sum(decay ** j * long[:, t + j] for j in range(1000 - t)) for t in (0, 1, 500, 999)], 1)
+    torch.testing.assert_close(discounted_future_sum(long, decay)[:, [0, 1, 500, 999]], explicit, rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_topr_splits_by_the_score():
+    """With scores, a response's score (not its advantage) makes it positive: score > 0 with A < 0 is -A l."""
+    points = [(1.5, -0.7, Q), (1.5, 1.5, Q), (0.3, 1.5, Q), (1.5, -0.7, Q)]
+    scores = torch.tensor([1.0, 0.0, -2.0, -0.5], dtype=F64)  # positive, then three negatives (0 is negative)
+    log_ratio, adv, old = _inputs(points)
+    out = token_terms(method_config("topr"), log_ratio, adv, old, score=scores)
+    expected = [(0.7 * ell(1.5, Q), 1.0, M), (-1.5 * 1.0 * ell(1.5, Q), 1.0, DUAL),
+                (-1.5 * 0.3 * ell(0.3, Q), 0.3, M), (0.7 * 1.0 * ell(1.5, Q), 1.0, DUAL)]
+    for i, (loss, psi, region) in enumerate(expected):
+        assert out.loss[i].item() == _approx(loss), i
+        assert out.psi[i].item() == _approx(psi), i
+        assert Region(int(out.region[i])) == region, i
+
+
+@pytest.mark.parametrize("method,params", [("prime_dppo", {}), ("prime_ipo", {"kl_tau": 0.25})])
+def test_prime_penalty_by_hand(method, params):
+    """kl_tau (log r)^2 on every token, dropped ones too, with its slope 2 kl_tau log r beside -A psi."""
+    kl_tau = params.get("kl_tau", 1e-3)
+    points = [(1.5, 1.5, Q), (2.0, 1.5, Q), (0.2, -0.7, Q), (0.5, 0.0, Q)]  # kept, dropped, dropped, A = 0
+    log_ratio, adv, old = _inputs(points, requires_grad=True)
+    out = token_terms(method_config(method, **params), log_ratio, adv, old)
+    (grad,) = torch.autograd.grad(out.loss.sum(), log_ratio)
+    kept_pg = {0: -1.5 * 1.5}
+    for i, (r, A, q) in enumerate(points):
+        pg = kept_pg.get(i, 0.0) if method == "prime_dppo" else 0.0  # prime_ipo's 0.1 drops even token 0
+        assert out.loss[i].item() == _approx(pg + kl_tau * math.log(r) ** 2), i
+        assert out.penalty_slope[i].item() == _approx(2 * kl_tau * math.log(r)), i
+        assert grad[i].item() == pytest.approx(-A * out.psi[i].item() + 2 * kl_tau * math.log(r), rel=1e-12), i
+
 
 # --------------------------------------------------------------------------------------------------
 # Tests

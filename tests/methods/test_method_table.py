@@ -40,6 +40,18 @@ def expected_regions(cfg, log_ratio, adv, old_logp):
         region[~kept & (adv < 0)] = Region.LN
         region[kept & (r > cfg.is_cap) & (adv != 0)] = Region.DUAL
         return region
+    if cfg.name == "topr":  # without scores the advantage's sign splits the samples: a negative one's cut ratio
+        return torch.where((adv < 0) & (r > 1), Region.DUAL, Region.M).to(torch.int8)
+    if cfg.name in ("prime_dppo", "prime_ipo"):  # DPPO-TV's keep mask (prime_ipo: both sides for every A)
+        p, q = (log_ratio + old_logp).exp(), old_logp.exp()
+        rose, fell = p - q > cfg.delta_high, p - q < -cfg.delta_low
+        dropped = (rose | fell) if cfg.name == "prime_ipo" else torch.where(adv > 0, rose, fell)
+        region = torch.full_like(r, Region.M, dtype=torch.int8)
+        region[dropped & (p > q) & (adv > 0)] = Region.HP
+        region[dropped & (p > q) & (adv < 0)] = Region.HN
+        region[dropped & (p < q) & (adv > 0)] = Region.LP
+        region[dropped & (p < q) & (adv < 0)] = Region.LN
+        return region
     if cfg.name == "dcpo":
         low, high = dcpo_bounds(cfg, old_logp)
     elif cfg.name == "dispo":
@@ -53,7 +65,8 @@ def expected_regions(cfg, log_ratio, adv, old_logp):
     region[(r > high) & (adv > 0)] = Region.HP
     region[(r < low) & (adv > 0)] = Region.LP
     region[(r > high) & (adv < 0)] = Region.HN
-    if cfg.name == "grpo" and cfg.delta is not None:  # TRL's cap fires where it silences a token PPO leaves alone
+    # TRL's cap (grpo's, fipo's) fires where it silences a token PPO leaves alone
+    if cfg.name in ("grpo", "fipo") and cfg.delta is not None:
         high = 1 + cfg.eps_high
         region[(adv > 0) & (r > cfg.delta) & (r <= high)] = Region.DUAL
         region[(adv < 0) & (r > high) & (r > cfg.delta)] = Region.DUAL
@@ -77,7 +90,7 @@ def test_psi_is_the_derivative_of_the_loss(variant):
     (grad,) = torch.autograd.grad(terms.loss.sum(), log_ratio)
     # a penalty whose slope is not proportional to A (dro's, kl_cov's on its chosen tokens) adds its own
     slope = 0.0 if terms.penalty_slope is None else terms.penalty_slope
-    assert (terms.penalty_slope is not None) == (cfg.name in ("dro", "kl_cov"))
+    assert (terms.penalty_slope is not None) == (cfg.name in ("dro", "kl_cov", "prime_dppo", "prime_ipo"))
     torch.testing.assert_close(grad, -adv * terms.psi + slope, rtol=1e-12, atol=1e-12)
     assert not terms.psi.requires_grad
     assert torch.isfinite(terms.loss).all() and torch.isfinite(terms.psi).all()
@@ -93,6 +106,12 @@ def test_regions_follow_their_definitions(variant):
     assert (region[adv == 0] == Region.M).all()
     if cfg.name in ("dppo_tv", "dppo_kl"):  # tokens are dropped on both sides, weights truncated
         assert {Region.HP, Region.LN, Region.DUAL} <= set(region.tolist())
+    elif cfg.name == "topr":
+        assert Region.DUAL in set(region.tolist())
+    elif cfg.name == "prime_dppo":
+        assert {Region.HP, Region.LN} <= set(region.tolist())
+    elif cfg.name == "prime_ipo":  # dropped whatever the sign of A
+        assert {Region.HP, Region.LP, Region.HN, Region.LN} <= set(region.tolist())
     elif cfg.name not in NO_TRUST_REGION:  # a ratio trust region: both sides of it are reached
         # (a delta below 1 + eps_high turns every HN token into DUAL: TRL's cap silences them)
         far_side = Region.DUAL if getattr(cfg, "delta", None) is not None and cfg.delta < 1 + cfg.eps_high else Region.HN
@@ -203,11 +222,15 @@ def test_on_policy_gives_ratio_one_and_the_plain_policy_gradient(variant):
     # token_mean named: dcpo's own aggregation (seq_sum_token_mean) would scale the gradient by B
     out = dgpo_ops.reference_loss(logits, target, adv, method=name, aggregation="token_mean", **params)
     assert out.metrics["ratio_mean"] == 1.0
-    assert out.metrics["eur"] == pytest.approx(1.0, abs=1e-12)
+    # psi on-policy, per response: 1, but prime-rl's adv_tau and topr's sample weights scale it
+    psi = torch.full((B,), params.get("adv_tau", 1.0), dtype=torch.float64)
+    if name == "topr":  # no scores: the advantage's sign splits the samples
+        psi = torch.where(adv > 0, params.get("positive_weight", 1.0), params.get("negative_weight", 1.0))
+    assert out.metrics["eur"] == pytest.approx(psi.mean().item(), abs=1e-12)
     (grad,) = torch.autograd.grad(out.loss, logits)
     # psi = 1 on-policy: the gradient is the plain policy gradient -A (onehot - p) / N.
     onehot = torch.nn.functional.one_hot(target, V).double()
-    expected = -adv[:, None, None].double() * (onehot - logits.detach().softmax(-1)) / (B * T)
+    expected = -(psi * adv)[:, None, None] * (onehot - logits.detach().softmax(-1)) / (B * T)
     # geo_mean's mean divides by |o_i| + 1e-8, as verl's: a relative 1e-8 / |o_i| off the plain gradient
     rtol = 1e-8 if name == "geo_mean" else 1e-10
     torch.testing.assert_close(grad, expected, rtol=rtol, atol=1e-12)

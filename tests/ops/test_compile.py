@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import METHOD_VARIANTS, logits_batch, variant_id
+from helpers import METHOD_VARIANTS, for_method, logits_batch, response_scores, variant_id
 
 import dgpo_ops
 from dgpo_ops.core.options import LossOptions
@@ -49,7 +49,8 @@ def leaves(hidden, weight):
 def test_compiled_equals_eager_for_every_method(variant):
     name, params = variant
     hidden, weight, inputs = linear_inputs()
-    kwargs = dict(method=name, **params, beta=0.02, entropy_coef=0.01)
+    kwargs = dict(method=name, **params, beta=0.02, entropy_coef=0.01,
+                  **for_method(name, {"positive_nll_coef": 0.05}, responses=B))
     torch._dynamo.reset()
     compiled = torch.compile(all_three, fullgraph=True, backend="aot_eager")  # fullgraph: no graph break
     eager_leaves, compiled_leaves = leaves(hidden, weight), leaves(hidden, weight)
@@ -153,19 +154,29 @@ def test_opcheck_every_custom_op():
     target_ids, advantages, mask, old_logps = (inputs[k] for k in ("target_ids", "advantages", "mask", "old_logps"))
     spec = options_spec(LossOptions.build("dgpo", beta=0.0))
     hidden, weight = torch.randn(B * T, H, requires_grad=True), (torch.randn(V, H) * 0.3).requires_grad_(True)
+    scores = response_scores(B)
     cases = [
-        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, None, None, spec, True)),
-        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, None, 7.0,
+        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, None, None, None, spec,
+                                True)),
+        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, None, None, 7.0,
                                 options_spec(LossOptions.build("grpo", importance_sampling_level="sequence")), True)),
+        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, scores, None, None,
+                                options_spec(LossOptions.build("topr")), True)),
         (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
-                                       None, None, options_spec(LossOptions.build("grpo"), ProjectionOptions()),
+                                       None, None, None, options_spec(LossOptions.build("grpo"), ProjectionOptions()),
                                        [True, True, False], "")),
         (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
-                                       None, None, options_spec(LossOptions.build("grpo", backend="triton"),
-                                                                ProjectionOptions(logits_on_chip=True)),
+                                       None, None, None, options_spec(LossOptions.build("grpo", backend="triton"),
+                                                                      ProjectionOptions(logits_on_chip=True)),
                                        [True, True, False], "")),
-        (checked_inputs_op, (target_ids, advantages, mask, old_logps, None, None, None, None, [B, T, V],
+        (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
+                                       scores, None, None, options_spec(LossOptions.build("topr"),
+                                                                        ProjectionOptions()),
+                                       [True, True, False], "")),
+        (checked_inputs_op, (target_ids, advantages, mask, old_logps, None, None, None, None, None, [B, T, V],
                              torch.float32, spec)),
+        (checked_inputs_op, (target_ids, advantages, mask, old_logps, None, None, scores, None, None, [B, T, V],
+                             torch.float32, options_spec(LossOptions.build("topr")))),
     ]
     for op, args in cases:
         results = torch.library.opcheck(op, args)

@@ -30,7 +30,8 @@ def run_linear(variant, backend, options, dtype=torch.float32, seed=0, logits_on
 
 OPTION_SETS = {
     "plain": dict(),
-    "kl_entropy_temperature": dict(beta=0.05, entropy_coef=0.02, temperature=0.8, kl_ratio_correction=True),
+    "kl_entropy_temperature_nll": dict(beta=0.05, entropy_coef=0.02, temperature=0.8, kl_ratio_correction=True,
+                                       positive_nll_coef=0.1),
     "gspo": dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", entropy_coef=0.01),
 }
 
@@ -43,10 +44,10 @@ PATHS = ["triton", "torch", "on_chip"]
 @pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("backend", PATHS)
 def test_linear_matches_reference(backend, variant, options):
-    case = dict(logit_scale=1.3, softcap=4.0) if options == "kl_entropy_temperature" else {}
+    case = dict(logit_scale=1.3, softcap=4.0) if options == "kl_entropy_temperature_nll" else {}
     on_chip = backend == "on_chip"
     ref, out, ref_grads, grads = run_linear(variant, "triton" if on_chip else backend,
-                                            for_method(variant[0], OPTION_SETS[options]),
+                                            for_method(variant[0], OPTION_SETS[options], responses=3),
                                             logits_on_chip=on_chip, **case)
     torch.testing.assert_close(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.logps.double(), ref.logps.double(), rtol=1e-5, atol=1e-5)

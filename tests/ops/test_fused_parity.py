@@ -14,7 +14,7 @@ AGGREGATIONS = list(dgpo_ops.AGGREGATIONS)
 # Option bundles: each method x aggregation x dtype runs all of them.
 FEATURE_BUNDLES = {
     "on_policy": dict(old_logps=None),
-    "kl_entropy": dict(beta=0.05, entropy_coef=0.01),
+    "kl_entropy_nll": dict(beta=0.05, entropy_coef=0.01, positive_nll_coef=0.1),
     "temperature_weights": dict(temperature=0.7, rollout_weights=True, ref_logps=None),
     "kl_times_ratio": dict(beta=0.1, kl_ratio_correction=True),
     "gspo_entropy": dict(importance_sampling_level="sequence", entropy_coef=0.02, beta=0.02),
@@ -36,7 +36,7 @@ TOLERANCES = {
 def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=300, device="cpu"):
     name, params = variant
     inputs = logits_batch(B, T, V, seed=seed, dtype=dtype)
-    options = for_method(name, dict(FEATURE_BUNDLES[bundle]))
+    options = for_method(name, dict(FEATURE_BUNDLES[bundle]), responses=B)
     if options.pop("rollout_weights", False):
         inputs["rollout_weights"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) + 0.5
     for key in ("old_logps", "ref_logps"):
@@ -146,7 +146,7 @@ def test_layouts_on_cuda(layout):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_fp16_logits(backend):
-    ref, out, ref_grad, grad = run_case(("dgpo", {}), "token_mean", torch.float16, "kl_entropy", backend)
+    ref, out, ref_grad, grad = run_case(("dgpo", {}), "token_mean", torch.float16, "kl_entropy_nll", backend)
     assert_parity(ref, out, ref_grad, grad, torch.float16)
 
 

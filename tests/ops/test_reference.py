@@ -36,6 +36,8 @@ def loop_scales(mask, aggregation, normalizer=None, dtype=torch.float32):
                 scales[b, t] = 1.0 / ((normalizer or 1) * lengths[b])
             elif aggregation == "seq_mean_token_sum":  # TRL's luspo: each response's token sum, mean over responses
                 scales[b, t] = 1.0 / (normalizer or B)
+            elif aggregation == "token_sum":  # verl's token-sum: the plain sum
+                scales[b, t] = 1.0 / (normalizer or 1)
             else:
                 raise AssertionError(f"no loop for aggregation {aggregation!r}")
     return scales
@@ -257,3 +259,30 @@ def test_kl_ratio_correction_multiplies_the_kl_by_the_ratio(level):
     (grad,) = torch.autograd.grad(out.loss, logits)
     (expected_grad,) = torch.autograd.grad(expected, logits)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_token_sum_needs_no_response_structure(backend):
+    """token_sum (verl's token-sum) is a token-level aggregation: flat (N, V) logits take it, with the same loss
+    and gradient as the (B, T, V) call, where a per-response aggregation is refused."""
+    inputs = logits_batch(3, 5, 11, seed=4)
+    logits = inputs.pop("logits")
+    logits = logits if backend == "triton" else logits.double()  # the Triton kernels take no float64
+    inputs.pop("ref_logps")
+    inputs["advantages"] = inputs["advantages"][:, None].expand(3, 5).contiguous()
+
+    def call(leaf, **kwargs):
+        if backend == "reference":
+            return reference_loss(leaf, aggregation="token_sum", **kwargs)
+        return dgpo_ops.fused_dgpo_loss(leaf, aggregation="token_sum", backend=backend, **kwargs)
+
+    grid = logits.clone().requires_grad_(True)
+    out = call(grid, **inputs)
+    out.loss.backward()
+    flat = logits.reshape(15, 11).clone().requires_grad_(True)
+    flat_out = call(flat, **{k: v.reshape(15) for k, v in inputs.items()})
+    flat_out.loss.backward()
+    torch.testing.assert_close(flat_out.loss, out.loss)
+    torch.testing.assert_close(flat.grad, grid.grad.reshape(15, 11))
+    with pytest.raises(ValueError, match="flat"):
+        reference_loss(flat, aggregation="seq_mean_token_mean", **{k: v.reshape(15) for k, v in inputs.items()})
