@@ -28,6 +28,8 @@ from dgpo_ops.ops.logits import logits_loss
 def refuse_under_compile(layout: CallLayout, batch: LossBatch) -> None:
     if not layout.is_default:  # the custom ops take no process group and no packed layout yet
         raise ValueError("vocab_parallel_group and cu_seqlens are not supported under torch.compile yet")
+    if batch.entropy_weights is not None:  # nor entropy weights
+        raise ValueError("entropy_weights are not supported under torch.compile yet")
     check_generator(batch.generator, batch.target_ids.device if torch.is_tensor(batch.target_ids) else "cpu")
 
 
@@ -43,13 +45,14 @@ def loss_from_options(logits, batch: LossBatch, options: LossOptions, layout: Ca
 
 
 def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: LossOptions,
-                             projection_options: ProjectionOptions, layout: CallLayout = CallLayout()
-                             ) -> PolicyLossOutput:
-    """``fused_linear_dgpo_loss`` once its options are built."""
+                             projection_options: ProjectionOptions, layout: CallLayout = CallLayout(),
+                             complete_batch=None) -> PolicyLossOutput:
+    """``fused_linear_dgpo_loss`` once its options are built; ``complete_batch``: ``dgpo_ops.ops.linear.CompleteBatch``
+    (eager only)."""
     if isinstance(weight, torch.nn.Module):  # the lm_head module: the op runs as its forward
         def as_head_forward(head_hidden, head_weight, head_bias):
             return linear_loss_from_options(head_hidden, head_weight, head_bias if bias is None else bias,
-                                            batch, options, projection_options, layout).tensors()
+                                            batch, options, projection_options, layout, complete_batch).tensors()
 
         return PolicyLossOutput.from_tensors(head_forward(weight, as_head_forward, hidden))
     if layout.vocab_parallel_group is not None:
@@ -59,11 +62,13 @@ def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: Lo
         weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
     if torch.compiler.is_compiling():
         refuse_under_compile(layout, batch)
+        if complete_batch is not None:
+            raise ValueError("complete_batch is not supported under torch.compile yet")
         flat_hidden, _ = flatten_tokens(hidden, weight, bias)
         if options.inplace:
             raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
         return compiled_fused_linear_loss(flat_hidden, weight, bias, batch, options, projection_options)
-    return linear_loss(hidden, weight, bias, batch, options, projection_options, layout)
+    return linear_loss(hidden, weight, bias, batch, options, projection_options, layout, complete_batch)
 
 
 @documented("""Fused policy loss of ``method`` from logits: the sampled token's log-prob by an online
@@ -86,6 +91,7 @@ def fused_dgpo_loss(
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    entropy_weights: torch.Tensor | None = None,
     inplace: bool = False,
     backend: str = "auto",
     validation: str = "auto",
@@ -99,7 +105,8 @@ def fused_dgpo_loss(
         importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
         validation=validation, **method_params,
     )
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
+                      entropy_weights)
     return loss_from_options(logits, batch, options, CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 
 
@@ -149,6 +156,7 @@ def fused_linear_dgpo_loss(
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    entropy_weights: torch.Tensor | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     logits_on_chip: bool = False,
     backend: str = "auto",
@@ -166,7 +174,8 @@ def fused_linear_dgpo_loss(
         logit_scale, softcap = trace_constant(logit_scale), trace_constant(softcap)
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
                                            logits_on_chip=logits_on_chip)
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator)
+    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
+                      entropy_weights)
     return linear_loss_from_options(hidden, weight, bias, batch, options, projection_options,
                                     CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 

@@ -54,6 +54,11 @@ ARGUMENTS = {
     "rollout_weights": "per-token weights on the policy term (truncated importance sampling), or None; vespo "
                        "and geo_mean fold them into their sequence statistic instead, as TRL folds vLLM's "
                        "importance ratio and verl its rollout weights' geometric mean.",
+    "entropy_weights": "per-token weights ``w`` of a second entropy term, outside the aggregation: the loss "
+                       "subtracts ``sum w_t H_t`` over the scored tokens (TRL's entropy bonus, with its own tokens "
+                       "and normaliser: ``w = coef * tokens / (count * accumulation)``), in the same passes; or None. "
+                       "Padded or flat tokens, eager (not with ``vocab_parallel_group``, ``cu_seqlens`` or under "
+                       "``torch.compile`` yet).",
     "generator": "what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a "
                  "``torch.Generator`` on the logits' device; None: torch's default generator of that device. A "
                  "key is drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens "

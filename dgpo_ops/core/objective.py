@@ -84,6 +84,12 @@ def policy_objective(
     return ObjectiveTerms(loss, tokens, clamped, kl)
 
 
+def entropy_weight_term(entropy: torch.Tensor, weights: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``-sum w_t H_t`` over the scored tokens: ``LossBatch.entropy_weights``' term, added to the loss as it is
+    (outside the aggregation). Every route adds it with this function (the fused ops on detached entropies)."""
+    return -torch.where(scored, weights * entropy, 0.0).sum()
+
+
 def masked_objective(logp, entropy, batch, options: LossOptions, generator=None):
     """``(loss, logp, entropy, metrics)`` from per-token log-probs and entropies on ``batch``'s grid
     (differentiable): the reference's tail. Masked

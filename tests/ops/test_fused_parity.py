@@ -1,5 +1,5 @@
 """fused_dgpo_loss against reference_loss: every method x aggregation x dtype, with and without
-old/ref log-probs, entropy bonus, temperature, rollout weights and GSPO, on both backends."""
+old/ref log-probs, entropy bonus and entropy weights, temperature, rollout weights and GSPO, on both backends."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ AGGREGATIONS = list(dgpo_ops.AGGREGATIONS)
 # Option bundles: each method x aggregation x dtype runs all of them.
 FEATURE_BUNDLES = {
     "on_policy": dict(old_logps=None),
-    "kl_entropy": dict(beta=0.05, entropy_coef=0.01),
+    "kl_entropy": dict(beta=0.05, entropy_coef=0.01, entropy_weights=True),  # a second entropy term, weighted
     "temperature_weights": dict(temperature=0.7, rollout_weights=True, ref_logps=None),
     "kl_times_ratio": dict(beta=0.1, kl_ratio_correction=True),
     "gspo_entropy": dict(importance_sampling_level="sequence", entropy_coef=0.02, beta=0.02),
@@ -39,6 +39,8 @@ def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=3
     options = for_method(name, dict(FEATURE_BUNDLES[bundle]))
     if options.pop("rollout_weights", False):
         inputs["rollout_weights"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) + 0.5
+    if options.pop("entropy_weights", False):
+        inputs["entropy_weights"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) * 0.1
     for key in ("old_logps", "ref_logps"):
         if key in options:
             inputs[key] = options.pop(key)
