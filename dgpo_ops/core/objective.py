@@ -26,6 +26,7 @@ class ObjectiveTerms(NamedTuple):
     tokens: TokenTerms  # the method's per-token L (differentiable), psi, region
     log_ratio: torch.Tensor  # what psi was evaluated at (sequence mean under GSPO), detached
     kl: torch.Tensor | None  # per-token k3 value, detached
+    per_token: torch.Tensor  # each token's w L + beta KL - c H, before the mask and scale (differentiable)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -81,7 +82,7 @@ def policy_objective(
         per_token = per_token - options.entropy_coef * entropy
     loss = torch.where(batch.mask, per_token, 0.0).mul(batch.scale).sum()
     clamped = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return ObjectiveTerms(loss, tokens, clamped, kl)
+    return ObjectiveTerms(loss, tokens, clamped, kl, per_token)
 
 
 def entropy_weight_term(entropy: torch.Tensor, weights: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ order:
    fused-linear op first (its gradients need the scales during the sweep);
 3. the loss and metrics: the finalize kernel after an epilogue, else the torch objective on the
    per-token log-probs and entropies laid on the grid (``objective_route``: every method, GSPO's
-   sequence ratio included, with autograd on O(N) vectors only);
+   sequence ratio included, with autograd on O(N) vectors only), on inputs that may be made from those
+   log-probs and entropies first (``CallPlan.complete``: a trainer's masks); ``LossBatch.entropy_weights``'
+   term added to the loss;
 4. in backward, the gradient kernel (``RowKernels.backward``) with the ``expm1`` form of ``1 - p``.
 
 ``CallPlan`` is everything a call decides on the host from metadata alone.
@@ -19,6 +21,7 @@ order:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -63,10 +66,9 @@ class CallPlan:
 
     @property
     def uses_epilogue(self) -> bool:
-        """Token-level methods are evaluated in the forward kernel's epilogue (Triton), where it finishes its rows,
-        when their inputs are all known before it."""
-        return (self.kernels.has_epilogue and self.options.token_local and self.rows.finishes_rows_in_kernel
-                and self.complete is None)
+        """Token-level methods are evaluated in the row forward's epilogue (both kernel sets), where it finishes its
+        rows, when their inputs are all known before it."""
+        return self.options.token_local and self.rows.finishes_rows_in_kernel and self.complete is None
 
     @property
     def has_kl(self) -> bool:
@@ -177,7 +179,7 @@ def row_forward(plan: CallPlan, workspace: RowWorkspace, with_epilogue: bool = T
     with the method's epilogue where the plan uses it (and ``with_epilogue``: False for log-probs alone) and a
     split vocabulary's partials where it is split."""
     uses_epilogue = with_epilogue and plan.uses_epilogue
-    epilogue = epilogue_inputs(plan.options, workspace.per_token.device) if uses_epilogue else None
+    epilogue = plan.kernels.epilogue(plan, workspace) if uses_epilogue else None
 
     def forward(rows: torch.Tensor, inv_scale: float, token_offset: int = 0) -> None:
         plan.kernels.forward(rows, plan.row_inputs, workspace, inv_scale, epilogue, token_offset=token_offset,
@@ -233,6 +235,14 @@ def nan_rows_on_error(workspace: RowWorkspace) -> None:
     rows.copy_(torch.where(workspace.status[Status.ERRORS] != 0, float("nan"), rows))
 
 
+@contextlib.contextmanager
+def autograd_on_vectors():
+    """Autograd on O(N) per-token vectors inside an op. Inside the custom op of a compiled call
+    (dgpo_ops.ops.compiled) the dispatcher has autograd excluded below the op's own autograd node: re-admit it."""
+    with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False):
+        yield
+
+
 def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
     """Loss, scaled per-row coefficients and metrics from the row planes with the torch objective, on the grid."""
     B, T = plan.inputs.grid
@@ -250,9 +260,7 @@ def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
         terms = policy_objective(on_grid(logp), on_grid(entropy), batch, plan.options, plan.generator)
         dloss_dlogp = None
     else:
-        # Autograd on O(N) vectors. Inside the custom op of a compiled call (dgpo_ops.ops.compiled) the
-        # dispatcher has autograd excluded below the op's own autograd node: re-admit it here.
-        with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False):
+        with autograd_on_vectors():
             logp_leaf = logp.detach().requires_grad_(True)
             terms = policy_objective(on_grid(logp_leaf), on_grid(entropy.detach()), batch, plan.options,
                                      plan.generator)
