@@ -128,7 +128,7 @@ def _row_chunks(tensors: list[torch.Tensor], chunk_rows: int | None):
 def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=None, token_offset: int = 0,
                           chunk_rows=None, vocab_split=None) -> None:
     """Twin of ``logprob_entropy``: the target index and the row planes of ``workspace`` (with ``vocab_split``,
-    the row partials). ``epilogue``: called with each chunk's token slice once its row planes are written, to
+    the row partials). ``epilogue``: called with the token slice of the rows once their planes are written, to
     evaluate the method there (``dgpo_ops.ops.twin_epilogue``, the torch objective on the chunk's tokens)."""
     n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
     columns = logits.shape[-1]
@@ -148,8 +148,8 @@ def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=No
         at = slice(token_offset + rows.start, token_offset + rows.stop)
         for plane, (value, fill) in values.items():  # a token not scored: the kernel's fill
             planes[plane, at] = torch.where(chunk_targets >= 0, value, fill).to(planes.dtype)
-        if epilogue is not None:
-            epilogue(at)
+    if epilogue is not None:  # once for the rows of this call (a tile of the fused linear), not per chunk
+        epilogue(slice(token_offset, token_offset + n))
 
 
 def _row_partials(x, targets, owned) -> dict:

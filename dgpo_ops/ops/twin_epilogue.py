@@ -1,9 +1,10 @@
-"""The torch twins' epilogue: a token-level method evaluated where the twin row forward finishes a chunk of rows,
-as the Triton row kernel evaluates it where it finishes a row (``kernels/method_table.py``).
+"""The torch twins' epilogue: a token-level method evaluated where the twin row forward finishes the rows it was
+handed (the logits op's, or one tile of the fused linear), as the Triton row kernel evaluates it where it finishes
+a row (``kernels/method_table.py``).
 
-For each chunk it writes the planes the Triton epilogue writes (``TOKEN_LOSS``, ``DLOSS_DLOGP``, ``RATIO``,
-``PSI``, ``REGION``, ``KL``) from the chunk's ``LOGP`` and ``ENTROPY``, with the torch objective on the chunk's
-tokens (``policy_objective``, the method table's torch rows) and autograd on the chunk's O(rows) vectors; a
+For those rows it writes the planes the Triton epilogue writes (``TOKEN_LOSS``, ``DLOSS_DLOGP``, ``RATIO``,
+``PSI``, ``REGION``, ``KL``) from their ``LOGP`` and ``ENTROPY``, with the torch objective on those
+tokens (``policy_objective``, the method table's torch rows) and autograd on their O(rows) vectors; a
 token-level method's terms depend on the token alone, so the derivative of their sum is each token's own.
 ``finalize_torch`` then reduces the planes as the finalize kernel does. So the fused-linear op forms each tile's
 gradient from the tile the forward pass just made on the CPU too: three GEMM passes, as on CUDA.
@@ -31,7 +32,7 @@ def flat_token_inputs(inputs: TokenInputs) -> TokenInputs:
                        flat(inputs.mask), flat(inputs.old_logps), flat(inputs.ref_logps), flat(inputs.rollout_weights))
 
 
-def chunk_of(inputs: TokenInputs, at: slice) -> TokenInputs:
+def rows_of(inputs: TokenInputs, at: slice) -> TokenInputs:
     """The tokens ``at`` of flat per-token inputs."""
     def take(value):
         return None if value is None else value[at]
@@ -42,7 +43,7 @@ def chunk_of(inputs: TokenInputs, at: slice) -> TokenInputs:
 
 class TwinEpilogue:
     """``RowKernels.epilogue`` of the torch twins: made per call (``pipeline.row_forward``), called by
-    ``logprob_entropy_torch`` with each chunk's token slice."""
+    ``logprob_entropy_torch`` with the token slice of the rows it finished."""
 
     def __init__(self, plan: CallPlan, workspace: RowWorkspace):
         self.options, self.needs_grad, self.workspace = plan.options, plan.needs_grad, workspace
@@ -52,7 +53,7 @@ class TwinEpilogue:
         planes = self.workspace.planes()
         dtype = planes.dtype
         scored = (self.workspace.target_index[at] >= 0)[None]
-        batch = canonical_batch(chunk_of(self.inputs, at), scored, scored.to(dtype), dtype)
+        batch = canonical_batch(rows_of(self.inputs, at), scored, scored.to(dtype), dtype)
         logp, entropy = planes[Plane.LOGP, at].detach()[None], planes[Plane.ENTROPY, at].detach()[None]
 
         def write(plane, values):
