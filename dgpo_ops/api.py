@@ -121,9 +121,9 @@ class DGPOLoss(torch.nn.Module):
 
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
                 loss_normalizer=None, rollout_weights=None, cu_seqlens=None, max_seqlen=None,
-                generator=None) -> PolicyLossOutput:
+                generator=None, entropy_weights=None) -> PolicyLossOutput:
         batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer,
-                          generator)
+                          generator, entropy_weights)
         return loss_from_options(logits, batch, self.options,
                                  CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen))
 

@@ -4,10 +4,13 @@ The loss returned is already scaled for gradient accumulation, as TRL's is: the 
 chosen to reproduce TRL's for the same ``loss_type`` (micro-batch size x accumulation steps, or
 ``num_items_in_batch`` across processes for token_mean/dapo).
 
-Everything of TRL's loss that is not the method's objective is TRL's, on the fused ops' outputs: the
-entropy bonus (a token mean, divided only by gradient accumulation; adaptive entropy control), the
-high-entropy token mask (``top_entropy_quantile``), the off-policy sequence mask
-(``off_policy_mask_threshold``), vLLM's importance-sampling correction and the MoE router's load-balancing loss.
+Everything of TRL's loss that is not the method's objective is TRL's, in the same fused call: the entropy
+bonus (a token mean, divided only by gradient accumulation; adaptive entropy control) as the op's entropy weights,
+the high-entropy token mask (``top_entropy_quantile``) and the off-policy sequence mask
+(``off_policy_mask_threshold``) on the current log-probs and entropies of the call's own first sweep
+(``complete_batch``), vLLM's importance-sampling correction; and the MoE router's load-balancing loss. One call
+per update: 3 GEMM passes over the lm_head for a token-local method without a mask, 4 otherwise
+(``bench/passes.py``).
 """
 
 from __future__ import annotations

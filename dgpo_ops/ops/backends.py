@@ -20,7 +20,7 @@ class RowKernels:
     backward: Callable
     finalize: Callable
     # (CallPlan, RowWorkspace) -> what the row forward takes to evaluate a token-level method where it finishes
-    # its rows (the Triton kernels: EpilogueInputs; the twins: the torch objective on each chunk of rows)
+    # its rows (the Triton kernels: EpilogueInputs; the twins: the torch objective on the rows of each call)
     epilogue: Callable
 
 

@@ -270,6 +270,10 @@ def test_dgpo_loss_module_holds_its_options():
     expected = dgpo_ops.reference_loss(**inputs, method="dgpo", n=2.0, m=3.0, aggregation="seq_mean_token_mean")
     torch.testing.assert_close(module(**inputs).loss, expected.loss, rtol=1e-5, atol=1e-7)
     assert "n=2.0" in repr(module)
+    weights = torch.rand(2, 4, generator=torch.Generator().manual_seed(10))  # per call, as the other tensors
+    expected = dgpo_ops.reference_loss(**inputs, method="dgpo", n=2.0, m=3.0, aggregation="seq_mean_token_mean",
+                                       entropy_weights=weights)
+    torch.testing.assert_close(module(**inputs, entropy_weights=weights).loss, expected.loss, rtol=1e-5, atol=1e-7)
 
 
 # gradcheck compares the analytic gradient with finite differences of the loss VALUE. The
