@@ -32,6 +32,8 @@ from dgpo_ops.ops.logits import logits_loss
 def refuse_under_compile(layout: CallLayout, batch: LossBatch) -> None:
     if not layout.is_default:  # the custom ops take no process group and no packed layout yet
         raise ValueError("vocab_parallel_group and cu_seqlens are not supported under torch.compile yet")
+    if batch.entropy_weights is not None:  # nor entropy weights
+        raise ValueError("entropy_weights are not supported under torch.compile yet")
     check_generator(batch.generator, batch.target_ids.device if torch.is_tensor(batch.target_ids) else "cpu")
 
 
@@ -60,19 +62,20 @@ def _logits_route(logits, batch: LossBatch, options: LossOptions, layout: CallLa
 
 
 def linear_loss_from_options(hidden, weight, bias, batch: LossBatch, options: LossOptions,
-                             projection_options: ProjectionOptions, layout: CallLayout = CallLayout()
-                             ) -> PolicyLossOutput:
-    """``fused_linear_dgpo_loss`` once its options are built."""
+                             projection_options: ProjectionOptions, layout: CallLayout = CallLayout(),
+                             complete_batch=None) -> PolicyLossOutput:
+    """``fused_linear_dgpo_loss`` once its options are built; ``complete_batch``: ``dgpo_ops.ops.linear.CompleteBatch``
+    (eager only)."""
     return with_rollout_correction(batch, options.rollout_correction, layout.cu_seqlens, lambda batch: _linear_route(
-        hidden, weight, bias, batch, options, projection_options, layout), validates_now(options, batch))
+        hidden, weight, bias, batch, options, projection_options, layout, complete_batch), validates_now(options, batch))
 
 
 def _linear_route(hidden, weight, bias, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,
-                  layout: CallLayout) -> PolicyLossOutput:
+                  layout: CallLayout, complete_batch) -> PolicyLossOutput:
     if isinstance(weight, torch.nn.Module):  # the lm_head module: the op runs as its forward
         def as_head_forward(head_hidden, head_weight, head_bias):
             return _linear_route(head_hidden, head_weight, head_bias if bias is None else bias,
-                                 batch, options, projection_options, layout).tensors()
+                                 batch, options, projection_options, layout, complete_batch).tensors()
 
         return PolicyLossOutput.from_tensors(head_forward(weight, as_head_forward, hidden))
     if layout.vocab_parallel_group is not None:
@@ -82,11 +85,13 @@ def _linear_route(hidden, weight, bias, batch: LossBatch, options: LossOptions, 
         weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
     if torch.compiler.is_compiling():
         refuse_under_compile(layout, batch)
+        if complete_batch is not None:
+            raise ValueError("complete_batch is not supported under torch.compile yet")
         flat_hidden, _ = flatten_tokens(hidden, weight, bias)
         if options.inplace:
             raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
         return compiled_fused_linear_loss(flat_hidden, weight, bias, batch, options, projection_options)
-    return linear_loss(hidden, weight, bias, batch, options, projection_options, layout)
+    return linear_loss(hidden, weight, bias, batch, options, projection_options, layout, complete_batch)
 
 
 @documented("""Fused policy loss of ``method`` from logits: the sampled token's log-prob by an online
@@ -112,6 +117,7 @@ def fused_dgpo_loss(
     rollout_correction=None,
     scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    entropy_weights: torch.Tensor | None = None,
     inplace: bool = False,
     backend: str = "auto",
     validation: str = "auto",
@@ -126,7 +132,7 @@ def fused_dgpo_loss(
         validation=validation, rollout_correction=rollout_correction, **method_params,
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
-                      rollout_logps, scores)
+                      rollout_logps, scores, entropy_weights)
     return loss_from_options(logits, batch, options, CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 
 
@@ -141,9 +147,9 @@ class DGPOLoss(torch.nn.Module):
 
     def forward(self, logits, target_ids, advantages, mask=None, old_logps=None, ref_logps=None, *,
                 loss_normalizer=None, rollout_weights=None, rollout_logps=None, cu_seqlens=None, max_seqlen=None,
-                generator=None, scores=None) -> PolicyLossOutput:
+                generator=None, scores=None, entropy_weights=None) -> PolicyLossOutput:
         batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer,
-                          generator, rollout_logps, scores)
+                          generator, rollout_logps, scores, entropy_weights)
         return loss_from_options(logits, batch, self.options,
                                  CallLayout(self.vocab_parallel_group, cu_seqlens, max_seqlen))
 
@@ -179,6 +185,7 @@ def fused_linear_dgpo_loss(
     rollout_correction=None,
     scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    entropy_weights: torch.Tensor | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     logits_on_chip: bool = False,
     backend: str = "auto",
@@ -198,7 +205,7 @@ def fused_linear_dgpo_loss(
     projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap, memory_budget=memory_budget,
                                            logits_on_chip=logits_on_chip)
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
-                      rollout_logps, scores)
+                      rollout_logps, scores, entropy_weights)
     return linear_loss_from_options(hidden, weight, bias, batch, options, projection_options,
                                     CallLayout(vocab_parallel_group, cu_seqlens, max_seqlen))
 

@@ -7,7 +7,7 @@ row backward does,
 
     d loss / d x_j = g (onehot_j - p_j) - h p_j (log p_j + H),   p_j = exp(x_j - max - log S)
 
-(``g = DLOSS_DLOGP s_b`` or a scaled coefficient, ``h = -entropy_coef s_b``, one exp per element,
+(``g = DLOSS_DLOGP s_b`` or a scaled coefficient, ``h = -entropy_coef s_b`` or a per-token one, one exp per element,
 ``1 - p`` of the target once per row), takes it through the chain rule to ``y = hidden @ weight^T +
 bias`` (times ``out_scale``, and ``(1 - t^2) tanh_scale`` with softcap), rounds it to the compute
 dtype and multiplies it in the same program: ``dH[rows] += G @ W[cols]`` and ``dW[cols] += G^T @
@@ -35,6 +35,7 @@ def linear_grad_kernel(
     target_index_ptr,
     per_token_ptr,
     dloss_dlogp_ptr,
+    dloss_dentropy_ptr,
     seq_scale_ptr,
     grad_hidden_ptr,
     grad_weight_ptr,
@@ -58,6 +59,7 @@ def linear_grad_kernel(
     DOT_IN_FP32: tl.constexpr,
     COEF_IS_SCALED: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
+    ENTROPY_GRAD_PER_TOKEN: tl.constexpr,
     HAS_GRAD_HIDDEN: tl.constexpr,
     HAS_GRAD_WEIGHT: tl.constexpr,
     HAS_GRAD_BIAS: tl.constexpr,
@@ -82,7 +84,11 @@ def linear_grad_kernel(
                                              other=0.0))
     active = g != 0.0  # NaN (poisoned scales) counts as active: it must reach the gradients
     if HAS_ENTROPY_GRAD:
-        h = tl.where(valid, -entropy_coef * seq_scale, 0.0)
+        if ENTROPY_GRAD_PER_TOKEN:
+            h = tl.load(dloss_dentropy_ptr + rows, mask=valid, other=0.0)
+        else:
+            h = -entropy_coef * seq_scale
+        h = tl.where(valid, h, 0.0)
         active = active | (h != 0.0)
     # A block without an active row (tokens not scored, or A = 0 without entropy bonus: whole
     # responses of an all-equal reward group) multiplies nothing: its loops run to 0, not to H.
@@ -128,11 +134,12 @@ def linear_grad_kernel(
 
 
 def linear_grads(hidden, weight, bias, workspace, grid_seq_len: int, projection, entropy_coef: float,
-                 grad_hidden=None, grad_weight=None, grad_bias=None, dloss_dlogp=None) -> None:
+                 grad_hidden=None, grad_weight=None, grad_bias=None, dloss_dlogp=None, dloss_dentropy=None) -> None:
     """Add ``d loss / d hidden``, ``d loss / d weight`` and ``d loss / d bias`` into the fp32
     accumulators given (contiguous, zero-initialised by the caller), from the forward's planes in
     ``workspace``. ``dloss_dlogp``: per-token coefficients that already carry the aggregation scale
-    (the torch objective's), instead of the epilogue's plane."""
+    (the torch objective's), instead of the epilogue's plane; ``dloss_dentropy``: per-token d loss / d H
+    (``(n_tokens,)`` fp32, entropy weights), instead of ``-entropy_coef`` times the scale."""
     n_tokens, hidden_dim = hidden.shape
     vocab = weight.shape[0]
     check_hidden_strides(hidden, weight)
@@ -149,11 +156,12 @@ def linear_grads(hidden, weight, bias, workspace, grid_seq_len: int, projection,
 
     linear_grad_kernel[(cdiv(n_tokens, shape.block_n), cdiv(vocab, shape.block_v))](
         hidden, weight, pointer(bias), workspace.target_index, workspace.per_token, pointer(dloss_dlogp),
-        workspace.seq_scale, pointer(grad_hidden), pointer(grad_weight), pointer(grad_bias),
+        pointer(dloss_dentropy), workspace.seq_scale, pointer(grad_hidden), pointer(grad_weight), pointer(grad_bias),
         projection.tanh_scale, projection.out_scale, float(entropy_coef), n_tokens, grid_seq_len, vocab, hidden_dim,
         *hidden.stride(), *weight.stride(), bias_stride(bias),
         COEF_IS_SCALED=dloss_dlogp is not None,
-        HAS_ENTROPY_GRAD=entropy_coef != 0.0,
+        HAS_ENTROPY_GRAD=entropy_coef != 0.0 or dloss_dentropy is not None,
+        ENTROPY_GRAD_PER_TOKEN=dloss_dentropy is not None,
         HAS_GRAD_HIDDEN=grad_hidden is not None,
         HAS_GRAD_WEIGHT=grad_weight is not None,
         HAS_GRAD_BIAS=grad_bias is not None,

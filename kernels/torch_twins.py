@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .interface import IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, SequenceStat, Status
+from .interface import IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, Region, SequenceStat, Status
 from .row_io import compute_dtype, on_token_grid
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
@@ -32,8 +32,9 @@ def _scored(batch, vocab: int, tokens: slice = slice(None)):
 
 
 def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes,
-                         normalizer) -> None:
-    """Twin of ``token_prologue``: counts, scales and error bits, all on the device."""
+                         normalizer, finalize=None) -> None:
+    """Twin of ``token_prologue``: counts, scales and error bits, all on the device; ``finalize``: ``(workspace,
+    has_kl)`` to reduce the loss and metrics into that ``RowWorkspace`` after them (``finalize_torch``)."""
     B, T = batch.grid
     per_response, denominator = aggregation_codes
     normalizer_kind, normalizer_value, normalizer_tensor = normalizer
@@ -77,6 +78,31 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, a
     status[Status.BAD_TARGET] = bad_value
     status[Status.TOKENS] = total
     status[Status.ARRIVED] = B
+    if finalize is not None:
+        finalize_torch(finalize[0], max(T, 1), finalize[1])
+
+
+def finalize_torch(workspace, grid_seq_len: int, has_kl: bool) -> None:
+    """Twin of ``finalize``: the loss (``sum s_b TOKEN_LOSS`` over scored tokens, NaN where the prologue found an
+    error) and the metrics (masked means over the scored tokens) from the epilogue's planes."""
+    planes = workspace.planes()
+    valid = workspace.target_index >= 0
+    rows = torch.arange(workspace.n_tokens, device=valid.device)
+    scale = workspace.seq_scale[rows // grid_seq_len]
+
+    def total(values):
+        return torch.where(valid, values, 0.0).sum()
+
+    loss = total(planes[Plane.TOKEN_LOSS] * scale)
+    workspace.loss.copy_(torch.where(workspace.status[Status.ERRORS] != 0, float("nan"), loss))
+    count = workspace.status[Status.TOKENS].clamp(min=1).to(planes.dtype)
+    region = planes[Plane.REGION]
+    ratio = planes[Plane.RATIO]
+    sums = [total((region == code).to(planes.dtype)) for code in (Region.LN, Region.HP, Region.LP, Region.HN,
+                                                                     Region.DUAL)]
+    sums += [total(ratio), total(planes[Plane.PSI] / ratio), total(planes[Plane.ENTROPY]),
+             total(planes[Plane.KL]) if has_kl else torch.zeros((), dtype=planes.dtype, device=valid.device)]
+    workspace.stats.copy_(torch.stack(sums) / count)
 
 
 def _row_chunks(tensors: list[torch.Tensor], chunk_rows: int | None):
@@ -101,10 +127,9 @@ def _row_chunks(tensors: list[torch.Tensor], chunk_rows: int | None):
 
 def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=None, token_offset: int = 0,
                           chunk_rows=None, vocab_split=None) -> None:
-    """Twin of ``logprob_entropy`` without the epilogue: the target index and the row planes of ``workspace``
-    (with ``vocab_split``, the row partials)."""
-    if epilogue is not None:
-        raise ValueError("the torch twin evaluates methods with the objective, not in an epilogue")
+    """Twin of ``logprob_entropy``: the target index and the row planes of ``workspace`` (with ``vocab_split``,
+    the row partials). ``epilogue``: called with the token slice of the rows once their planes are written, to
+    evaluate the method there (``dgpo_ops.ops.twin_epilogue``, the torch objective on those tokens)."""
     n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
     columns = logits.shape[-1]
     vocab_start, vocab_total = vocab_split if vocab_split is not None else (0, columns)
@@ -123,6 +148,8 @@ def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=No
         at = slice(token_offset + rows.start, token_offset + rows.stop)
         for plane, (value, fill) in values.items():  # a token not scored: the kernel's fill
             planes[plane, at] = torch.where(chunk_targets >= 0, value, fill).to(planes.dtype)
+    if epilogue is not None:  # once for the rows of this call (a tile of the fused linear), not per chunk
+        epilogue(slice(token_offset, token_offset + n))
 
 
 def _row_partials(x, targets, owned) -> dict:

@@ -4,10 +4,13 @@ The loss returned is already scaled for gradient accumulation, as TRL's is: the 
 chosen to reproduce TRL's for the same ``loss_type`` (micro-batch size x accumulation steps, or
 ``num_items_in_batch`` across processes for token_mean/dapo).
 
-Everything of TRL's loss that is not the method's objective is TRL's, on the fused ops' outputs: the
-entropy bonus (a token mean, divided only by gradient accumulation; adaptive entropy control), the
-high-entropy token mask (``top_entropy_quantile``), the off-policy sequence mask
-(``off_policy_mask_threshold``), vLLM's importance-sampling correction and the MoE router's load-balancing loss.
+Everything of TRL's loss that is not the method's objective is TRL's, in the same fused call: the entropy
+bonus (a token mean, divided only by gradient accumulation; adaptive entropy control) as the op's entropy weights,
+the high-entropy token mask (``top_entropy_quantile``) and the off-policy sequence mask
+(``off_policy_mask_threshold``) on the current log-probs and entropies of the call's own first sweep
+(``complete_batch``), vLLM's importance-sampling correction; and the MoE router's load-balancing loss. One call
+per update: 3 GEMM passes over the lm_head for a token-local method without a mask, 4 otherwise
+(``bench/passes.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ import torch
 from trl import GRPOTrainer
 
 from dgpo_ops.core.inputs import LossBatch
-from dgpo_ops.core.options import LossOptions
-from dgpo_ops.methods.table import method_config
+from dgpo_ops.core.objective import entropy_weight_term
 
 from .advantages import per_token_advantages
 from .model_call import MULTIMODAL_INPUTS, FusedModelCall, Head
@@ -98,44 +100,49 @@ class FusedLoss:
         normalizer, policy_loss_scale = self._loss_normalizer(inputs, mask, mode)
         bonus_coef = self._entropy_bonus_coef()
         off_policy_needs_logps = old_logps is not None or "sampling_per_token_logps" in inputs
+        needs_current = self.top_entropy_quantile < 1.0 or (self.off_policy_mask_threshold is not None
+                                                              and off_policy_needs_logps)
         effective = {}  # the tokens the entropy bonus acts on (TRL's effective_mask)
+        weights = self._rollout_weights(inputs, mask)
+        if weights is not None:
+            weights = weights.expand(mask.shape)
+        batch = LossBatch(targets, advantages, scored, old_logps, ref_logps, weights, normalizer)
 
-        def loss_terms(head: Head, _labels):
-            """The loss on ``head``: TRL's masks on the current log-probs and entropies (one forward-only pass
-            first, when a mask needs them), the method's objective, TRL's entropy bonus."""
-            current = None
-            if self.top_entropy_quantile < 1.0 or (self.off_policy_mask_threshold is not None and off_policy_needs_logps):
-                current = head.logprobs(targets)
+        def complete(current_logps=None, entropies=None) -> LossBatch:
+            """The loss call's batch with TRL's masks on the current log-probs and entropies (from the call's own
+            first sweep, where a mask needs them) and TRL's entropy bonus as entropy weights."""
             # TRL multiplies the policy term of each token by its masks. Every method's term is A times a weight,
             # so the masks multiply the advantages: exact for every method, also where the rollout weights do not
             # multiply the term (vespo folds vLLM's ratios into its sequence weight, as TRL does).
             keep = torch.ones_like(mask, dtype=torch.float32)
             entropy_mask = None
             if self.top_entropy_quantile < 1.0:
-                entropy_mask = self.get_high_entropy_mask(current[1], mask, 1 - self.top_entropy_quantile)
+                entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
                 keep = keep * entropy_mask
             if self.off_policy_mask_threshold is not None:
-                keep = keep * self._off_policy_mask(inputs, advantages, old_logps,
-                                                    None if current is None else current[0], mask)
+                keep = keep * self._off_policy_mask(inputs, advantages, old_logps, current_logps, mask)
             masked_advantages = advantages
             if entropy_mask is not None or self.off_policy_mask_threshold is not None:
                 masked_advantages = per_token_advantages(advantages) * keep
-            weights = self._rollout_weights(inputs, mask)
-            if weights is not None:
-                weights = weights.expand(mask.shape)
-            batch = LossBatch(targets, masked_advantages, scored, old_logps, ref_logps, weights, normalizer)
-            out = head.loss(batch, self.loss_options)
-            loss = out.loss
-            effective["mask"] = scored if entropy_mask is None else scored & entropy_mask
+            tokens = scored if entropy_mask is None else scored & entropy_mask
+            effective["mask"] = tokens
+            # TRL's bonus: coef x the mean entropy over the tokens it acts on, / accumulation only: weights of the
+            # entropies outside the policy term's aggregation, in the same call (no pass of its own).
+            entropy_weights = None
             if bonus_coef != 0.0:
-                # TRL's bonus: coef x the mean entropy over the tokens it acts on, / accumulation only. A second
-                # fused call whose objective is zero (advantages 0): only its entropy term has a gradient.
-                tokens = effective["mask"]
-                bonus = head.loss(LossBatch(targets.masked_fill(~tokens, -100), torch.zeros_like(advantages), tokens,
-                                            loss_normalizer=tokens.sum().clamp(min=1).float() * accumulation),
-                                  self._bonus_options(bonus_coef))
-                loss = loss + bonus.loss
-            return out.logps, out.entropy, loss, out.metrics.as_tensor(), out.loss.detach()
+                entropy_weights = tokens * (bonus_coef / (tokens.sum().clamp(min=1).float() * accumulation))
+            effective["weights"] = entropy_weights
+            return batch._replace(advantages=masked_advantages, entropy_weights=entropy_weights)
+
+        def loss_terms(head: Head, _labels):
+            """The loss on ``head``, one call: TRL's masks from the call's own first sweep where they need the
+            current log-probs or entropies, the method's objective, TRL's entropy bonus."""
+            out = head.loss(batch, self.loss_options, complete) if needs_current \
+                else head.loss(complete(), self.loss_options)
+            policy_loss = out.loss.detach()
+            if bonus_coef != 0.0:  # TRL's policy_loss metric leaves the bonus out
+                policy_loss = policy_loss - entropy_weight_term(out.entropy, effective["weights"], scored)
+            return out.logps, out.entropy, out.loss, out.metrics.as_tensor(), policy_loss
 
         # GRPOTrainer's own chunking and slicing around the loss's call (the trainer's override of this method
         # would wrap the call in a log-prob call).
@@ -153,12 +160,6 @@ class FusedLoss:
         if self.loss_options.method.name == "vespo":
             self._log_vespo_weights(inputs, logps, old_logps, advantages, mask, mode)
         return loss
-
-    def _bonus_options(self, coef: float) -> LossOptions:
-        """The entropy bonus's call: a zero objective (grpo at advantage 0), token mean, ``entropy_coef=coef``."""
-        return dataclasses.replace(self.loss_options, method=method_config("grpo"), aggregation="token_mean",
-                                   beta=0.0, kl_ratio_correction=False, entropy_coef=coef,
-                                   importance_sampling_level="token")
 
     def _entropy_bonus_bookkeeping(self, policy_loss, entropies, effective_mask, mode):
         """TRL's metrics and adaptive entropy control of the entropy bonus, as its ``_compute_loss`` keeps them."""

@@ -77,11 +77,17 @@ class Head:
         with torch.autocast(self.hidden.device.type, enabled=False):
             yield self.hidden.float(), self.weight.float(), None if self.bias is None else self.bias.float()
 
-    def loss(self, batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
+    def loss(self, batch: LossBatch, options: LossOptions, complete_batch=None) -> PolicyLossOutput:
+        """The loss of ``batch``; ``complete_batch(logps, entropies)`` (``dgpo_ops.ops.linear.CompleteBatch``): the
+        batch from the current log-probs and entropies, which the fused-linear op makes in its own first sweep
+        (the logits path reads them off the logits, a forward of the row kernels only)."""
         if self.logits is not None:
+            if complete_batch is not None:
+                batch = complete_batch(*self.logprobs(batch.target_ids))
             return loss_from_options(self.logits, batch, options)
         with self._precision() as (hidden, weight, bias):
-            return linear_loss_from_options(hidden, weight, bias, batch, options, self.trainer.projection_options)
+            return linear_loss_from_options(hidden, weight, bias, batch, options, self.trainer.projection_options,
+                                            complete_batch=complete_batch)
 
     @torch.no_grad()
     def logprobs(self, targets) -> tuple[torch.Tensor, torch.Tensor]:

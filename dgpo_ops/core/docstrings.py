@@ -67,6 +67,11 @@ ARGUMENTS = {
     "scores": "each response's score, ``(B,)`` (or per token; ``(n_seqs,)`` packed), or None: the methods that "
               "split responses by its sign read it (topr's positive and negative samples, as ROLL's episode "
               "score); where None the advantage's sign stands in. No gradient.",
+    "entropy_weights": "per-token weights ``w`` of a second entropy term, outside the aggregation: the loss "
+                       "subtracts ``sum w_t H_t`` over the scored tokens (TRL's entropy bonus, with its own tokens "
+                       "and normaliser: ``w = coef * tokens / (count * accumulation)``), in the same passes; or None. "
+                       "Padded or flat tokens, eager (not with ``vocab_parallel_group``, ``cu_seqlens`` or under "
+                       "``torch.compile`` yet).",
     "generator": "what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a "
                  "``torch.Generator`` on the logits' device; None: torch's default generator of that device. A "
                  "key is drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens "

@@ -51,6 +51,9 @@ class LossBatch(NamedTuple):
     rollout_logps: torch.Tensor | None = None
     # each response's score (its reward), for the methods that split responses by its sign (topr); no gradient
     scores: torch.Tensor | None = None
+    # w_t of an entropy term outside the aggregation, loss -= sum over scored t of w_t H_t (TRL's entropy bonus,
+    # with its own tokens and normaliser); fused ops on padded or flat tokens, eager (dgpo_ops.ops.pipeline)
+    entropy_weights: torch.Tensor | None = None
 
     def tensors(self) -> tuple:
         """The tensors in the order the custom ops of ``dgpo_ops.ops.compiled`` take them (the normaliser apart)."""

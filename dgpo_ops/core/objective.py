@@ -26,6 +26,7 @@ class ObjectiveTerms(NamedTuple):
     tokens: TokenTerms  # the method's per-token L (differentiable), psi, region
     log_ratio: torch.Tensor  # what psi was evaluated at (sequence mean under GSPO), detached
     kl: torch.Tensor | None  # per-token k3 value, detached
+    per_token: torch.Tensor  # each token's w L + beta KL - c H, before the mask and scale (differentiable)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,13 @@ def policy_objective(
         check_kl_inputs(batch, options)
         loss = loss + options.positive_nll_coef * positive_nll(logp, batch)
     clamped = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return ObjectiveTerms(loss, tokens, clamped, kl)
+    return ObjectiveTerms(loss, tokens, clamped, kl, per_token)
+
+
+def entropy_weight_term(entropy: torch.Tensor, weights: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``-sum w_t H_t`` over the scored tokens: ``LossBatch.entropy_weights``' term, added to the loss as it is
+    (outside the aggregation). Every route adds it with this function (the fused ops on detached entropies)."""
+    return -torch.where(scored, weights * entropy, 0.0).sum()
 
 
 def masked_objective(logp, entropy, batch, options: LossOptions, generator=None):

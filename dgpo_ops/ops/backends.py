@@ -18,8 +18,10 @@ class RowKernels:
     prologue: Callable
     forward: Callable
     backward: Callable
-    finalize: Callable | None  # None: the loss and metrics come from the torch objective
-    has_epilogue: bool  # evaluates token-level methods in the forward pass
+    finalize: Callable
+    # (CallPlan, RowWorkspace) -> what the row forward takes to evaluate a token-level method where it finishes
+    # its rows (the Triton kernels: EpilogueInputs; the twins: the torch objective on the rows of each call)
+    epilogue: Callable
 
 
 @functools.cache  # TRITON_INTERPRET is read when the kernels are defined: the answer never changes
@@ -35,20 +37,24 @@ def triton_is_interpreted() -> bool:
 def _kernel_set(name: str) -> RowKernels:
     if name == "torch":
         from dgpo_ops.kernels.torch_twins import (
+            finalize_torch,
             logits_grad_torch,
             logprob_entropy_torch,
             token_prologue_torch,
         )
+        from dgpo_ops.ops.twin_epilogue import TwinEpilogue
 
-        return RowKernels("torch", token_prologue_torch, logprob_entropy_torch, logits_grad_torch, None,
-                          has_epilogue=False)
+        return RowKernels("torch", token_prologue_torch, logprob_entropy_torch, logits_grad_torch, finalize_torch,
+                          epilogue=TwinEpilogue)
     if name == "triton":
         from dgpo_ops.kernels.finalize import finalize
         from dgpo_ops.kernels.logits_grad import logits_grad
         from dgpo_ops.kernels.logprob_entropy import logprob_entropy
         from dgpo_ops.kernels.prologue import token_prologue
+        from dgpo_ops.ops.pipeline import epilogue_inputs
 
-        return RowKernels("triton", token_prologue, logprob_entropy, logits_grad, finalize, has_epilogue=True)
+        return RowKernels("triton", token_prologue, logprob_entropy, logits_grad, finalize,
+                          epilogue=lambda plan, workspace: epilogue_inputs(plan.options, workspace.per_token.device))
     raise ValueError(f"no kernel set named {name!r}")
 
 

@@ -145,7 +145,7 @@ def fused_policy_loss_backward_op(
 
     options, _ = options_from_spec(spec)
     kernels = select_kernels(options.backend, logits)
-    uses_epilogue = kernels.has_epilogue and options.token_local
+    uses_epilogue = options.token_local  # both kernel sets evaluate it in the row forward
     workspace = RowWorkspace(per_token, target_index, sequence_stats, seq_scale, status,
                              stats=per_token.new_empty(0), loss=per_token.new_empty(()))
     return backward_pass(kernels, options, logits, torch.empty_like(logits), workspace,

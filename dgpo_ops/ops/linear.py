@@ -31,8 +31,10 @@ dtype as they are loaded (no weight copy), one more pass of products, gradients 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -44,7 +46,14 @@ from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, refuse_double_ba
 from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout
-from dgpo_ops.ops.pipeline import CallPlan, backward_rows, epilogue_inputs, forward_rows, plan_call
+from dgpo_ops.ops.pipeline import (
+    CallPlan,
+    backward_rows,
+    entropy_gradient,
+    epilogue_inputs,
+    forward_rows,
+    plan_call,
+)
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
 # cuBLAS writes an fp32 product of bf16/fp16 operands directly (torch >= 2.8, CUDA).
@@ -199,12 +208,16 @@ class TileGradients:
     grad_weight: torch.Tensor | None
     grad_bias: torch.Tensor | None
     backward_view: tuple | None = None  # RowLayout.backward_workspace, made at the first tile (after the prologue)
+    entropy_grad: torch.Tensor | None = None  # pipeline.entropy_gradient of the plan's entropy weights, ditto
 
     def add(self, start, stop, tile, entropy_coef: float, dloss_dlogp=None, dloss_dentropy=None):
         grad = self.tiles.grad[: stop - start]
         plan = self.plan
         if self.backward_view is None:
             self.backward_view = plan.rows.backward_workspace(self.workspace, plan.grid_seq_len)
+            self.entropy_grad = entropy_gradient(plan, self.backward_view)
+        if dloss_dentropy is None:
+            dloss_dentropy = self.entropy_grad
         backward_rows(plan.kernels, plan.options, tile, grad, self.backward_view, self.tiles.kernel_scale,
                       dloss_dlogp=dloss_dlogp, token_offset=start, dloss_dentropy=dloss_dentropy,
                       entropy_coef=entropy_coef)
@@ -219,6 +232,27 @@ class TileGradients:
 class LinearPlan:
     call: CallPlan
     projection: ProjectionOptions
+
+
+# (log-probs, entropies) -> LossBatch: a call's inputs that need the current log-probs and entropies (a trainer's
+# masks, the tokens its entropy bonus acts on), from the call's own first sweep (detached, shaped like the target
+# ids); the batch keeps the first one's target ids, mask and normaliser (the prologue's counts and scales).
+CompleteBatch = Callable[[torch.Tensor, torch.Tensor], LossBatch]
+
+
+def completing(complete_batch: CompleteBatch, batch: LossBatch, replan: Callable[[LossBatch], CallPlan]):
+    """``CallPlan.complete`` from ``complete_batch``: the plan of the batch it makes from the first sweep."""
+    def complete(call: CallPlan, workspace: RowWorkspace) -> CallPlan:
+        planes = workspace.per_token.detach()
+        shape = batch.target_ids.shape
+        completed = complete_batch(planes[Plane.LOGP].reshape(shape), planes[Plane.ENTROPY].reshape(shape))
+        kept = ("target_ids", "mask", "loss_normalizer")
+        if any(getattr(completed, name) is not getattr(batch, name) for name in kept):
+            raise ValueError("complete_batch must keep the batch's target_ids, mask and loss_normalizer (the same "
+                             "objects): the first sweep counted and scaled its tokens with them")
+        return replan(completed)
+
+    return complete
 
 
 def sweep_tiles(hidden, projection, tiles, on_tile):
@@ -263,7 +297,8 @@ def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_
                  for t, wanted in zip((hidden, weight, bias), wants)]
         if call.needs_grad:
             linear_grads(hidden, weight, bias, workspace, call.grid_seq_len, projection, options.entropy_coef,
-                         *grads, dloss_dlogp=result.dloss_dlogp)
+                         *grads, dloss_dlogp=result.dloss_dlogp,
+                         dloss_dentropy=entropy_gradient(result.plan, (workspace, call.grid_seq_len)))
     return result.loss, workspace.per_token, result.stats, *grads
 
 
@@ -301,7 +336,9 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
 
         result = forward_rows(call, workspace, sweep, "fused_linear_dgpo_loss", prologue_first=True)
         if call.needs_grad and not call.uses_epilogue:
-            # The objective's coefficients are known only now: a second sweep recomputes the tiles.
+            # The objective's coefficients are known only now: a second sweep recomputes the tiles (with the
+            # inputs CallPlan.complete made from the first, where the call has it).
+            gradients = dataclasses.replace(gradients, plan=result.plan, backward_view=None)
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
                 start, stop, tile, options.entropy_coef, dloss_dlogp=result.dloss_dlogp))
         call.rows.reduce_hidden_grad(grad_hidden)
@@ -364,9 +401,17 @@ def flatten_tokens(hidden, weight, bias):
 
 
 def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,
-                needs_grad: bool, checked: bool = True, layout: CallLayout = CallLayout()) -> LinearPlan:
+                needs_grad: bool, checked: bool = True, layout: CallLayout = CallLayout(),
+                complete_batch: CompleteBatch | None = None) -> LinearPlan:
     """The call's plan from metadata; ``checked`` also checks the values (False: the fake
-    implementation of the compiled op, which has no values)."""
+    implementation of the compiled op, which has no values). ``complete_batch``: see ``CompleteBatch``."""
+    if complete_batch is not None:
+        if not layout.is_default:
+            raise ValueError("complete_batch is not supported with vocab_parallel_group or cu_seqlens yet")
+        first = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad, checked, layout)
+        complete = completing(complete_batch, batch, lambda completed: linear_plan(
+            logits_shape, weight, completed, options, projection_options, needs_grad, checked, layout).call)
+        return dataclasses.replace(first, call=dataclasses.replace(first.call, complete=complete))
     if projection_options.logits_on_chip and not layout.is_default:
         raise ValueError("logits_on_chip=True does not take vocab_parallel_group or cu_seqlens yet: pass "
                          "logits_on_chip=False (the tile path runs every layout)")
@@ -384,14 +429,18 @@ def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, pr
 
 
 def linear_loss(hidden, weight, bias, batch: LossBatch, options: LossOptions,
-                projection_options: ProjectionOptions, layout: CallLayout = CallLayout()) -> PolicyLossOutput:
+                projection_options: ProjectionOptions, layout: CallLayout = CallLayout(),
+                complete_batch: CompleteBatch | None = None) -> PolicyLossOutput:
     """The fused-linear op, eager, on every layout: ``weight`` and ``bias`` plain tensors, this process's rows
-    with a split vocabulary (``dgpo_ops.api`` routes the head module and compiled calls)."""
+    with a split vocabulary (``dgpo_ops.api`` routes the head module and compiled calls). ``complete_batch``
+    (padded or flat tokens): inputs made from the call's own first sweep of log-probs and entropies, so that
+    they cost no sweep of their own (``CompleteBatch``)."""
     flat_hidden, logits_shape = flatten_tokens(hidden, weight, bias)
     if options.inplace:
         raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    plan = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad, layout=layout)
+    plan = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad, layout=layout,
+                       complete_batch=complete_batch)
     loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias, plan)
     loss = loss.to(compute_dtype(weight.dtype))
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))

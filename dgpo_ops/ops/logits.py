@@ -25,7 +25,7 @@ from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
 from dgpo_ops.ops.backends import RowKernels
-from dgpo_ops.ops.pipeline import CallPlan, backward_rows, forward_rows, plan_call
+from dgpo_ops.ops.pipeline import CallPlan, backward_rows, entropy_gradient, forward_rows, plan_call
 
 
 def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False):
@@ -42,13 +42,16 @@ def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False
 
 
 def backward_pass(kernels: RowKernels, options: LossOptions, logits, grad_logits, workspace: RowWorkspace,
-                  coefficient, grad_loss, rows: RowLayout | None = None) -> torch.Tensor:
+                  coefficient, grad_loss, rows: RowLayout | None = None, plan: CallPlan | None = None) -> torch.Tensor:
     """d loss / d logits into ``grad_logits`` (the logits themselves with ``inplace``); ``rows`` None: the
-    logits are the whole vocabulary on the grid (a compiled call)."""
+    logits are the whole vocabulary on the grid (a compiled call). ``plan``: the eager call's, for its entropy
+    weights."""
     rows = rows or RowLayout(logits.shape[:-1], logits.shape[-1])
     grid_seq_len = logits.shape[1] if logits.dim() == 3 else logits.shape[0]
-    backward_rows(kernels, options, logits, grad_logits, rows.backward_workspace(workspace, grid_seq_len),
-                  1.0 / options.temperature, dloss_dlogp=coefficient, grad_loss=grad_loss)
+    backward_view = rows.backward_workspace(workspace, grid_seq_len)
+    backward_rows(kernels, options, logits, grad_logits, backward_view, 1.0 / options.temperature,
+                  dloss_dlogp=coefficient, grad_loss=grad_loss,
+                  dloss_dentropy=None if plan is None else entropy_gradient(plan, backward_view))
     return grad_logits
 
 
@@ -77,7 +80,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         options = ctx.plan.options
         grad_logits = logits if options.inplace else torch.empty_like(logits)
         backward_pass(ctx.plan.kernels, options, logits, grad_logits, ctx.workspace, ctx.coefficient, grad_loss,
-                      ctx.plan.rows)
+                      ctx.plan.rows, ctx.plan)
         if options.inplace:
             # The logits now hold their gradient: anything else that saved them must fail loudly
             # when it unpacks them, not compute with the gradient.

@@ -11,7 +11,9 @@ order:
    fused-linear op first (its gradients need the scales during the sweep);
 3. the loss and metrics: the finalize kernel after an epilogue, else the torch objective on the
    per-token log-probs and entropies laid on the grid (``objective_route``: every method, GSPO's
-   sequence ratio included, with autograd on O(N) vectors only);
+   sequence ratio included, with autograd on O(N) vectors only), on inputs that may be made from those
+   log-probs and entropies first (``CallPlan.complete``: a trainer's masks); ``LossBatch.entropy_weights``'
+   term added to the loss;
 4. in backward, the gradient kernel (``RowKernels.backward``) with the ``expm1`` form of ``1 - p``.
 
 ``CallPlan`` is everything a call decides on the host from metadata alone.
@@ -19,6 +21,7 @@ order:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +37,7 @@ from dgpo_ops.core.inputs import (
     token_inputs,
 )
 from dgpo_ops.core.metrics import policy_metrics
-from dgpo_ops.core.objective import check_kl_inputs, policy_objective
+from dgpo_ops.core.objective import check_kl_inputs, entropy_weight_term, policy_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode, running_per_token_function
 from dgpo_ops.kernels.interface import Plane, Status
@@ -56,11 +59,16 @@ class CallPlan:
     rows: RowLayout
     row_inputs: TokenInputs  # what the row forward reads per row (``inputs`` unless the rows are packed)
     generator: torch.Generator | None = None  # what a random token selection draws from (LossBatch.generator)
+    entropy_weights: torch.Tensor | None = None  # (n_rows,) LossBatch.entropy_weights in the rows' order
+    # Inputs that need the row forward's log-probs and entropies first (a trainer's masks): the plan the objective
+    # is evaluated with, made from this one and the merged workspace between the row forward and the objective.
+    complete: Callable[["CallPlan", RowWorkspace], "CallPlan"] | None = None
 
     @property
     def uses_epilogue(self) -> bool:
-        """Token-level methods are evaluated in the forward kernel's epilogue (Triton), where it finishes its rows."""
-        return self.kernels.has_epilogue and self.options.token_local and self.rows.finishes_rows_in_kernel
+        """Token-level methods are evaluated in the row forward's epilogue (both kernel sets), where it finishes its
+        rows, when their inputs are all known before it."""
+        return self.options.token_local and self.rows.finishes_rows_in_kernel and self.complete is None
 
     @property
     def has_kl(self) -> bool:
@@ -91,13 +99,40 @@ def plan_call(token_shape, columns: int, dtype, device, batch: LossBatch, option
     check_kl_inputs(inputs, options)
     kernels = select_kernels(options.backend, kernel_probe)
     plan = CallPlan(inputs, options, kernels, rows.vocab, normalizer_spec(grid_batch.loss_normalizer, device),
-                    deferred, needs_grad, rows, rows.row_inputs(batch, inputs), batch.generator)
+                    deferred, needs_grad, rows, rows.row_inputs(batch, inputs), batch.generator,
+                    row_entropy_weights(batch.entropy_weights, token_shape, layout, device))
     if checked:
         if deferred:
             poll_deferred_errors()
         else:
             check_values(inputs, plan.vocab, grid_batch.loss_normalizer, compute_dtype(kernel_probe.dtype))
     return plan
+
+
+def row_entropy_weights(weights, token_shape, layout: CallLayout, device) -> torch.Tensor | None:
+    """``LossBatch.entropy_weights`` checked and flattened to the rows' order (the tokens', on the layouts that
+    take them)."""
+    if weights is None:
+        return None
+    if not layout.is_default:
+        raise ValueError("entropy_weights are not supported with vocab_parallel_group or cu_seqlens yet")
+    if not torch.is_tensor(weights) or not weights.is_floating_point() or weights.shape != torch.Size(token_shape):
+        shape = tuple(weights.shape) if torch.is_tensor(weights) else type(weights).__name__
+        raise ValueError(f"entropy_weights must be a float tensor of shape {tuple(token_shape)}, got {shape}")
+    if weights.device != torch.device(device):
+        raise ValueError(f"entropy_weights is on {weights.device} but the logits are on {device}")
+    return weights.detach().reshape(-1)
+
+
+def entropy_gradient(plan: CallPlan, backward_view: tuple[RowWorkspace, int]) -> torch.Tensor | None:
+    """d loss / d H of each row where the call has entropy weights: ``-(entropy_coef s_b + w_t)`` (the kernels'
+    per-token entropy coefficient); None without them (the kernels form ``-entropy_coef s_b`` themselves)."""
+    if plan.entropy_weights is None:
+        return None
+    workspace, grid_seq_len = backward_view
+    rows = torch.arange(workspace.n_tokens, device=workspace.seq_scale.device)
+    scale = workspace.seq_scale[rows // grid_seq_len]
+    return -(plan.options.entropy_coef * scale + plan.entropy_weights.to(scale.dtype))
 
 
 @functools.lru_cache(maxsize=256)
@@ -144,7 +179,7 @@ def row_forward(plan: CallPlan, workspace: RowWorkspace, with_epilogue: bool = T
     with the method's epilogue where the plan uses it (and ``with_epilogue``: False for log-probs alone) and a
     split vocabulary's partials where it is split."""
     uses_epilogue = with_epilogue and plan.uses_epilogue
-    epilogue = epilogue_inputs(plan.options, workspace.per_token.device) if uses_epilogue else None
+    epilogue = plan.kernels.epilogue(plan, workspace) if uses_epilogue else None
 
     def forward(rows: torch.Tensor, inv_scale: float, token_offset: int = 0) -> None:
         plan.kernels.forward(rows, plan.row_inputs, workspace, inv_scale, epilogue, token_offset=token_offset,
@@ -158,27 +193,36 @@ class ObjectiveResult:
     loss: torch.Tensor
     dloss_dlogp: torch.Tensor | None  # (n_rows,), scaled by the aggregation; None after an epilogue
     stats: torch.Tensor
+    plan: CallPlan | None = None  # the plan the objective was evaluated with (CallPlan.complete's, where it has one)
 
 
 def forward_rows(plan: CallPlan, workspace: RowWorkspace, sweep: Callable[[RowForward], None], op: str,
                  prologue_first: bool) -> ObjectiveResult:
     """Steps 1-3 of one call in their order: ``sweep(forward)`` runs the row forward over every row (and
     whatever the op does per tile after it). Queues the call's deferred checks."""
+    uses_epilogue = plan.uses_epilogue  # the row forward's (never with CallPlan.complete)
     if prologue_first:
         run_prologue(plan, workspace)
     sweep(row_forward(plan, workspace))
     plan.rows.merge(workspace)
+    if plan.complete is not None:
+        plan = plan.complete(plan, workspace)
     if not prologue_first:
-        run_prologue(plan, workspace, finalize=plan.uses_epilogue)
-    elif plan.uses_epilogue:
+        run_prologue(plan, workspace, finalize=uses_epilogue)
+    elif uses_epilogue:
         plan.kernels.finalize(workspace, plan.grid_seq_len, plan.has_kl)
-    result = ObjectiveResult(workspace.loss, None, workspace.stats) if plan.uses_epilogue \
+    result = ObjectiveResult(workspace.loss, None, workspace.stats) if uses_epilogue \
         else objective_route(plan, workspace)
+    if plan.entropy_weights is not None:
+        planes = workspace.planes()
+        result.loss = result.loss + entropy_weight_term(planes[Plane.ENTROPY], plan.entropy_weights.to(planes.dtype),
+                                                        workspace.target_index >= 0)
     if plan.deferred:
         function = running_per_token_function()
         if function is not None:  # its results are the per-token values (a loss op's, its loss and gradient)
             nan_rows_on_error(workspace)
         defer(workspace.status, plan.vocab, plan.normalizer_tensor, function or op)
+    result.plan = plan
     return result
 
 
@@ -189,6 +233,14 @@ def nan_rows_on_error(workspace: RowWorkspace) -> None:
     number that reads as right."""
     rows = workspace.planes()[Plane.LOGP:Plane.ENTROPY + 1]
     rows.copy_(torch.where(workspace.status[Status.ERRORS] != 0, float("nan"), rows))
+
+
+@contextlib.contextmanager
+def autograd_on_vectors():
+    """Autograd on O(N) per-token vectors inside an op. Inside the custom op of a compiled call
+    (dgpo_ops.ops.compiled) the dispatcher has autograd excluded below the op's own autograd node: re-admit it."""
+    with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False):
+        yield
 
 
 def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
@@ -208,9 +260,7 @@ def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
         terms = policy_objective(on_grid(logp), on_grid(entropy), batch, plan.options, plan.generator)
         dloss_dlogp = None
     else:
-        # Autograd on O(N) vectors. Inside the custom op of a compiled call (dgpo_ops.ops.compiled) the
-        # dispatcher has autograd excluded below the op's own autograd node: re-admit it here.
-        with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False):
+        with autograd_on_vectors():
             logp_leaf = logp.detach().requires_grad_(True)
             terms = policy_objective(on_grid(logp_leaf), on_grid(entropy.detach()), batch, plan.options,
                                      plan.generator)

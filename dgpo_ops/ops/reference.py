@@ -10,7 +10,7 @@ import torch
 
 from dgpo_ops.core.docstrings import documented
 from dgpo_ops.core.inputs import LossBatch, prepare_batch
-from dgpo_ops.core.objective import masked_objective
+from dgpo_ops.core.objective import entropy_weight_term, masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.corrections.stage import with_rollout_correction
@@ -41,6 +41,7 @@ def reference_loss(
     rollout_correction=None,
     scores: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    entropy_weights: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     **method_params,
@@ -56,7 +57,7 @@ def reference_loss(
         **method_params,
     )
     batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
-                      rollout_logps, scores)
+                      rollout_logps, scores, entropy_weights)
 
     def route(batch):
         if cu_seqlens is not None or max_seqlen is not None:
@@ -74,6 +75,8 @@ def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, c
     CallLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)  # refuses a max_seqlen without cu_seqlens
     if logits.dim() != 2:
         raise ValueError(f"packed tokens (cu_seqlens) are (total_tokens, V) logits, got shape {tuple(logits.shape)}")
+    if loss_batch.entropy_weights is not None:  # as the fused ops
+        raise ValueError("entropy_weights are not supported with cu_seqlens yet")
     packed = PackedLayout.build(cu_seqlens, logits.shape[0], logits.device, max_seqlen)
     out = reference_loss_from_options(packed.pad(logits, 0.0), packed.padded_batch(loss_batch), options)
     return out._replace(logps=packed.unpad(out.logps), entropy=packed.unpad(out.entropy))
@@ -97,6 +100,9 @@ def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOpti
     # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf, in the value and in its gradient.
     entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1)
     loss, logp, entropy, metrics = masked_objective(logp, entropy, batch, options, loss_batch.generator)
+    if loss_batch.entropy_weights is not None:
+        weights = loss_batch.entropy_weights.reshape(grid).to(entropy.dtype)
+        loss = loss + entropy_weight_term(entropy, weights, batch.mask)
 
     def per_token_output(values):  # fp32, 0 on masked tokens (where the fused kernels read nothing)
         return batch.unflatten(values.detach().float())

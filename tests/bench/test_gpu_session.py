@@ -67,7 +67,7 @@ def test_dry_run_of_every_stage(tmp_path):
     grid = json.loads((out / "passes.json").read_text())
     assert grid["complete"] and [(r["method"], r["option"], r["path"]) for r in grid["rows"]] == [
         ("gspo", "all", "dgpo_linear")]
-    assert grid["rows"][0]["passes"] == 9.0 and grid["rows"][0]["designed_passes"] == 4.0
+    assert grid["rows"][0]["passes"] == 4.0 and grid["rows"][0]["designed_passes"] == 4.0
 
 
 def test_a_stage_without_budget_left_is_skipped_and_recorded(tmp_path):

@@ -3,12 +3,12 @@
 ``CURRENT_PASSES`` is what the code pays today on the CPU (the torch twins), ``DESIGNED_PASSES`` what it is built
 to pay (``bench.passes.designed_passes``). Where the two differ the design is not reached yet: the test holds
 today's count, so that a change that adds a pass fails, and the change that removes one has to move that case's
-``CURRENT_PASSES`` to its design (``test_no_case_pays_less_than_designed`` then says so). Today every fused-linear
-case pays more than designed but gspo and clip_cov without options: the twins have no epilogue, so every method
-takes the log-prob sweep and the full sweep (4, 3 on CUDA), a mask adds a forward-only sweep (1), and the entropy
-bonus a whole second loss call (4 on the CPU). On CUDA the fused-linear cases run on the Triton kernels:
-``CURRENT_PASSES_CUDA`` holds the counts predicted from the code (a token-local loss call 3 passes, others 4), not
-yet measured on a GPU; ``test_fused_linear_pass_count_on_cuda`` checks them in ``gpu_session.sh``'s CUDA tests.
+``CURRENT_PASSES`` to its design (``test_no_case_pays_less_than_designed`` then says so). Today every case pays its
+design: one loss call per update, TRL's entropy bonus in it (entropy weights), TRL's masks made from its own first
+sweep (``complete_batch``); 3 passes for a token-local method without a mask, 4 otherwise. The torch twins have an
+epilogue as the Triton kernels do, so the CUDA counts are the CPU's: ``CURRENT_PASSES_CUDA``, predicted from the
+code, not yet measured on a GPU; ``test_fused_linear_pass_count_on_cuda`` checks them in ``gpu_session.sh``'s CUDA
+tests.
 """
 
 from __future__ import annotations
@@ -34,22 +34,20 @@ from bench import passes
 PROMPT, COMPLETION = passes.COUNT_SHAPE["tiny"]
 CASES = list(itertools.product(passes.METHODS, passes.OPTIONS, passes.PATHS))
 MASKS = {"entropy_mask", "off_policy_mask", "all"}
-BONUS = {"entropy_bonus", "adaptive_entropy", "all"}
 # GRPOTrainer's chunked head (over every position but the last, prompt included) and the model's lm_head on the
 # logits path do not depend on the loss: one count each, today and by design.
 TRL_PASSES = 4 * (PROMPT + COMPLETION - 1) / COMPLETION
 LOGITS_PASSES = 3 * (COMPLETION + 1) / COMPLETION
 
 
-def _linear_today(method: str, option: str, token_local_passes: int) -> float:
-    """Fused linear today: the policy loss call (``token_local_passes`` for grpo, 4 for a method that is not a
-    token's own function), a forward-only log-prob sweep before it for a mask, a second whole loss call (grpo at
-    advantage 0) for the entropy bonus."""
-    loss_call = token_local_passes if method == "grpo" else 4
-    return loss_call + (1 if option in MASKS else 0) + (token_local_passes if option in BONUS else 0)
+def _linear_today(method: str, option: str) -> float:
+    """Fused linear today, on either kernel set: one loss call, the entropy bonus in it (entropy weights); 3 for grpo
+    without a mask (the epilogue: each tile's gradient from the pass that made it), else 4 (a first sweep, shared by
+    the masks and the method's statistic, then the full sweep)."""
+    return 3 if method == "grpo" and option not in MASKS else 4
 
 
-def _table(token_local_passes: int) -> dict:
+def _table() -> dict:
     table = {}
     for method, option, path in CASES:
         if path == "trl":
@@ -57,22 +55,24 @@ def _table(token_local_passes: int) -> dict:
         elif path == "dgpo_logits":
             table[method, option, path] = LOGITS_PASSES
         else:
-            table[method, option, path] = float(_linear_today(method, option, token_local_passes))
+            table[method, option, path] = float(_linear_today(method, option))
     return table
 
 
-CURRENT_PASSES = _table(token_local_passes=4)  # the CPU: the torch twins take the objective route for every method
-CURRENT_PASSES_CUDA = _table(token_local_passes=3)  # predicted, not yet measured on a GPU
+CURRENT_PASSES = _table()  # the CPU, the torch twins
+CURRENT_PASSES_CUDA = _table()  # the Triton kernels: predicted, not yet measured on a GPU
 DESIGNED_PASSES = {(m, o, p): passes.designed_passes(p, m, o, PROMPT, COMPLETION) for m, o, p in CASES}
 
 
 def test_the_table_today_as_recorded():
-    """The values written out, as the bench's results table and the README show them (grpo / gspo / clip_cov
-    share the linear column but for plain)."""
+    """The values written out, as the bench's results table shows them (gspo and clip_cov 4 throughout)."""
     linear = {option: CURRENT_PASSES["gspo", option, "dgpo_linear"] for option in passes.OPTIONS}
-    assert linear == {"plain": 4, "entropy_mask": 5, "off_policy_mask": 5, "entropy_bonus": 8,
-                      "adaptive_entropy": 8, "all": 9}
-    assert all(CURRENT_PASSES[m, o, "dgpo_linear"] == linear[o] for m, o, _ in CASES)
+    assert linear == {option: 4 for option in passes.OPTIONS}
+    assert all(CURRENT_PASSES[m, o, "dgpo_linear"] == 4 for m, o, _ in CASES if m != "grpo")
+    grpo = {option: CURRENT_PASSES["grpo", option, "dgpo_linear"] for option in passes.OPTIONS}
+    assert grpo == {"plain": 3, "entropy_mask": 4, "off_policy_mask": 4, "entropy_bonus": 3, "adaptive_entropy": 3,
+                    "all": 4}
+    assert CURRENT_PASSES == CURRENT_PASSES_CUDA == DESIGNED_PASSES  # every case at its design
     designed = {option: DESIGNED_PASSES["grpo", option, "dgpo_linear"] for option in passes.OPTIONS}
     assert designed == {"plain": 3, "entropy_mask": 4, "off_policy_mask": 4, "entropy_bonus": 3,
                         "adaptive_entropy": 3, "all": 4}

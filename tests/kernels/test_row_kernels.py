@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import largest_allocations, logits_batch
+from helpers import TOKEN_LEVEL_VARIANTS, largest_allocations, logits_batch, variant_id
 
 import dgpo_ops
 from dgpo_ops.core.aggregation import AGGREGATIONS
@@ -22,7 +22,6 @@ from dgpo_ops.kernels import prologue as prologue_module
 from dgpo_ops.kernels.interface import Plane, SequenceStat, Status
 from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.kernels.torch_twins import logits_grad_torch, logprob_entropy_torch, token_prologue_torch
-from helpers import logits_batch
 
 import dgpo_ops
 from dgpo_ops.core.aggregation import AGGREGATIONS
@@ -143,6 +142,37 @@ def test_finalize_matches_the_torch_metrics():
         torch.testing.assert_close(out.metrics[name], ref.metrics[name], rtol=1e-6, atol=1e-7, msg=name)
     assert all(out.metrics[name] > 0 for name in ("ln_fraction", "hp_fraction", "lp_fraction", "hn_fraction",
                                                   "dual_clip_fraction", "kl_mean"))
+
+
+@pytest.mark.parametrize("variant", TOKEN_LEVEL_VARIANTS, ids=variant_id)
+def test_the_twin_epilogue_writes_the_triton_epilogues_planes(variant):
+    """The torch twins evaluate a token-level method where they finish a chunk of rows (dgpo_ops.ops.twin_epilogue)
+    and finalize it (finalize_torch) as the Triton row kernel's epilogue and finalize do: the same planes, loss and
+    metrics for every token-level method, with a KL times the ratio, an entropy bonus and rollout weights."""
+    from dgpo_ops.core.options import LossOptions
+    from dgpo_ops.ops.logits import forward_pass, logits_plan
+
+    name, params = variant
+    inputs = logits_batch(3, 7, 40, seed=5)
+    weights = torch.rand(3, 7, generator=torch.Generator().manual_seed(5)) + 0.5
+    batch = LossBatch(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
+                      inputs["ref_logps"], weights)
+    results = []
+    for backend in ("triton", "torch"):
+        options = LossOptions.build(name, backend=backend, beta=0.1, kl_ratio_correction=True, entropy_coef=0.02,
+                                    **params)
+        plan = logits_plan(inputs["logits"], batch, options, needs_grad=True)
+        workspace, loss, stats, coefficient = forward_pass(inputs["logits"], plan)
+        assert plan.uses_epilogue and coefficient is None  # the coefficients are the epilogue's plane
+        results.append((workspace, loss, stats))
+    (got, got_loss, got_stats), (want, want_loss, want_stats) = results
+    scored = want.target_index >= 0
+    assert torch.equal(got.target_index, want.target_index) and scored.any() and not scored.all()
+    for plane in (Plane.TOKEN_LOSS, Plane.DLOSS_DLOGP, Plane.RATIO, Plane.PSI, Plane.REGION, Plane.KL):
+        torch.testing.assert_close(got.planes()[plane][scored], want.planes()[plane][scored], rtol=1e-5, atol=1e-6,
+                                   msg=plane.name)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got_stats, want_stats, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("bad", [False, True])

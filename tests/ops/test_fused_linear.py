@@ -1,5 +1,5 @@
 """fused_linear_dgpo_loss against reference_loss on the materialised logits: every method, token
-and sequence level, bias, logit_scale, softcap, temperature, KL, entropy; both backends."""
+and sequence level, bias, logit_scale, softcap, temperature, KL, entropy and entropy weights; both backends."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import dgpo_ops
 def run_linear(variant, backend, options, dtype=torch.float32, seed=0, logits_on_chip=False, **case):
     name, params = variant
     (hidden, weight, bias), inputs = linear_case(seed=seed, dtype=dtype, **case)
+    options = dict(options)
+    if options.pop("entropy_weights", False):  # a second entropy term with weights of its own
+        inputs["entropy_weights"] = torch.rand(inputs["target_ids"].shape, generator=torch.Generator().manual_seed(seed))
     projection = dict(logit_scale=case.get("logit_scale", 1.0), softcap=case.get("softcap"))
     leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
     ref_leaves = [t.detach().double().clone().requires_grad_(True) if t is not None else None for t in leaves]
@@ -32,6 +35,8 @@ OPTION_SETS = {
     "plain": dict(),
     "kl_entropy_temperature_nll": dict(beta=0.05, entropy_coef=0.02, temperature=0.8, kl_ratio_correction=True,
                                        positive_nll_coef=0.1),
+    "kl_entropy_temperature": dict(beta=0.05, entropy_coef=0.02, temperature=0.8, kl_ratio_correction=True,
+                                   entropy_weights=True),
     "gspo": dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", entropy_coef=0.01),
 }
 
@@ -300,3 +305,88 @@ def test_on_chip_and_tiles_score_the_same_logits_under_autocast():
     model = torch.log_softmax(logits.float(), -1).gather(-1, inputs["target_ids"].clamp(min=0)[..., None])[..., 0]
     scored = inputs["mask"] & (inputs["target_ids"] != -100)
     torch.testing.assert_close(outs[1].logps[scored], model[scored], rtol=0, atol=2e-5)
+
+
+def _masked_by_current(batch, logps, entropies):
+    """A trainer's use of ``complete_batch``: advantages masked where the current entropy is low (TRL's entropy
+    mask) and the current log-prob far from the old one (its off-policy mask), an entropy bonus on the kept tokens."""
+    keep = (entropies > entropies[batch.mask].median()) & ((logps - batch.old_logps).abs() < 1.0)
+    advantages = batch.advantages[:, None] * keep
+    tokens = batch.mask & keep
+    return batch._replace(advantages=advantages, entropy_weights=tokens * (0.3 / tokens.sum().clamp(min=1)))
+
+
+@pytest.mark.parametrize("method", ["grpo", "gspo", "clip_cov"])
+@pytest.mark.parametrize("backend", PATHS)
+def test_a_batch_completed_from_the_first_sweep_equals_it_given_upfront(backend, method):
+    """``complete_batch`` (dgpo_ops.ops.linear.CompleteBatch) sees the log-probs and entropies of the call's own
+    first sweep, exactly those ``fused_linear_logprobs`` returns: the loss, gradients, per-token values and metrics
+    are those of the completed batch passed to a call of its own."""
+    from dgpo_ops.core.inputs import LossBatch
+    from dgpo_ops.ops.linear import ProjectionOptions, linear_loss
+
+    method, params = ("grpo", dict(importance_sampling_level="sequence")) if method == "gspo" else (method, {})
+    (hidden, weight, bias), inputs = linear_case(seed=5)
+    on_chip = backend == "on_chip"
+    options = dgpo_ops.LossOptions.build(method, backend="triton" if on_chip else backend, beta=0.02, **params)
+    projection = ProjectionOptions(memory_budget=2 * 70 * 4 * 2, logits_on_chip=on_chip)
+    batch = LossBatch(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
+                      inputs["ref_logps"], generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def complete(logps, entropies):
+        seen.append((logps, entropies))
+        return _masked_by_current(batch, logps, entropies)
+
+    def run(batch, complete_batch=None):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        if batch.generator is not None:
+            batch.generator.manual_seed(0)
+        out = linear_loss(leaves[0], leaves[1], leaves[2], batch, options, projection, complete_batch=complete_batch)
+        return out, torch.autograd.grad(out.loss, leaves)
+
+    out, grads = run(batch, complete)
+    (logps, entropies), = seen
+    upfront = dgpo_ops.fused_linear_logprobs(hidden, weight, inputs["target_ids"], inputs["mask"], bias=bias,
+                                             memory_budget=projection.memory_budget, logits_on_chip=on_chip,
+                                             backend=options.backend)
+    assert torch.equal(logps, upfront[0]) and torch.equal(entropies, upfront[1])
+    completed = _masked_by_current(batch, *upfront)
+    assert 0 < completed.entropy_weights.count_nonzero() < batch.mask.sum()  # the masks cut some scored tokens
+    want, want_grads = run(completed)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-6, atol=1e-7)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(out.logps, want.logps) and torch.equal(out.entropy, want.entropy)
+    for key in want.metrics:
+        torch.testing.assert_close(out.metrics[key], want.metrics[key], msg=key)
+
+
+def test_complete_batch_must_keep_the_tokens():
+    from dgpo_ops.core.inputs import LossBatch
+    from dgpo_ops.ops.linear import ProjectionOptions, linear_loss
+
+    (hidden, weight, bias), inputs = linear_case()
+    batch = LossBatch(inputs["target_ids"], inputs["advantages"], inputs["mask"])
+    options = dgpo_ops.LossOptions.build("grpo")
+    with pytest.raises(ValueError, match="must keep the batch's target_ids, mask and loss_normalizer"):
+        linear_loss(hidden, weight, bias, batch, options, ProjectionOptions(),
+                    complete_batch=lambda logps, entropies: batch._replace(mask=batch.mask.clone()))
+
+
+@pytest.mark.parametrize("layout", ["cu_seqlens", "compile"])
+def test_entropy_weights_refused_where_not_supported(layout):
+    (hidden, weight, bias), inputs = linear_case()
+    inputs["entropy_weights"] = torch.ones(inputs["target_ids"].shape)
+    if layout == "cu_seqlens":
+        flat = {k: v.reshape(-1) if torch.is_tensor(v) and v.shape == inputs["target_ids"].shape else v
+                for k, v in inputs.items()}
+        flat["advantages"] = inputs["advantages"][:, None].expand(inputs["target_ids"].shape).reshape(-1)
+        cu_seqlens = torch.arange(0, hidden.shape[0] * hidden.shape[1] + 1, hidden.shape[1])
+        with pytest.raises(ValueError, match="entropy_weights are not supported with"):
+            dgpo_ops.fused_linear_dgpo_loss(hidden.reshape(-1, hidden.shape[-1]), weight, **flat, bias=bias,
+                                            cu_seqlens=cu_seqlens)
+    else:
+        compiled = torch.compile(dgpo_ops.fused_linear_dgpo_loss, fullgraph=True, backend="eager")
+        with pytest.raises(Exception, match="entropy_weights are not supported under torch.compile"):
+            compiled(hidden, weight, **inputs, bias=bias)

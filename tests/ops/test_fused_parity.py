@@ -1,5 +1,5 @@
 """fused_dgpo_loss against reference_loss: every method x aggregation x dtype, with and without
-old/ref log-probs, entropy bonus, temperature, rollout weights and GSPO, on both backends."""
+old/ref log-probs, entropy bonus and entropy weights, temperature, rollout weights and GSPO, on both backends."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ AGGREGATIONS = list(dgpo_ops.AGGREGATIONS)
 FEATURE_BUNDLES = {
     "on_policy": dict(old_logps=None),
     "kl_entropy_nll": dict(beta=0.05, entropy_coef=0.01, positive_nll_coef=0.1),
+    "kl_entropy": dict(beta=0.05, entropy_coef=0.01, entropy_weights=True),  # a second entropy term, weighted
     "temperature_weights": dict(temperature=0.7, rollout_weights=True, ref_logps=None),
     "kl_times_ratio": dict(beta=0.1, kl_ratio_correction=True),
     "gspo_entropy": dict(importance_sampling_level="sequence", entropy_coef=0.02, beta=0.02),
@@ -39,6 +40,8 @@ def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=3
     options = for_method(name, dict(FEATURE_BUNDLES[bundle]), responses=B)
     if options.pop("rollout_weights", False):
         inputs["rollout_weights"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) + 0.5
+    if options.pop("entropy_weights", False):
+        inputs["entropy_weights"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) * 0.1
     for key in ("old_logps", "ref_logps"):
         if key in options:
             inputs[key] = options.pop(key)
@@ -268,6 +271,10 @@ def test_dgpo_loss_module_holds_its_options():
     expected = dgpo_ops.reference_loss(**inputs, method="dgpo", n=2.0, m=3.0, aggregation="seq_mean_token_mean")
     torch.testing.assert_close(module(**inputs).loss, expected.loss, rtol=1e-5, atol=1e-7)
     assert "n=2.0" in repr(module)
+    weights = torch.rand(2, 4, generator=torch.Generator().manual_seed(10))  # per call, as the other tensors
+    expected = dgpo_ops.reference_loss(**inputs, method="dgpo", n=2.0, m=3.0, aggregation="seq_mean_token_mean",
+                                       entropy_weights=weights)
+    torch.testing.assert_close(module(**inputs, entropy_weights=weights).loss, expected.loss, rtol=1e-5, atol=1e-7)
 
 
 # gradcheck compares the analytic gradient with finite differences of the loss VALUE. The

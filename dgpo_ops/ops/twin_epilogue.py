@@ -1,0 +1,76 @@
+"""The torch twins' epilogue: a token-level method evaluated where the twin row forward finishes the rows it was
+handed (the logits op's, or one tile of the fused linear), as the Triton row kernel evaluates it where it finishes
+a row (``kernels/method_table.py``).
+
+For those rows it writes the planes the Triton epilogue writes (``TOKEN_LOSS``, ``DLOSS_DLOGP``, ``RATIO``,
+``PSI``, ``REGION``, ``KL``) from their ``LOGP`` and ``ENTROPY``, with the torch objective on those
+tokens (``policy_objective``, the method table's torch rows) and autograd on their O(rows) vectors; a
+token-level method's terms depend on the token alone, so the derivative of their sum is each token's own.
+``finalize_torch`` then reduces the planes as the finalize kernel does. So the fused-linear op forms each tile's
+gradient from the tile the forward pass just made on the CPU too: three GEMM passes, as on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dgpo_ops.core.inputs import canonical_batch
+from dgpo_ops.core.objective import policy_objective
+from dgpo_ops.kernels.interface import Plane
+from dgpo_ops.kernels.row_io import RowWorkspace, TokenInputs, on_token_grid
+from dgpo_ops.ops.pipeline import CallPlan, autograd_on_vectors
+
+
+def flat_token_inputs(inputs: TokenInputs) -> TokenInputs:
+    """The per-token inputs as flat ``(B T,)`` tensors in the rows' order (a view where the layout allows)."""
+    grid = inputs.grid
+
+    def flat(value):
+        return None if value is None else on_token_grid(value, inputs.flat, grid).reshape(-1)
+
+    return TokenInputs((1, grid[0] * grid[1]), True, flat(inputs.target_ids), flat(inputs.advantages),
+                       flat(inputs.mask), flat(inputs.old_logps), flat(inputs.ref_logps), flat(inputs.rollout_weights))
+
+
+def rows_of(inputs: TokenInputs, at: slice) -> TokenInputs:
+    """The tokens ``at`` of flat per-token inputs."""
+    def take(value):
+        return None if value is None else value[at]
+
+    return TokenInputs((1, at.stop - at.start), True, inputs.target_ids[at], inputs.advantages[at], take(inputs.mask),
+                       take(inputs.old_logps), take(inputs.ref_logps), take(inputs.rollout_weights))
+
+
+class TwinEpilogue:
+    """``RowKernels.epilogue`` of the torch twins: made per call (``pipeline.row_forward``), called by
+    ``logprob_entropy_torch`` with the token slice of the rows it finished."""
+
+    def __init__(self, plan: CallPlan, workspace: RowWorkspace):
+        self.options, self.needs_grad, self.workspace = plan.options, plan.needs_grad, workspace
+        self.inputs = flat_token_inputs(plan.row_inputs)
+
+    def __call__(self, at: slice) -> None:
+        planes = self.workspace.planes()
+        dtype = planes.dtype
+        scored = (self.workspace.target_index[at] >= 0)[None]
+        batch = canonical_batch(rows_of(self.inputs, at), scored, scored.to(dtype), dtype)
+        logp, entropy = planes[Plane.LOGP, at].detach()[None], planes[Plane.ENTROPY, at].detach()[None]
+
+        def write(plane, values):
+            planes[plane, at] = torch.where(scored, values.detach().to(dtype), 0.0)[0]
+
+        if not self.needs_grad:  # forward only (no_grad / inference_mode): the terms, no coefficients
+            terms = policy_objective(logp, entropy, batch, self.options)
+        else:
+            with autograd_on_vectors():
+                logp = logp.requires_grad_(True)
+                terms = policy_objective(logp, entropy, batch, self.options)
+                (dloss_dlogp,) = torch.autograd.grad(terms.per_token.sum(), [logp], allow_unused=True)
+            # None: a term that does not depend on the log-prob
+            write(Plane.DLOSS_DLOGP, torch.zeros_like(logp) if dloss_dlogp is None else dloss_dlogp)
+        write(Plane.TOKEN_LOSS, terms.per_token)
+        write(Plane.RATIO, torch.exp(terms.log_ratio))
+        write(Plane.PSI, terms.tokens.psi)
+        write(Plane.REGION, terms.tokens.region)
+        if terms.kl is not None:
+            write(Plane.KL, terms.kl)
