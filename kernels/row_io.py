@@ -93,7 +93,7 @@ class RowWorkspace:
             sequence_stats=torch.empty((NUM_SEQUENCE_STATS, n_seqs), **int64),
             seq_scale=torch.empty((n_seqs,), **floats),
             status=torch.zeros((NUM_STATUS,), **int64),
-            stats=torch.empty((NUM_STATS,), **floats),
+            stats=torch.empty((NUM_STATS,), dtype=torch.float32, device=device),  # fp32 on every route
             loss=torch.empty((), **floats),
         )
 

@@ -129,7 +129,7 @@ def logprob_entropy_torch(logits, batch, workspace, inv_temperature, epilogue=No
                           chunk_rows=None, vocab_split=None) -> None:
     """Twin of ``logprob_entropy``: the target index and the row planes of ``workspace`` (with ``vocab_split``,
     the row partials). ``epilogue``: called with the token slice of the rows once their planes are written, to
-    evaluate the method there (``dgpo_ops.ops.twin_epilogue``, the torch objective on those tokens)."""
+    evaluate the method there (``dgpo_ops.ops.epilogues``, the torch objective on those tokens)."""
     n = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
     columns = logits.shape[-1]
     vocab_start, vocab_total = vocab_split if vocab_split is not None else (0, columns)

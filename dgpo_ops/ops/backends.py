@@ -42,7 +42,7 @@ def _kernel_set(name: str) -> RowKernels:
             logprob_entropy_torch,
             token_prologue_torch,
         )
-        from dgpo_ops.ops.twin_epilogue import TwinEpilogue
+        from dgpo_ops.ops.epilogues import TwinEpilogue
 
         return RowKernels("torch", token_prologue_torch, logprob_entropy_torch, logits_grad_torch, finalize_torch,
                           epilogue=TwinEpilogue)
@@ -51,7 +51,7 @@ def _kernel_set(name: str) -> RowKernels:
         from dgpo_ops.kernels.logits_grad import logits_grad
         from dgpo_ops.kernels.logprob_entropy import logprob_entropy
         from dgpo_ops.kernels.prologue import token_prologue
-        from dgpo_ops.ops.pipeline import epilogue_inputs
+        from dgpo_ops.ops.epilogues import epilogue_inputs
 
         return RowKernels("triton", token_prologue, logprob_entropy, logits_grad, finalize,
                           epilogue=lambda plan, workspace: epilogue_inputs(plan.options, workspace.per_token.device))

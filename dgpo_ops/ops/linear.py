@@ -46,11 +46,11 @@ from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, refuse_double_ba
 from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout
+from dgpo_ops.ops.epilogues import epilogue_inputs
 from dgpo_ops.ops.pipeline import (
     CallPlan,
     backward_rows,
     entropy_gradient,
-    epilogue_inputs,
     forward_rows,
     plan_call,
 )

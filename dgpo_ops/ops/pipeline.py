@@ -21,8 +21,6 @@ order:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,10 +39,10 @@ from dgpo_ops.core.objective import check_kl_inputs, entropy_weight_term, policy
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode, running_per_token_function
 from dgpo_ops.kernels.interface import Plane, Status
-from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs, compute_dtype
+from dgpo_ops.kernels.row_io import RowWorkspace, TokenInputs, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
-from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.ops.backends import RowKernels, select_kernels
+from dgpo_ops.ops.inner_autograd import autograd_on_vectors
 
 
 @dataclass
@@ -135,26 +133,6 @@ def entropy_gradient(plan: CallPlan, backward_view: tuple[RowWorkspace, int]) ->
     return -(plan.options.entropy_coef * scale + plan.entropy_weights.to(scale.dtype))
 
 
-@functools.lru_cache(maxsize=256)
-def kernel_params_on(config: MethodConfig, device: torch.device) -> torch.Tensor:
-    """The method's fp32 parameter vector on ``device``, made once per (config, device): later calls
-    copy nothing. The copy to a GPU is asynchronous (pinned source), so even the first call does not
-    synchronise."""
-    values = torch.tensor(config.kernel_params(), dtype=torch.float32)
-    if device.type == "cuda":
-        return values.pin_memory().to(device, non_blocking=True)
-    return values.to(device)
-
-
-def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
-    return EpilogueInputs(
-        method_id=int(options.method.method_id),
-        gate_id=int(options.method.gate_id),
-        method_params=kernel_params_on(options.method, torch.device(device)),
-        beta=float(options.beta),
-        entropy_coef=float(options.entropy_coef),
-        kl_ratio_correction=options.kl_ratio_correction,
-    )
 
 
 def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False) -> None:
@@ -235,12 +213,6 @@ def nan_rows_on_error(workspace: RowWorkspace) -> None:
     rows.copy_(torch.where(workspace.status[Status.ERRORS] != 0, float("nan"), rows))
 
 
-@contextlib.contextmanager
-def autograd_on_vectors():
-    """Autograd on O(N) per-token vectors inside an op. Inside the custom op of a compiled call
-    (dgpo_ops.ops.compiled) the dispatcher has autograd excluded below the op's own autograd node: re-admit it."""
-    with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False):
-        yield
 
 
 def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:

@@ -146,7 +146,7 @@ def test_finalize_matches_the_torch_metrics():
 
 @pytest.mark.parametrize("variant", TOKEN_LEVEL_VARIANTS, ids=variant_id)
 def test_the_twin_epilogue_writes_the_triton_epilogues_planes(variant):
-    """The torch twins evaluate a token-level method where they finish a chunk of rows (dgpo_ops.ops.twin_epilogue)
+    """The torch twins evaluate a token-level method where they finish a chunk of rows (dgpo_ops.ops.epilogues)
     and finalize it (finalize_torch) as the Triton row kernel's epilogue and finalize do: the same planes, loss and
     metrics for every token-level method, with a KL times the ratio, an entropy bonus and rollout weights."""
     from dgpo_ops.core.options import LossOptions

@@ -52,7 +52,9 @@ def compare(got, want, got_grad, want_grad, rtol=1e-5, atol=1e-6, grad_tolerance
     torch.testing.assert_close(got.loss, want.loss, rtol=rtol, atol=atol)
     torch.testing.assert_close(got.logps, unpack_rows(want.logps), rtol=rtol, atol=atol)
     torch.testing.assert_close(got.entropy, unpack_rows(want.entropy), rtol=rtol, atol=atol)
-    torch.testing.assert_close(got.metrics.as_tensor(), want.metrics.as_tensor(), rtol=rtol, atol=atol)
+    # the metrics are fp32 on every route (float64 twins too): fp32's rounding of a mean at least
+    torch.testing.assert_close(got.metrics.as_tensor(), want.metrics.as_tensor(), rtol=max(rtol, 1e-6),
+                               atol=max(atol, 1e-6))
     torch.testing.assert_close(got_grad, unpack_rows(want_grad), **(grad_tolerance or dict(rtol=rtol, atol=atol)))
 
 

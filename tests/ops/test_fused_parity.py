@@ -63,11 +63,13 @@ def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=3
     return ref, out, ref_logits.grad, fused_logits.grad.cpu()
 
 
-def assert_parity(ref, out, ref_grad, grad, dtype):
+def assert_parity(ref, out, ref_grad, grad, dtype, aggregation="token_mean"):
     tol = TOLERANCES[dtype]
     # The loss is a signed sum of O(1) per-token terms: fp32 summation order alone moves it by ~1e-7,
-    # which is a large relative error when the terms cancel, hence the absolute floor.
-    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=tol["loss"], atol=1e-6)
+    # which is a large relative error when the terms cancel, hence the absolute floor. token_sum does not
+    # normalise the sum, so each token's rounding (up to ~3e-7 with a KL term) stays whole: 1e-6 per token.
+    loss_atol = 1e-6 * (out.logps.numel() if aggregation == "token_sum" else 1)
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=tol["loss"], atol=loss_atol)
     torch.testing.assert_close(out.logps, ref.logps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
     assert grad.dtype == dtype and out.logps.dtype == torch.float32
@@ -98,7 +100,7 @@ PARITY_CASES += [pytest.param(variant, AGGREGATIONS[index % len(AGGREGATIONS)], 
 def test_fused_matches_reference(backend, variant, aggregation, dtype):
     for index, bundle in enumerate(FEATURE_BUNDLES):
         ref, out, ref_grad, grad = run_case(variant, aggregation, dtype, bundle, backend, seed=index)
-        assert_parity(ref, out, ref_grad, grad, dtype)
+        assert_parity(ref, out, ref_grad, grad, dtype, aggregation)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -109,7 +111,7 @@ def test_fused_matches_reference_on_cuda(variant, aggregation, dtype):
     # The Triton kernels compiled for the GPU (not the interpreter), bf16 rounded to nearest there.
     for index, bundle in enumerate(FEATURE_BUNDLES):
         ref, out, ref_grad, grad = run_case(variant, aggregation, dtype, bundle, "triton", seed=index, device="cuda")
-        assert_parity(ref, out, ref_grad, grad, dtype)
+        assert_parity(ref, out, ref_grad, grad, dtype, aggregation)
 
 
 @pytest.mark.parametrize("layout", ["sliced_time", "vocab_strided", "flat", "inplace"])

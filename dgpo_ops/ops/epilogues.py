@@ -1,4 +1,8 @@
-"""The torch twins' epilogue: a token-level method evaluated where the twin row forward finishes the rows it was
+"""The epilogues: where a row pass finishes rows, a token-level method's terms are evaluated for them. The Triton
+row kernel evaluates them itself (``kernels/method_table.py``) from ``epilogue_inputs``; the torch twins call
+``TwinEpilogue``.
+
+The torch twins' epilogue: a token-level method evaluated where the twin row forward finishes the rows it was
 handed (the logits op's, or one tile of the fused linear), as the Triton row kernel evaluates it where it finishes
 a row (``kernels/method_table.py``).
 
@@ -12,13 +16,39 @@ gradient from the tile the forward pass just made on the CPU too: three GEMM pas
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dgpo_ops.core.inputs import canonical_batch
 from dgpo_ops.core.objective import policy_objective
+from dgpo_ops.core.options import LossOptions
 from dgpo_ops.kernels.interface import Plane
-from dgpo_ops.kernels.row_io import RowWorkspace, TokenInputs, on_token_grid
-from dgpo_ops.ops.pipeline import CallPlan, autograd_on_vectors
+from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs, on_token_grid
+from dgpo_ops.methods.base import MethodConfig
+from dgpo_ops.ops.inner_autograd import autograd_on_vectors
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_params_on(config: MethodConfig, device: torch.device) -> torch.Tensor:
+    """The method's fp32 parameter vector on ``device``, made once per (config, device): later calls
+    copy nothing. The copy to a GPU is asynchronous (pinned source), so even the first call does not
+    synchronise."""
+    values = torch.tensor(config.kernel_params(), dtype=torch.float32)
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
+    return EpilogueInputs(
+        method_id=int(options.method.method_id),
+        gate_id=int(options.method.gate_id),
+        method_params=kernel_params_on(options.method, torch.device(device)),
+        beta=float(options.beta),
+        entropy_coef=float(options.entropy_coef),
+        kl_ratio_correction=options.kl_ratio_correction,
+    )
 
 
 def flat_token_inputs(inputs: TokenInputs) -> TokenInputs:
@@ -45,7 +75,7 @@ class TwinEpilogue:
     """``RowKernels.epilogue`` of the torch twins: made per call (``pipeline.row_forward``), called by
     ``logprob_entropy_torch`` with the token slice of the rows it finished."""
 
-    def __init__(self, plan: CallPlan, workspace: RowWorkspace):
+    def __init__(self, plan, workspace: RowWorkspace):  # plan: the call's pipeline.CallPlan
         self.options, self.needs_grad, self.workspace = plan.options, plan.needs_grad, workspace
         self.inputs = flat_token_inputs(plan.row_inputs)
 
