@@ -103,6 +103,9 @@ class DGPOConfig(GRPOConfig):
             range, and what None means); README.md's method table shows which field feeds which parameter.
         loss_aggregation: {AGGREGATION_NAMES}; None follows the method's own (dcpo: seq_sum_token_mean,
             geo_mean: seq_mean_token_mean), else `loss_type`.
+        positive_nll_coef: VAPO's positive-example NLL (NeMo-RL's `positive_example_nll_weight`; docs/math.md): the
+            responses with a score (the weighted sum of their rewards, TRL's `reward`) > 0 add this weight times
+            their tokens' mean NLL; 0 (default): off.
         advantage_estimator: `"grpo"` (TRL's group advantages) or `"dcpo"` (smooth advantage standardisation).
         fused: `"linear"` (hidden states + lm_head, logits never whole) or `"logits"` (the model's logits).
         fused_memory_budget: bytes of the logits and gradient tiles of `fused="linear"` (a positive integer). The
@@ -124,6 +127,9 @@ class DGPOConfig(GRPOConfig):
     epsilon: float | None = field(default=None, metadata={"help": config_help(config_params()["epsilon"])})
     loss_aggregation: str | None = field(default=None, metadata={
         "help": f"Aggregation: {AGGREGATION_NAMES}; None follows loss_type (dcpo: seq_sum_token_mean)."})
+    positive_nll_coef: float = field(default=0.0, metadata={
+        "help": "VAPO's positive-example NLL (NeMo-RL's positive_example_nll_weight): this weight times the mean NLL "
+                "of the tokens of the responses whose score (the weighted sum of their rewards) is > 0; 0: off."})
     advantage_estimator: str = field(default="grpo", metadata={"help": "Advantages: grpo or dcpo."})
     fused: str = field(default="linear", metadata={"help": "linear (hidden states + lm_head) or logits."})
     fused_memory_budget: int = field(default=512 * 2**20, metadata={
@@ -252,6 +258,7 @@ class DGPOConfig(GRPOConfig):
             beta=self.beta,
             kl_ratio_correction=bool(self.use_bias_correction_kl),
             entropy_coef=self.entropy_coef,
+            positive_nll_coef=self.positive_nll_coef,
             importance_sampling_level=self.importance_sampling_level,
         )
 

@@ -17,16 +17,11 @@ DCPO_STATE_FILE = "dcpo_advantage_state.json"
 
 
 class DCPOAdvantageState:
-    """A mixin of ``GRPOTrainer`` (``DGPOTrainer``'s): DCPO's smooth advantages in place of TRL's group ones."""
+    """A mixin of ``GRPOTrainer`` (``DGPOTrainer``'s, before ``ResponseScores``, whose rewards it reads): DCPO's
+    smooth advantages in place of TRL's group ones."""
 
     def _init_dcpo_state(self) -> None:
         self.smooth_advantages = SmoothAdvantageStandardizer() if self.args.advantage_estimator == "dcpo" else None
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._scored_prompts = prompts
-        self._rewards_per_func = rewards_per_func
-        return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -35,17 +30,11 @@ class DCPOAdvantageState:
         return output
 
     def _smooth_advantages(self) -> torch.Tensor:
-        rewards_per_func = self._rewards_per_func
-        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
-        unscorable = torch.isnan(rewards_per_func).all(dim=1)
-        rewards = torch.nan_to_num((rewards_per_func * weights).nansum(dim=1), nan=0.0)
+        rewards, unscorable = self._gathered_scores()  # ResponseScores'
         # Every process sees the same gathered rewards and keys, so every standardiser stays identical.
         keys = gather_object([prompt_key(json.dumps(p, sort_keys=True, default=str)) for p in self._scored_prompts])
         advantages = self.smooth_advantages(keys, rewards.float(), self.num_generations)
-        advantages = advantages.masked_fill(unscorable, 0.0)
-        local = len(self._scored_prompts)
-        start = self.accelerator.process_index * local
-        return advantages[start:start + local]
+        return self._local_rows(advantages.masked_fill(unscorable, 0.0))
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -106,7 +106,8 @@ class FusedLoss:
         weights = self._rollout_weights(inputs, mask)
         if weights is not None:
             weights = weights.expand(mask.shape)
-        batch = LossBatch(targets, advantages, scored, old_logps, ref_logps, weights, normalizer)
+        batch = LossBatch(targets, advantages, scored, old_logps, ref_logps, weights, normalizer,
+                          scores=inputs.get("scores"))  # ResponseScores' (None where the loss reads none)
 
         def complete(current_logps=None, entropies=None) -> LossBatch:
             """The loss call's batch with TRL's masks on the current log-probs and entropies (from the call's own

@@ -12,7 +12,9 @@ accumulation, PEFT, vLLM importance sampling and checkpointing are GRPOTrainer's
 * ``trl_metrics.TRLMetrics``: TRL's metric names and definitions
   (``tests/trainer/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s first update);
 * ``gradient_guard.NonfiniteGradientGuard``: an optimizer step with non-finite gradients is skipped;
-* ``dcpo_state.DCPOAdvantageState``: DCPO's smooth advantages and their checkpointed state.
+* ``dcpo_state.DCPOAdvantageState``: DCPO's smooth advantages and their checkpointed state;
+* ``scores.ResponseScores``: the rewards of each generation batch, and each response's score in the loss's
+  inputs where the loss reads it (topr, the positive-example NLL).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .dcpo_state import DCPOAdvantageState
 from .gradient_guard import NonfiniteGradientGuard
 from .loss import FusedLoss
 from .model_call import FusedModelCalls
+from .scores import ResponseScores
 from .trl_metrics import TRLMetrics
 
 
@@ -42,7 +45,8 @@ def _trainer_config(config, model) -> DGPOConfig:
     raise ValueError(f"DGPOTrainer needs args=DGPOConfig(...) or a GRPOConfig, got {type(config).__name__}")
 
 
-class DGPOTrainer(FusedLoss, TRLMetrics, FusedModelCalls, NonfiniteGradientGuard, DCPOAdvantageState, GRPOTrainer):
+class DGPOTrainer(FusedLoss, TRLMetrics, FusedModelCalls, NonfiniteGradientGuard, DCPOAdvantageState, ResponseScores,
+                  GRPOTrainer):
     """Drop-in for ``GRPOTrainer``: ``DGPOTrainer(model, reward_funcs, args=DGPOConfig(policy_loss="dgpo"), ...)``.
     ``args`` may also be None (``DGPOConfig``'s defaults, which are ``GRPOConfig``'s) or a plain ``GRPOConfig``
     (its fields, its ``loss_type``'s objective)."""

@@ -112,6 +112,12 @@ class LossOptions:
         return spec.sequence_statistic is not None and spec.statistic_folds_rollout_weights
 
     @property
+    def needs_scores(self) -> bool:
+        """The call reads each response's score (``LossBatch.scores``): the method splits by it (topr), or the
+        positive-example NLL picks its responses by it."""
+        return METHODS[self.method.name].reads_scores or self.positive_nll_coef != 0.0
+
+    @property
     def token_local(self) -> bool:
         """Each token's terms depend on that token's inputs alone (no sequence statistic, no batch-level selection,
         no response score), so the row kernels' epilogue can evaluate them where they finish a row."""

@@ -253,8 +253,9 @@ OVERRIDES = {
     "__init__": "args=None or a GRPOConfig; the model's forward gets the fused head (TRL's own patch stays)",
     "_get_per_token_logps_and_entropies": "old and reference log-probs on the fused op (through TRL's chunking)",
     "_compute_loss": "the loss on the fused ops (through TRL's chunking and multimodal slicing)",
-    "_calculate_rewards": "keeps the rewards for DCPO's advantages (returns TRL's)",
-    "_generate_and_score_completions": "DCPO's advantages when advantage_estimator='dcpo' (TRL's otherwise)",
+    "_calculate_rewards": "keeps the rewards for DCPO's advantages and the responses' scores (returns TRL's)",
+    "_generate_and_score_completions": "DCPO's advantages when advantage_estimator='dcpo' (TRL's otherwise); the "
+                                       "responses' scores beside them where the loss reads them (topr, positive NLL)",
     "_save_checkpoint": "DCPO's advantage statistics beside TRL's checkpoint",
     "_load_optimizer_and_scheduler": "DCPO's advantage statistics from a checkpoint",
     "train": "reports the last optimizer steps skipped for non-finite gradients",
