@@ -210,8 +210,6 @@ def finish_row(per_token_ptr, token, n_tokens, b, t, valid, row_max, sum_exp, su
         tl.store(token_planes_ptr + codes.PLANE_KL * n_tokens, tl.where(valid, kl, 0.0))
 
 
-
-
 def default_block_v(vocab: int, shape: LaunchShape) -> int:
     return min(next_power_of_2(vocab), shape.block_v)
 

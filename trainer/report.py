@@ -322,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-
 def write_outputs(ctx, runs: list[dict], sft_records: list[dict], final: bool) -> dict:
     """``run.json`` (rewritten after every run, ``complete`` at the end) and, at the end, ``curves.png``;
     ``ctx`` is the invocation's ``run.RunContext``."""

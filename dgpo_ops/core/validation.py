@@ -30,10 +30,10 @@ from dgpo_ops.kernels.interface import FLOAT32_MAX, FLOAT32_TINY, IGNORE_INDEX, 
 VALIDATION_MODES = ("auto", "immediate", "deferred")
 
 
-
 def float32_magnitude_ok(value: float) -> bool:
     """``|value|`` is at most float32's largest finite number (so it stays finite in the kernels)."""
     return abs(value) <= FLOAT32_MAX
+
 
 MESSAGES = {
     InputError.TARGET_IDS: "target_ids must be in [0, {vocab}) or {ignore}; found {bad_target}",

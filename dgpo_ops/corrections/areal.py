@@ -62,7 +62,6 @@ class ArealCorrection(RolloutCorrection):
     rejection_sampling: bool = True
     m2_threshold: float | None = None
 
-
     def __post_init__(self):
         for name, allowed in (("level", LEVELS), ("action", ACTIONS), ("metric", METRICS), ("agg", AGGREGATIONS)):
             if getattr(self, name) not in allowed:

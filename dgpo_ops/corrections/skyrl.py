@@ -41,7 +41,6 @@ class SkyRLCorrection(RolloutCorrection):
     token_mask_eps_low: float | None = None
     token_mask_eps_high: float | None = None
 
-
     def __post_init__(self):
         if self.tis_ratio_type not in (None, "token", "sequence"):
             raise ValueError(f"tis_ratio_type must be 'token', 'sequence' or None, got {self.tis_ratio_type!r}")

@@ -22,7 +22,6 @@ class SwiftCorrection(RolloutCorrection):
     rollout_importance_sampling_mode: str = "token_truncate"
     rollout_importance_sampling_threshold: float = 2.0
 
-
     def __post_init__(self):
         if self.rollout_importance_sampling_mode not in TRL_MODES:
             raise ValueError(f"rollout_importance_sampling_mode must be one of {TRL_MODES}, got "

@@ -39,7 +39,6 @@ class OpenRLHFCorrection(RolloutCorrection):
     is_correction_type: str = "tis"
     is_correction_threshold: tuple = (0.5, 5.0)
 
-
     def __post_init__(self):
         if self.is_correction_type not in TIS_TYPES:
             raise ValueError(f"is_correction_type must be one of {TIS_TYPES}, got {self.is_correction_type!r}")
@@ -72,7 +71,6 @@ class NemoRLCorrection(RolloutCorrection):
     truncated_importance_sampling_ratio: float | None = None
     truncated_importance_sampling_ratio_min: float | None = None
     sequence_level_importance_ratios: bool = False
-
 
     def __post_init__(self):
         kind, high, low = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,

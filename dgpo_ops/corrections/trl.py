@@ -27,7 +27,6 @@ class TrlCorrection(RolloutCorrection):
     clip_min: float | None = None
     clip_max: float | None = 3.0
 
-
     def __post_init__(self):
         if self.mode not in TRL_MODES:
             raise ValueError(f"TRL's vllm_importance_sampling_mode must be one of {TRL_MODES}, got {self.mode!r}")

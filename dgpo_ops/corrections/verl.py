@@ -115,7 +115,6 @@ class VerlCorrection(RolloutCorrection):
     rollout_rs: str | None = None
     rollout_rs_threshold: str | float | None = None
 
-
     def __post_init__(self):
         if self.rollout_is is None and self.rollout_rs is None:
             raise ValueError("VerlCorrection needs rollout_is or rollout_rs (without either verl computes only "

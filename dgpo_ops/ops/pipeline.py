@@ -133,8 +133,6 @@ def entropy_gradient(plan: CallPlan, backward_view: tuple[RowWorkspace, int]) ->
     return -(plan.options.entropy_coef * scale + plan.entropy_weights.to(scale.dtype))
 
 
-
-
 def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False) -> None:
     """The prologue; with ``finalize`` (after the row forward's epilogue) its last program also
     reduces the loss and metrics into the workspace, in the same launch. Errors the layout found on
@@ -211,8 +209,6 @@ def nan_rows_on_error(workspace: RowWorkspace) -> None:
     number that reads as right."""
     rows = workspace.planes()[Plane.LOGP:Plane.ENTROPY + 1]
     rows.copy_(torch.where(workspace.status[Status.ERRORS] != 0, float("nan"), rows))
-
-
 
 
 def objective_route(plan: CallPlan, workspace: RowWorkspace) -> ObjectiveResult:
