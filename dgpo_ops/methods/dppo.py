@@ -85,9 +85,7 @@ class PrimeIpoConfig(MethodConfig):
     def delta_high(self) -> float:
         return self.threshold
 
-    def _kernel_slots(self):
-        return {KernelParam.THRESHOLD_LOW: self.threshold, KernelParam.THRESHOLD_HIGH: self.threshold,
-                KernelParam.ADV_SCALE: self.adv_tau, KernelParam.PROXIMAL_BETA: 2.0 * self.kl_tau}
+    _kernel_slots = PrimeDppoConfig._kernel_slots  # the band's thresholds through delta_low / delta_high
 
 
 def dppo_kept(cfg: DppoTvConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantage: torch.Tensor):
