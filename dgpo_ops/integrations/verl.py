@@ -29,10 +29,15 @@ import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
-from dgpo_ops.core.inputs import TokenBatch
-from dgpo_ops.core.metrics import policy_metrics
-from dgpo_ops.core.objective import policy_objective
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS
+from dgpo_ops.integrations.token_grid import (
+    grid_log_probs,
+    grid_metrics,
+    grid_objective,
+    grid_tensor,
+    masked_mean,
+    to_host,
+)
 from dgpo_ops.integrations.verl_params import (
     LOSS_MODES,
     POLICY_LOSS,
@@ -47,8 +52,6 @@ from dgpo_ops.methods.table import resolve
 from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 
 FUSED_KERNELS_ENV = "DGPO_OPS_VERL_FUSED_KERNELS"
-# Our metrics beside verl's three; entropy and KL are verl's own (ppo_loss logs them).
-OWN_METRICS = ("ln_fraction", "hp_fraction", "lp_fraction", "hn_fraction", "dual_clip_fraction", "ratio_mean", "eur")
 
 
 @dataclass
@@ -74,16 +77,6 @@ class PolicyLossConfig(VerlPolicyLossConfig):
                              f"{self.loss_mode!r}")
 
 
-def _grid_tensor(name: str, value, shape, device) -> torch.Tensor:
-    if not torch.is_tensor(value):
-        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got {type(value).__name__}")
-    if value.shape != shape:
-        raise ValueError(f"{name} must have shape {tuple(shape)} (log_prob's), got {tuple(value.shape)}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but log_prob is on {device}")
-    return value
-
-
 def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                      config=None, rollout_is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss ``dgpo_ops.<method>`` with verl's policy-loss signature: ``(loss, metrics)``, the metrics
@@ -93,43 +86,23 @@ def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mas
     if config is None:
         raise ValueError(f"the policy loss {mode} needs verl's actor config (config=...)")
     options = loss_options(mode, config)
-    if not torch.is_tensor(log_prob) or log_prob.dim() != 2:
-        raise ValueError("log_prob must be a (batch, response_length) tensor")
-    shape, device = log_prob.shape, log_prob.device
-    mask = _grid_tensor("response_mask", response_mask, shape, device).bool()
-    dtype = torch.promote_types(log_prob.dtype, torch.float32)
-
-    def on_grid(name, value):  # 0 where not scored: nothing from a padded position reaches the loss
-        if value is None:
-            return None
-        return torch.where(mask, _grid_tensor(name, value, shape, device).detach().to(dtype), 0.0)
-
+    dtype = grid_log_probs("log_prob", log_prob)
+    mask = grid_tensor("response_mask", response_mask, log_prob).bool()
     loss_agg_mode = aggregation_mode(options.method.name, loss_agg_mode)
     scale = verl_token_scales(mask, loss_agg_mode, read_field(config, "global_batch_info", default=None), dtype)
-    batch = TokenBatch(target_ids=None, mask=mask, advantages=on_grid("advantages", advantages),  # no targets: the
-                       old_logps=on_grid("old_log_prob", old_log_prob), ref_logps=None,  # objective reads log-probs
-                       rollout_weights=on_grid("rollout_is_weights", rollout_is_weights), scale=scale, flat=False)
-    logp = torch.where(mask, log_prob.to(dtype), 0.0)
-    terms = policy_objective(logp, None, batch, options)
-    return terms.loss, _metrics(terms, logp.detach(), batch)
+    terms, logp, batch = grid_objective(options, log_prob, mask, scale, ("advantages", advantages),
+                                        ("old_log_prob", old_log_prob), ("rollout_is_weights", rollout_is_weights))
+    return terms.loss, _metrics(terms, logp, batch)
 
 
-def _metrics(terms, logp, batch: TokenBatch) -> dict[str, float]:
-    mask = batch.mask
-    count = mask.sum().clamp(min=1).to(torch.float32)
-
-    def masked_mean(values):
-        return torch.where(mask, values.to(torch.float32), 0.0).sum() / count
-
-    region = terms.tokens.region
-    ours = policy_metrics(terms.log_ratio, terms.tokens.psi, region, torch.zeros_like(logp), None, mask)
-    values = {
-        "actor/pg_clipfrac": masked_mean((region == Region.LN.value) | (region == Region.HP.value)),
-        "actor/ppo_kl": masked_mean((batch.old_logps - logp).clamp(-20.0, 20.0)),  # as verl's (its log-ratio clamp)
-        "actor/pg_clipfrac_lower": masked_mean(region == Region.DUAL.value),
-        **{f"actor/dgpo_ops/{name}": ours[name] for name in OWN_METRICS},
-    }
-    return dict(zip(values, torch.stack(list(values.values())).tolist()))
+def _metrics(terms, logp, batch) -> dict[str, float]:
+    mask, region = batch.mask, terms.tokens.region
+    return to_host({
+        "actor/pg_clipfrac": masked_mean((region == Region.LN.value) | (region == Region.HP.value), mask),
+        "actor/ppo_kl": masked_mean((batch.old_logps - logp).clamp(-20.0, 20.0), mask),  # as verl's (its clamp)
+        "actor/pg_clipfrac_lower": masked_mean(region == Region.DUAL.value, mask),
+        **{f"actor/dgpo_ops/{name}": value for name, value in grid_metrics(terms, batch).items()},
+    })
 
 
 def _policy_loss_fn(mode: str):

@@ -16,16 +16,16 @@ from here).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
-from dgpo_ops.methods.base import ParamSpec
-from dgpo_ops.methods.catalog import POLICY_LOSSES, MethodParam, format_value
+from dgpo_ops.integrations import config_fields
+from dgpo_ops.integrations.config_fields import REQUIRED, checked_value, method_table_markdown
+from dgpo_ops.methods.catalog import POLICY_LOSSES, MethodParam
 from dgpo_ops.methods.catalog import method_params as table_params
-from dgpo_ops.methods.table import ALIASES, METHODS, resolve
+from dgpo_ops.methods.table import METHODS, resolve
 
 PREFIX = "dgpo_ops."
 ACTOR = "actor_rollout_ref.actor"
@@ -160,42 +160,15 @@ def verl_token_scales(mask: torch.Tensor, loss_agg_mode: str, global_batch_info,
     return scale * dp_size
 
 
-_REQUIRED = object()
-
-
-def read_field(config, name: str, where: str = ACTOR, default=_REQUIRED):
+def read_field(config, name: str, where: str = ACTOR, default=REQUIRED):
     """``config.name`` from verl's ``ActorConfig`` (a dataclass that is also a mapping) or a DictConfig."""
-    try:
-        return config[name]
-    except (KeyError, AttributeError, TypeError):
-        try:
-            return getattr(config, name)
-        except AttributeError:
-            if default is not _REQUIRED:
-                return default
-            raise ValueError(f"{where}.{name} is missing: the policy losses of dgpo_ops.* take verl's actor "
-                             f"config ({ACTOR}, a verl ActorConfig), got {type(config).__name__}") from None
-
-
-def _checked(method: str, name: str, spec: ParamSpec, value, source: str):
-    try:
-        spec.check(method, name, value)
-    except ValueError as error:
-        raise ValueError(f"{source}: {error}") from None
-    return value
+    return config_fields.read_field(config, name, where, f"the policy losses of dgpo_ops.* take verl's actor config "
+                                    f"({ACTOR}, a verl ActorConfig)", default)
 
 
 def check_method_params(method: str, given) -> dict:
     """``policy_loss.method_params`` checked against ``method``'s parameters (names and values)."""
-    if not isinstance(given, Mapping):
-        raise ValueError(f"{POLICY_LOSS}.method_params must be a mapping of parameter names to values, got {given!r}")
-    params = {p.name: p for p in table_params(method)}
-    unknown = sorted(set(given) - set(params))
-    if unknown:
-        raise ValueError(f"{POLICY_LOSS}.method_params.{unknown[0]}: {method} has no parameter {unknown[0]!r}; "
-                         f"it takes {', '.join(params) or 'none'}")
-    return {name: _checked(method, name, params[name].spec, value, f"{POLICY_LOSS}.method_params.{name}")
-            for name, value in given.items()}
+    return config_fields.check_method_params(method, given, f"{POLICY_LOSS}.method_params")
 
 
 def params_from_verl(name: str, config) -> dict:
@@ -218,7 +191,7 @@ def params_from_verl(name: str, config) -> dict:
                 value = read_verl_field(config, field)
             if value is None and source.when_null is not None:
                 value = source.when_null  # what verl's own loss reads a null field as
-            values[name] = _checked(method, name, p.spec, value, f"{ACTOR}.{field}")
+            values[name] = checked_value(method, name, p.spec, value, f"{ACTOR}.{field}")
     return values
 
 
@@ -252,26 +225,15 @@ def loss_options(mode: str, config) -> LossOptions:
     return LossOptions.build(resolve(name)[0], importance_sampling_level=level, **params_from_verl(name, config))
 
 
-
 def verl_table_markdown() -> str:
     """docs/integrations.md's table of verl loss names, papers and where each parameter is read from."""
-    lines = [f"| `loss_mode` | paper | from `{ACTOR}` | from `policy_loss.method_params` (default) |",
-             "|---|---|---|---|"]
-    for method, spec in METHODS.items():
-        params = table_params(method)
-        verl = []
-        for p in params:
-            if (source := verl_field(p)) is not None:
-                fallback = VERL_FALLBACKS.get(source.path)
-                verl.append(f"`{p.name}` <- `{source.path}`" + (f" (None: `{fallback}`)" if fallback else ""))
-        own = [f"`{p.name}={format_value(p.default)}`" for p in params if verl_field(p) is None]
-        lines.append(f"| `{loss_mode(method)}` | {spec.paper} | {'<br>'.join(verl) or '-'} | "
-                     f"{', '.join(own) or '-'} |")
-    for name, alias in ALIASES.items():
-        presets = ", ".join(f"`{k}={format_value(v)}`" for k, v in alias.params.items())
-        lines.append(f"| `{loss_mode(name)}` | {alias.summary}: `{loss_mode(alias.method)}` with {presets} (over "
-                     f"verl's field) | as `{loss_mode(alias.method)}` | as `{loss_mode(alias.method)}` |")
-    return "\n".join(lines) + "\n"
+    def field_text(p):
+        if (source := verl_field(p)) is None:
+            return None
+        fallback = VERL_FALLBACKS.get(source.path)
+        return f"`{p.name}` <- `{source.path}`" + (f" (None: `{fallback}`)" if fallback else "")
+
+    return method_table_markdown("verl", "loss_mode", ACTOR, "policy_loss.method_params", loss_mode, field_text)
 
 
 START, END = "<!-- verl-methods:start -->", "<!-- verl-methods:end -->"
