@@ -2,6 +2,7 @@
 normalisation (``apply_loss_reduction_to_advantages_minibatch``, then a sum over each micro-batch), its off-policy
 correction and its config. SkyRL runs in a venv of its own (Python 3.12; the main suite skips this module)."""
 
+import pathlib
 import pickle
 import subprocess
 import sys
@@ -296,3 +297,11 @@ def test_a_worker_that_unpickles_a_loss_gets_every_loss():
         "print(len(names), type(fn).__name__, 'eur' in ' '.join(metrics))\n")
     out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True, timeout=300)
     assert out.stdout.decode().split() == [str(len(LOSS_TYPES)), "SkyRLPolicyLoss", "True"]
+
+
+def test_the_docs_snippet_runs_as_written():
+    """docs/integrations.md's Python block in "Training with SkyRL", run as it is written there."""
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    section = page[page.index("## Training with SkyRL"):]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/integrations.md", "exec"), {})
