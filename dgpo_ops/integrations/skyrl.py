@@ -48,10 +48,9 @@ from dgpo_ops.integrations.token_grid import (
     grid_metrics,
     grid_objective,
     grid_tensor,
-    masked_mean,
+    ppo_clip_fraction,
     to_host,
 )
-from dgpo_ops.kernels.interface import Region
 from dgpo_ops.methods.table import resolve
 
 
@@ -126,8 +125,7 @@ def skyrl_policy_loss(policy_loss_type: str, log_probs, old_log_probs, advantage
         weights = ("off_policy_correction weights", None)
     scale = torch.where(mask, token_weights, 0.0)
     terms, _, batch = grid_objective(options, log_probs, mask, scale, ("advantages", advantages), behaviour, weights)
-    region = terms.tokens.region
-    metrics = {"clip_ratio": masked_mean((region == Region.LN.value) | (region == Region.HP.value), mask),
+    metrics = {"clip_ratio": ppo_clip_fraction(terms, mask),
                **{f"dgpo_ops/{name}": value for name, value in grid_metrics(terms, batch).items()}}
     if off_policy is not None:
         metrics.update({f"dgpo_ops/{name}": value for name, value in weight_metrics(off_policy, result).items()})

@@ -13,6 +13,7 @@ from dgpo_ops.core.inputs import TokenBatch
 from dgpo_ops.core.metrics import policy_metrics
 from dgpo_ops.core.objective import ObjectiveTerms, policy_objective
 from dgpo_ops.core.options import LossOptions
+from dgpo_ops.kernels.interface import Region
 
 # The package's own metrics, beside each framework's: fractions of the scored tokens in each region of the
 # method's atlas, the mean ratio and the effective update ratio.
@@ -67,6 +68,13 @@ def grid_metrics(terms: ObjectiveTerms, batch: TokenBatch) -> dict[str, torch.Te
     ours = policy_metrics(terms.log_ratio, terms.tokens.psi, terms.tokens.region,
                           torch.zeros_like(terms.log_ratio), None, batch.mask)
     return {name: ours[name] for name in OWN_METRICS}
+
+
+def ppo_clip_fraction(terms: ObjectiveTerms, mask: torch.Tensor) -> torch.Tensor:
+    """The fraction of the scored tokens in LN or HP, where PPO's clip zeroes the gradient: verl's
+    ``pg_clipfrac`` and SkyRL's ``clip_ratio``."""
+    region = terms.tokens.region
+    return masked_mean((region == Region.LN.value) | (region == Region.HP.value), mask)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from dgpo_ops.integrations.token_grid import (
     grid_objective,
     grid_tensor,
     masked_mean,
+    ppo_clip_fraction,
     to_host,
 )
 from dgpo_ops.integrations.verl_params import (
@@ -98,7 +99,7 @@ def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mas
 def _metrics(terms, logp, batch) -> dict[str, float]:
     mask, region = batch.mask, terms.tokens.region
     return to_host({
-        "actor/pg_clipfrac": masked_mean((region == Region.LN.value) | (region == Region.HP.value), mask),
+        "actor/pg_clipfrac": ppo_clip_fraction(terms, mask),
         "actor/ppo_kl": masked_mean((batch.old_logps - logp).clamp(-20.0, 20.0), mask),  # as verl's (its clamp)
         "actor/pg_clipfrac_lower": masked_mean(region == Region.DUAL.value, mask),
         **{f"actor/dgpo_ops/{name}": value for name, value in grid_metrics(terms, batch).items()},
