@@ -305,3 +305,28 @@ def test_the_docs_snippet_runs_as_written():
     section = page[page.index("## Training with SkyRL"):]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "docs/integrations.md", "exec"), {})
+
+
+def test_main_is_skyrls_with_this_config(monkeypatch):
+    """``python -m dgpo_ops.integrations.skyrl`` (or SkyRL's main_base with trainer.override_entrypoint): SkyRL's own
+    validate_cfg accepts the config with a dgpo_ops.* loss and method_params, and SkyRL's training entrypoint gets it;
+    Ray and the trainer (which need GPUs) are stand-ins here."""
+    import types
+
+    import ray
+    import skyrl.train.utils as skyrl_utils
+
+    steps = []
+    main_base = types.ModuleType("skyrl.train.entrypoints.main_base")  # the real one imports the whole trainer
+    main_base.skyrl_entrypoint = types.SimpleNamespace(remote=lambda cfg: ("entrypoint", cfg))
+    monkeypatch.setitem(sys.modules, "skyrl.train.entrypoints.main_base", main_base)
+    monkeypatch.setattr(skyrl_utils, "initialize_ray", lambda cfg: steps.append("initialize_ray"))
+    monkeypatch.setattr(ray, "get", lambda ref: steps.append(ref))
+    dgpo_skyrl.main(["trainer.override_entrypoint=dgpo_ops.integrations.skyrl", "trainer.logger=console",
+                     "trainer.policy.model.path=Qwen/Qwen2.5-0.5B", "trainer.algorithm.policy_loss_type=dgpo_ops.dgpo",
+                     "trainer.algorithm.method_params.n=2"])
+    assert steps[0] == "initialize_ray" and steps[1][0] == "entrypoint"
+    assert steps[1][1].trainer.algorithm.method_params == {"n": 2}
+    with pytest.raises(AssertionError, match="invalid policy_loss_type"):  # SkyRL's check, our names in its list
+        dgpo_skyrl.main(["trainer.logger=console", "trainer.policy.model.path=Qwen/Qwen2.5-0.5B",
+                         "trainer.algorithm.policy_loss_type=dgpo_ops.nope"])
