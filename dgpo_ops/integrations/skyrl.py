@@ -113,17 +113,22 @@ def skyrl_policy_loss(policy_loss_type: str, log_probs, old_log_probs, advantage
         raise ValueError(f"the policy loss {policy_loss_type} takes its ratio against rollout_logprobs (the inference "
                          "engine's log-probs), which SkyRL did not pass: enable them in the generator")
     correction = correction_from_skyrl(config)
-    off_policy = None
+    off_policy, kept = None, mask
+    weights = ("off_policy_correction weights", None)
     if correction is not None and rollout_logprobs is not None:  # SkyRL corrects only where it has them
         off_policy = correction_inputs(grid_tensor("old_log_probs", old_log_probs, log_probs), rollout_logprobs, mask)
         result = correction(off_policy)
         off_policy_weights = torch.ones_like(off_policy.old_logps) if result.weights is None else result.weights
-        if result.keep is not None:  # a rejection is a weight 0 here: SkyRL's normaliser came before it
+        if result.keep is not None:
             off_policy_weights = off_policy_weights * result.keep
-        weights = ("off_policy_correction weights", off_policy_weights.reshape(mask.shape))
-    else:
-        weights = ("off_policy_correction weights", None)
-    scale = torch.where(mask, token_weights, 0.0)
+        # A rejection (weight 0) drops the token's term after the loss, as SkyRL's corrected loss_mask does: its
+        # weight becomes the scale's 0, so that a method whose sequence statistic folds the weights in (geo_mean,
+        # vespo) still sees the token at weight 1 there, as SkyRL's losses see it in theirs.
+        rejected = (off_policy_weights == 0).reshape(mask.shape)
+        kept = mask & ~rejected
+        weights = ("off_policy_correction weights",
+                   torch.where(rejected, 1.0, off_policy_weights.reshape(mask.shape)))
+    scale = torch.where(kept, token_weights, 0.0)
     terms, _, batch = grid_objective(options, log_probs, mask, scale, ("advantages", advantages), behaviour, weights)
     metrics = {"clip_ratio": ppo_clip_fraction(terms, mask),
                **{f"dgpo_ops/{name}": value for name, value in grid_metrics(terms, batch).items()}}

@@ -304,7 +304,7 @@ def test_the_docs_snippet_runs_as_written():
     page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
     section = page[page.index("## Training with SkyRL"):]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "docs/integrations.md", "exec"), {})
+    exec(compile(code, "docs/integrations.md", "exec"), {})  # noqa: S102 (the documented block, as written)
 
 
 def test_main_is_skyrls_with_this_config(monkeypatch):
@@ -330,3 +330,28 @@ def test_main_is_skyrls_with_this_config(monkeypatch):
     with pytest.raises(AssertionError, match="invalid policy_loss_type"):  # SkyRL's check, our names in its list
         dgpo_skyrl.main(["trainer.logger=console", "trainer.policy.model.path=Qwen/Qwen2.5-0.5B",
                          "trainer.algorithm.policy_loss_type=dgpo_ops.nope"])
+
+
+@pytest.mark.parametrize("name,level", [("geo_mean", "token"), ("vespo", "token"), ("grpo", "sequence")])
+def test_a_rejection_drops_the_tokens_term_and_leaves_the_sequence_statistic(name, level):
+    """SkyRL's rejections (here its outlier, per-token and product masks, no TIS) take a token's term out of the sum
+    after the loss: a method evaluated at a statistic of its response's log-ratios keeps the token in that statistic.
+    The oracle: the objective without a correction, summed over SkyRL's own corrected loss_mask."""
+    from dgpo_ops.integrations.skyrl_params import loss_options
+    from dgpo_ops.integrations.token_grid import grid_objective
+
+    logp, old, roll, advantages, mask = rollout(seed=2)
+    scaled = skyrl_advantages(advantages, mask, "sequence_mean")
+    config = dgpo_skyrl.AlgorithmConfig(policy_loss_type=f"dgpo_ops.{name}", importance_sampling_level=level,
+                                        off_policy_correction=OffPolicyCorrectionConfig(**CORRECTIONS["masks"]))
+    losses, grad, _ = through_registry(f"dgpo_ops.{name}", config, logp, old, scaled, mask, roll)
+    _, _, corrected_mask = compute_off_policy_correction(old, roll, mask, config.off_policy_correction)
+    assert ((corrected_mask == 0) & (mask > 0)).any()
+    leaf = logp.clone().requires_grad_(True)
+    options = loss_options(f"dgpo_ops.{name}", config)
+    expected = [grid_objective(options, leaf[rows], mask[rows] > 0, corrected_mask[rows], ("advantages", scaled[rows]),
+                               ("old_log_probs", old[rows]))[0].loss for rows in (slice(0, MICRO), slice(MICRO, B))]
+    torch.stack(expected).sum().backward()
+    # geo_mean folds log(w + 1e-10) into its mean: the weight 1 of a kept token differs from no weight by 1e-10
+    torch.testing.assert_close(losses, torch.stack(expected).detach(), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-9, atol=1e-12)
