@@ -1,6 +1,6 @@
 """The SkyRL integration's parts that need no SkyRL (dgpo_ops/integrations/skyrl_params.py): its table in
 docs/integrations.md, where a loss's parameters come from, and SkyRL's off-policy correction config. SkyRL itself is
-the oracle in tests/frameworks/test_skyrl_registry.py, which runs in SkyRL's own venv."""
+the oracle in tests/integrations/test_skyrl_registry.py, which runs in SkyRL's own venv (.ci/skyrl_cpu.sh)."""
 
 from __future__ import annotations
 

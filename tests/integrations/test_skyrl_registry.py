@@ -1,17 +1,28 @@
 """dgpo-ops inside SkyRL 0.3.0, against SkyRL's own code: its policy-loss registry, its losses, its trainer's
 normalisation (``apply_loss_reduction_to_advantages_minibatch``, then a sum over each micro-batch), its off-policy
-correction and its config. SkyRL runs in a venv of its own (Python 3.12; the main suite skips this module)."""
+correction, its config and its entrypoint. SkyRL pins what the main suite cannot take, so these run in a venv of their
+own (``.ci/skyrl_cpu.sh``, which fails if they are skipped there); the main suite skips this module."""
 
+import importlib.util
 import pathlib
 import pickle
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
 
+if sys.version_info < (3, 12) and importlib.util.find_spec("skyrl") is not None:
+    # skyrl 0.3.0 says Python >= 3.11, but its skyrl.tinker.types (imported by every skyrl.backends module) puts a
+    # typing.TypedDict in a pydantic model, which pydantic refuses before 3.12; typing_extensions' is the one it
+    # takes. Set in SkyRL's venv only (the main suite has no skyrl), before SkyRL is imported (the subprocess below
+    # does the same).
+    import typing_extensions
+
+    typing.TypedDict = typing_extensions.TypedDict
 skyrl = pytest.importorskip("skyrl.backends.skyrl_train.utils.ppo_utils",
-                            reason="SkyRL runs in its own venv (skyrl 0.3.0, Python 3.12)")
+                            reason="SkyRL runs in its own venv: bash .ci/skyrl_cpu.sh")
 
 from helpers import required_params, value_error_message
 from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import compute_off_policy_correction
@@ -286,7 +297,8 @@ def test_a_worker_that_unpickles_a_loss_gets_every_loss():
     fresh process imports this module, which registers every dgpo_ops.* loss there, and the loss runs."""
     blob = skyrl.cloudpickle.dumps(PolicyLossRegistry.get("dgpo_ops.dgpo"))
     code = (
-        "import sys, torch\n"
+        "import sys, typing, typing_extensions, torch\n"
+        "typing.TypedDict = typing_extensions.TypedDict  # as this module does, for Python 3.11\n"
         "from skyrl.backends.skyrl_train.utils import ppo_utils\n"
         "assert 'dgpo_ops.dgpo' not in ppo_utils.PolicyLossRegistry.list_available()\n"
         "fn = ppo_utils.cloudpickle.loads(sys.stdin.buffer.read())\n"
