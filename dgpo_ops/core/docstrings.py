@@ -45,7 +45,9 @@ ARGUMENTS = {
                    "``seq_sum_token_mean``, ``seq_mean_token_sum`` (TRL's luspo) or ``token_sum`` (verl's "
                    "token-sum) (flat ``(N, V)`` logits: token level only); None: the method's own where its "
                    "authors or framework fix one (dcpo: ``seq_sum_token_mean``, geo_mean: "
-                   "``seq_mean_token_mean``), else ``token_mean``.",
+                   "``seq_mean_token_mean``), else ``token_mean``. A framework's own mode as its trainer divides: "
+                   "``\"framework:mode\"`` (``\"roll:seq-mean-token-mean\"``, ``\"skyrl:token_mean\"``, ...; "
+                   "``dgpo_ops.FRAMEWORK_AGGREGATIONS``, docs/normalization.md).",
     "loss_normalizer": "the token count ``token_mean`` divides by (a number or a one-element tensor, e.g. the "
                        "tokens of every micro-batch of the step); None: this call's scored tokens.",
     "beta": "weight of the k3 KL to ``ref_logps``.",
