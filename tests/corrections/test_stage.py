@@ -131,7 +131,8 @@ def non_finite_case(case):
     batch = mismatch_batch(0.5, seed=8, **flags)
     if case == "overflow":
         batch["rollout_logps"][0] = batch["old_logps"][0] - 30.0
-        return batch, TrlCorrection("sequence_truncate", clip_min=0.5, clip_max=None)
+        return batch, TrlCorrection("sequence_truncate", vllm_importance_sampling_clip_min=0.5,
+                                    vllm_importance_sampling_clip_max=None)
     return batch, OpenRLHFCorrection("tis")
 
 
