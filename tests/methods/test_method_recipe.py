@@ -22,7 +22,8 @@ README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 def test_every_row_is_complete():
     for name, spec in METHODS.items():
         assert spec.config.name == name
-        assert isinstance(spec.config.method_id, MethodId)
+        # a per-token method names its Triton branch; the others none (tests/kernels/test_method_mirror.py)
+        assert isinstance(spec.config.method_id, MethodId) if spec.token_local else spec.config.method_id is None
         assert spec.summary and callable(spec.token_fn)
         assert "|" not in spec.summary + spec.paper, f"{name}: a '|' splits its row of the README's table"
         for field in dataclasses.fields(spec.config):
