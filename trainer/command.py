@@ -1,5 +1,5 @@
-"""The ``dgpo-ops`` command: ``train`` (``cli.py``, TRL imported only then), ``table`` and ``plot`` (the psi
-atlas of ``dgpo_ops.methods.atlas``). It lives in the trainer, the top part, the one that may import both."""
+"""The ``dgpo-ops`` command: ``train`` (``cli.py``, TRL imported only then). It lives in the trainer, the top part,
+the one that may import all the others. The psi(r) table and atlas of every method are ``python -m bench.atlas``."""
 
 from __future__ import annotations
 
@@ -15,26 +15,10 @@ def main(argv: list[str] | None = None) -> int:
         return train_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="dgpo-ops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("table", help="print psi(r) of every method")
-    plot = sub.add_parser("plot", help="write the psi(r) atlas PNG (needs matplotlib)")
-    plot.add_argument("--out", default="psi_atlas.png", help="output PNG path (default: %(default)s)")
     sub.add_parser("train", add_help=False,
                    help="warm-start and RL-train a policy, report held-out accuracy (dgpo-ops train --help)")
-    args = parser.parse_args(argv)
-
-    from dgpo_ops.methods import atlas
-
-    if args.command == "table":
-        print(atlas.psi_table())
-    elif args.command == "plot":
-        try:
-            path = atlas.plot_atlas(args.out)
-        except ImportError:
-            print("dgpo-ops plot needs matplotlib: pip install 'dgpo-ops[bench]'", file=sys.stderr)
-            return 1
-        print(atlas.psi_table())
-        print(f"\nwrote {path}")
-    return 0
+    parser.parse_args(argv)  # no command, or an unknown one: the usage and an error
+    return 2
 
 
 if __name__ == "__main__":

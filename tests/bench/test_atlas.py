@@ -1,11 +1,13 @@
-import pytest
-from dgpo_ops.trainer import command as cli
+"""``python -m bench.atlas``: psi(r) of every method (each SAPO gate apart) at A = +1 and A = -1, and the atlas PNG."""
 
+import pytest
+
+from bench import atlas
 from dgpo_ops.methods.table import GATES, METHODS
 
 
 def test_table_lists_every_method_for_both_signs(capsys):
-    assert cli.main(["table"]) == 0
+    assert atlas.main([]) == 0
     out = capsys.readouterr().out
     for name in [m for m in METHODS if m != "sapo"] + [f"sapo {gate}" for gate in GATES]:
         assert f"\n{name} " in out
@@ -15,5 +17,5 @@ def test_table_lists_every_method_for_both_signs(capsys):
 def test_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "atlas.png"
-    assert cli.main(["plot", "--out", str(path)]) == 0
+    assert atlas.main(["--out", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
