@@ -4,8 +4,8 @@ README stays short; the trainer's sources and the tests' module docstrings cite 
 and the generated parts of the docs pages are what their generators write now (the
 benchmark tables of docs/benchmarks.md, the compile report's markers in docs/aot_report.md).
 
-The README's method table and docs/integrations.md's verl table have their own tests
-(tests/methods/test_method_recipe.py, tests/integrations/test_verl_params.py)."""
+The README's method table, docs/integrations.md's verl table and docs/design.md's table of method files have
+their own test (tests/package/test_generated_docs.py)."""
 
 from __future__ import annotations
 
