@@ -1,4 +1,4 @@
-"""How many GEMM passes over the lm_head weight one policy update pays (issue 40): DGPOTrainer (fused linear and
+"""How many GEMM passes over the lm_head weight one policy update pays: DGPOTrainer (fused linear and
 fused logits) against TRL's GRPOTrainer, for each of TRL's loss options and three kinds of method.
 
     python bench/passes.py [--model tiny] [--methods ...] [--options ...] [--paths ...] [--output PATH]

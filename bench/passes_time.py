@@ -1,4 +1,4 @@
-"""Wall time and peak memory of one policy update for the cases of ``bench/passes.py`` (issue 40): what the passes
+"""Wall time and peak memory of one policy update for the cases of ``bench/passes.py``: what the passes
 cost on ``bench/train_step.py``'s model.
 
     python bench/passes_time.py [--model cpu-small] [--methods ...] [--options ...] [--paths ...] [--repeats 1]

@@ -1,4 +1,5 @@
-"""Extreme log-ratios give finite losses and gradients on every path (issue 13, item 4).
+"""Extreme log-ratios give finite losses and gradients on every path, so one bad token
+cannot turn a training step's gradient into NaN.
 
 Defined behaviour (README, "What bad input gets"): every log-ratio is clamped to [-20, 20]
 straight-through before its exponential (the policy ratio, the k3 KL's l_ref - l and the KL's ratio

@@ -1,4 +1,5 @@
-"""No host-device synchronisation and a small op budget per forward + backward (issue 12).
+"""No host-device synchronisation and a small op budget per forward + backward, so a
+training step never waits on the device for the loss.
 
 Every aten op the fused ops dispatch is recorded by a ``TorchDispatchMode``. An op that reads a
 device value on the host (``_local_scalar_dense``: ``.item()``, ``float()``, ``tolist()``;

@@ -123,7 +123,7 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
 def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
     """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
     completions per held-out problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem
-    counts; the console line shows them and the report redraws the figure from the JSON (issue 26)."""
+    counts; the console line shows them and the report redraws the figure from the JSON."""
     from dgpo_ops.trainer.warm_start import pass_rates
 
     out = tmp_path / "run"

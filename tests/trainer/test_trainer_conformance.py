@@ -1,4 +1,4 @@
-"""DGPOTrainer is GRPOTrainer, fused (issue 33): every field of TRL's GRPOConfig either gives GRPOTrainer's
+"""DGPOTrainer is GRPOTrainer, fused: every field of TRL's GRPOConfig either gives GRPOTrainer's
 first update -- loss, gradients, gradient norm and logged metrics on the same weights and batch, the old
 log-probs off-policy so that the check depends on the weights -- or is refused when DGPOConfig is made, with a
 message that says what to use instead.
