@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,7 +73,7 @@ SECTIONS = (
 
 def with_section(text: str, start: str, end: str, body: str) -> str:
     """``text`` with the part between the markers ``start`` and ``end`` replaced by ``body``."""
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
     if len(pattern.findall(text)) != 1:
         raise ValueError(f"expected one {start} ... {end} section")
     return pattern.sub(lambda _: f"{start}\n{body}{end}", text)

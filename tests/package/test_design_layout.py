@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = (REPO / "docs" / "design.md").read_text().split("## Layout", 1)[1]
-ROW = re.compile(r"^\| `([\w/.]+)` \| (.*) \|$", re.M)
+ROW = re.compile(r"^\| `([\w/.]+)` \| (.*) \|$", re.MULTILINE)
 MODULE = re.compile(r"`([\w/]*?[\w]+\.py)`")
 
 
