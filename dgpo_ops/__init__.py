@@ -1,7 +1,7 @@
 """dgpo-ops: fused, exact RL policy losses for LLM reasoning."""
 
 from dgpo_ops.api import DGPOLoss, fused_dgpo_loss, fused_linear_dgpo_loss, fused_linear_logprobs
-from dgpo_ops.core.aggregation import AGGREGATIONS, token_scales
+from dgpo_ops.core.aggregation import AGGREGATIONS, FRAMEWORK_AGGREGATIONS, token_scales
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
@@ -19,6 +19,7 @@ globals().update(METHOD_CONFIGS)
 __all__ = [
     *METHOD_CONFIGS,
     "AGGREGATIONS",
+    "FRAMEWORK_AGGREGATIONS",
     "METHODS",
     "DGPOLoss",
     "LossMetrics",

@@ -111,6 +111,8 @@ def fused_dgpo_loss(
     loss_normalizer: float | torch.Tensor | None = None,
     beta: float = 0.0,
     entropy_coef: float = 0.0,
+    kl_ratio_correction: bool = False,
+    positive_nll_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
@@ -128,6 +130,7 @@ def fused_dgpo_loss(
 ) -> PolicyLossOutput:
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
+        kl_ratio_correction=kl_ratio_correction, positive_nll_coef=positive_nll_coef,
         importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
         validation=validation, rollout_correction=rollout_correction, **method_params,
     )
@@ -179,6 +182,8 @@ def fused_linear_dgpo_loss(
     loss_normalizer: float | torch.Tensor | None = None,
     beta: float = 0.0,
     entropy_coef: float = 0.0,
+    kl_ratio_correction: bool = False,
+    positive_nll_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
@@ -197,6 +202,7 @@ def fused_linear_dgpo_loss(
 ) -> PolicyLossOutput:
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
+        kl_ratio_correction=kl_ratio_correction, positive_nll_coef=positive_nll_coef,
         importance_sampling_level=importance_sampling_level, backend=backend, validation=validation,
         rollout_correction=rollout_correction, **method_params,
     )

@@ -112,6 +112,18 @@ class Denominator(enum.IntEnum):
     RESPONSES = 1  # B
     GRID = 2  # B * T
     ONE = 3
+    SCORED_RESPONSES = 4  # the responses with at least one scored token (at least 1): ROLL's valid samples
+    HORIZON = 5  # T, the grid's width: ROLL's seq-mean-token-sum-norm
+
+
+def fixed_denominator(denominator: Denominator, n_responses: int, width: int) -> int:
+    """The denominators a grid's shape fixes (``RESPONSES``, ``GRID``, ``HORIZON``, ``ONE``), before the clamp
+    to at least 1; the others count scored tokens."""
+    sizes = {Denominator.RESPONSES: n_responses, Denominator.GRID: n_responses * width, Denominator.HORIZON: width,
+             Denominator.ONE: 1}
+    if denominator not in sizes:
+        raise ValueError(f"{denominator!r} counts scored tokens: no fixed size")
+    return sizes[denominator]
 
 
 class Normalizer(enum.IntEnum):

@@ -130,6 +130,7 @@ def token_prologue_kernel(
     arrived = tl.atomic_add(status_ptr + codes.STATUS_ARRIVED, 1, sem="acq_rel")
     if arrived == n_seqs - 1:
         total = tl.zeros((), tl.int64)
+        scored_responses = tl.zeros((), tl.int64)
         all_errors = tl.zeros((), tl.int64)
         bad_target_value = tl.zeros((), tl.int64)
         found_bad = tl.zeros((), tl.int32)
@@ -143,6 +144,7 @@ def token_prologue_kernel(
             bad_values = tl.load(sequence_stats_ptr + codes.SEQ_FIRST_BAD_TARGET * n_seqs + seqs, mask=in_batch,
                                  other=0, cache_modifier=".cg")
             total += tl.sum(counts, axis=0)
+            scored_responses += tl.sum((counts > 0).to(tl.int64), axis=0)
             all_errors = all_errors | tl.reduce(seq_errors, 0, _bitwise_or)
             has_bad = (seq_errors & codes.ERR_TARGET_IDS) != 0
             first = tl.min(tl.where(has_bad, seqs, codes.NO_TOKEN), axis=0)
@@ -157,6 +159,10 @@ def token_prologue_kernel(
             denominator = tl.maximum(n_seqs, 1).to(tl.float32)
         elif DENOMINATOR == codes.DENOMINATOR_GRID:
             denominator = tl.maximum(n_seqs * seq_len, 1).to(tl.float32)
+        elif DENOMINATOR == codes.DENOMINATOR_SCORED_RESPONSES:
+            denominator = tl.maximum(scored_responses, 1).to(tl.float32)
+        elif DENOMINATOR == codes.DENOMINATOR_HORIZON:
+            denominator = tl.maximum(seq_len, 1).to(tl.float32)
         else:
             denominator = 1.0
         if NORMALIZER == codes.NORMALIZER_VALUE:

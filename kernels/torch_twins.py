@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .interface import IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, Region, SequenceStat, Status
+from .interface import (IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, Region, SequenceStat, Status,
+                        fixed_denominator)
 from .row_io import compute_dtype, on_token_grid
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
@@ -66,8 +67,10 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, a
         denom = float(normalizer_value)
     elif denominator == Denominator.TOKENS:
         denom = total.clamp(min=1).to(dtype)
+    elif denominator == Denominator.SCORED_RESPONSES:
+        denom = (counts > 0).sum().clamp(min=1).to(dtype)
     else:
-        denom = float(max({Denominator.RESPONSES: B, Denominator.GRID: B * T, Denominator.ONE: 1}[denominator], 1))
+        denom = float(max(fixed_denominator(denominator, B, T), 1))
     within = 1.0 / counts.clamp(min=1).to(dtype) if per_response else torch.ones(B, dtype=dtype, device=counts.device)
     scale = within / denom
     seq_scale.copy_(torch.where(errors != 0, float("nan"), scale))

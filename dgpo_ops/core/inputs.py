@@ -19,9 +19,9 @@ from typing import NamedTuple
 import torch
 
 from dgpo_ops.core.aggregation import (
-    TOKEN_LEVEL_AGGREGATIONS,
     check_normalizer_form,
     check_normalizer_value,
+    token_level,
     token_scales,
 )
 from dgpo_ops.core.validation import MESSAGES
@@ -127,7 +127,7 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
         raise ValueError("logits must have a non-empty vocabulary axis")
     flat = len(logits_shape) == 2
     check_generator(batch.generator, device)
-    if flat and (sequence_reason is not None or aggregation not in TOKEN_LEVEL_AGGREGATIONS):
+    if flat and (sequence_reason is not None or not token_level(aggregation)):
         reason = sequence_reason if sequence_reason is not None else f"aggregation {aggregation!r}"
         own = [name for name, spec in METHODS.items() if spec.aggregation == aggregation]
         if sequence_reason is None and own:  # the aggregation may be the method's own, not one the caller passed

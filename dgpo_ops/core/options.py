@@ -63,6 +63,8 @@ class LossOptions:
         ) or not float32_magnitude_ok(self.entropy_coef):
             raise ValueError(f"entropy_coef must be a finite number that float32 holds (|entropy_coef| <= "
                              f"{FLOAT32_MAX:.2g}), got {self.entropy_coef!r}")
+        if not isinstance(self.kl_ratio_correction, bool):  # a truthy string or 0.0 would read silently
+            raise ValueError(f"kl_ratio_correction must be a bool, got {self.kl_ratio_correction!r}")
         if self.aggregation is None:  # resolved here, once: every path and the compiled ops read the name
             object.__setattr__(self, "aggregation", default_aggregation(self.method.name))
         check_aggregation(self.aggregation)

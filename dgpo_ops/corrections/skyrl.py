@@ -1,18 +1,21 @@
-"""SkyRL's ``trainer.algorithm.off_policy_correction`` (``skyrl_train/utils/off_policy_correction_utils.py:
-compute_off_policy_correction``), applied inside every SkyRL policy loss when ``tis_ratio_type`` or
-``sequence_mask_metric`` is set. On ``r = exp(clamp(old - rollout, +-20))``, in order, each step on the mask the
-previous ones left:
+"""SkyRL's ``trainer.algorithm.off_policy_correction`` (skyrl 0.3.0,
+``skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py: compute_off_policy_correction``), applied inside
+every SkyRL policy loss when any of its parts is set. On ``r = exp(clamp(old - rollout, +-20))``, in order, each
+step on the mask the previous ones left:
 
 1. outlier rejection: a response with any scored token's ``r`` above ``outlier_token_is_threshold_high`` or below
-   ``_low`` (each optional) leaves the mask;
-2. per-token rejection (both ``token_mask_eps_low`` and ``_high`` set): tokens with ``r`` outside
-   ``[1 - eps_low, 1 + eps_high]`` leave the mask;
+   ``_low`` (each optional) is rejected;
+2. per-token rejection (both ``token_mask_is_threshold_low`` and ``_high`` set): tokens with ``r`` outside
+   ``[token_mask_is_threshold_low, token_mask_is_threshold_high]`` are rejected (``compute_token_mask``);
 3. TIS: ``min(r, token_tis_ratio_clip_high)`` per token, or ``min(exp(clamp(sum r's logs, +-20)),
-   sequence_tis_ratio_clip_high)`` per response (the product, over the tokens still scored);
+   sequence_tis_ratio_clip_high)`` per response (the product, over the tokens not yet rejected);
 4. sequence rejection: the geometric mean (``exp(clamp(mean log r, +-20))``) outside ``[geo_mask_low,
-   geo_mask_high]``, or the product outside ``[product_mask_low, product_mask_high]``: the response leaves.
+   geo_mask_high]``, or the product outside ``[product_mask_low, product_mask_high]``: the response is rejected.
 
-The rejections shrink the mask, so the normaliser counts only the tokens kept."""
+A rejected token gets weight 0 and stays in the mask: SkyRL's trainer divides by the mini-batch's tokens before
+the correction (``apply_loss_reduction_to_advantages_minibatch`` scales the advantages by them), then its policy
+loss multiplies by the corrected ``loss_mask`` and sums, so a rejection leaves the numerator and not the
+denominator."""
 
 from __future__ import annotations
 
@@ -38,8 +41,8 @@ class SkyRLCorrection(RolloutCorrection):
     product_mask_low: float = 0.5
     outlier_token_is_threshold_low: float | None = None
     outlier_token_is_threshold_high: float | None = None
-    token_mask_eps_low: float | None = None
-    token_mask_eps_high: float | None = None
+    token_mask_is_threshold_low: float | None = None
+    token_mask_is_threshold_high: float | None = None
 
     def __post_init__(self):
         if self.tis_ratio_type not in (None, "token", "sequence"):
@@ -47,22 +50,26 @@ class SkyRLCorrection(RolloutCorrection):
         if self.sequence_mask_metric not in (None, "geometric", "product"):
             raise ValueError(f"sequence_mask_metric must be 'geometric', 'product' or None, got "
                              f"{self.sequence_mask_metric!r}")
-        if self.tis_ratio_type is None and self.sequence_mask_metric is None:
-            raise ValueError("SkyRL applies its off-policy correction only with tis_ratio_type or "
-                             "sequence_mask_metric set")
+        if (self.tis_ratio_type is None and self.sequence_mask_metric is None
+                and self.outlier_token_is_threshold_low is None and self.outlier_token_is_threshold_high is None
+                and self.token_mask_is_threshold_low is None):
+            raise ValueError("SkyRL applies its off-policy correction only with tis_ratio_type, "
+                             "sequence_mask_metric, an outlier_token_is_threshold or the token_mask_is_thresholds "
+                             "set (off_policy_correction_enabled)")
         for name in ("token_tis_ratio_clip_high", "sequence_tis_ratio_clip_high"):  # a weight <= 0 flips the loss
             check_number(name, getattr(self, name), positive=True)
         for name in ("geo_mask_high", "geo_mask_low", "product_mask_high", "product_mask_low"):
             check_number(name, getattr(self, name), minimum=0.0)
-        for name in ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high", "token_mask_eps_low",
-                     "token_mask_eps_high"):
+        for name in ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high",
+                     "token_mask_is_threshold_low", "token_mask_is_threshold_high"):
             check_number(name, getattr(self, name), optional=True)
         for low, high in (("geo_mask_low", "geo_mask_high"), ("product_mask_low", "product_mask_high"),
-                          ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high")):
+                          ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high"),
+                          ("token_mask_is_threshold_low", "token_mask_is_threshold_high")):
             check_order(low, getattr(self, low), high, getattr(self, high))
-        if (self.token_mask_eps_low is None) != (self.token_mask_eps_high is None):
-            raise ValueError("token_mask_eps_low and token_mask_eps_high go together: SkyRL applies its per-token "
-                             "mask only with both set and silently ignores one alone")
+        if (self.token_mask_is_threshold_low is None) != (self.token_mask_is_threshold_high is None):
+            raise ValueError("token_mask_is_threshold_low and token_mask_is_threshold_high go together: SkyRL "
+                             "applies its per-token mask only with both set and silently ignores one alone")
 
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         log_ratio = x.log_ratio
@@ -77,8 +84,8 @@ class SkyRLCorrection(RolloutCorrection):
                 outside = outside | (ratio < low)
             bad = x.sequence_sum((outside & mask).float(), "SkyRL's outlier rejection") > 0
             mask = mask & ~x.to_tokens(bad)
-        if self.token_mask_eps_low is not None and self.token_mask_eps_high is not None:
-            mask = mask & (ratio >= 1 - self.token_mask_eps_low) & (ratio <= 1 + self.token_mask_eps_high)
+        if self.token_mask_is_threshold_low is not None:
+            mask = mask & (ratio >= self.token_mask_is_threshold_low) & (ratio <= self.token_mask_is_threshold_high)
         now = x._replace(mask=mask)
         weights = None
         if self.tis_ratio_type == "token":
@@ -95,4 +102,6 @@ class SkyRLCorrection(RolloutCorrection):
                 lower, upper = self.product_mask_low, self.product_mask_high
             value = clamped_exp(value)
             mask = mask & now.to_tokens((value <= upper) & (value >= lower))
-        return CorrectionResult(weights=weights, keep=mask)
+        # rejected: weight 0, still counted by the normaliser (a NaN ratio stays NaN, as in SkyRL's loss)
+        kept = mask.to(torch.float32)
+        return CorrectionResult(weights=kept if weights is None else weights * kept)

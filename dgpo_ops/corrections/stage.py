@@ -77,6 +77,17 @@ def refuse_non_finite_weights(correction, inputs: CorrectionInputs, result: Corr
         "otherwise be NaN or inf")
 
 
+def refused_values(batch, inputs: CorrectionInputs) -> torch.Tensor:
+    """The scored tokens holding a value the routes refuse (a mask value other than 0 and 1, a NaN or infinite
+    old log-prob): a rejection never takes them out of the mask, so the route's own check (immediate or deferred)
+    still sees and refuses them, as it does for every other token, and as the frameworks do before they mask."""
+    bad = inputs.mask & ~torch.isfinite(inputs.old_logps)
+    if batch.mask is not None and batch.mask.dtype != torch.bool:
+        values = batch.mask.detach().reshape(-1)
+        bad = bad | (inputs.mask & (values != 1))  # scored means non-zero here
+    return bad
+
+
 def apply_rollout_correction(batch, correction, cu_seqlens=None, immediate: bool = True):
     """``(batch, metrics)``: the batch the routes run on (the correction's weights as ``rollout_weights``, its
     rejections out of the mask, no ``rollout_logps``) and the stage's metrics; ``(batch, None)`` for a call
@@ -104,7 +115,7 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None, immediate: bool
     if result.weights is not None:
         changes["rollout_weights"] = result.weights.reshape(shape)
     if result.keep is not None:
-        keep = result.keep.reshape(shape)
+        keep = (result.keep | refused_values(batch, inputs)).reshape(shape)
         # the caller's mask values where kept (its checks still apply to them), 0 where rejected
         changes["mask"] = keep & (batch.target_ids != IGNORE_INDEX) if batch.mask is None else torch.where(
             keep, batch.mask, torch.zeros_like(batch.mask))

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, clamped_exp
-from dgpo_ops.corrections.trl import TRL_MODES
+
+# ms-swift's Literal for rollout_importance_sampling_mode (swift/rlhf_trainers/args_mixin.py)
+SWIFT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,8 @@ class SwiftCorrection(RolloutCorrection):
     rollout_importance_sampling_threshold: float = 2.0
 
     def __post_init__(self):
-        if self.rollout_importance_sampling_mode not in TRL_MODES:
-            raise ValueError(f"rollout_importance_sampling_mode must be one of {TRL_MODES}, got "
+        if self.rollout_importance_sampling_mode not in SWIFT_MODES:
+            raise ValueError(f"rollout_importance_sampling_mode must be one of {SWIFT_MODES}, got "
                              f"{self.rollout_importance_sampling_mode!r}")
         # a threshold <= 0 truncates every weight to it (a negative one flips the loss) or masks every token
         check_number("rollout_importance_sampling_threshold", self.rollout_importance_sampling_threshold,
@@ -43,6 +45,8 @@ class SwiftCorrection(RolloutCorrection):
             return CorrectionResult(weights=ratio.clamp(max=threshold))
         if mode == "token_mask":
             return CorrectionResult(weights=torch.where(ratio <= threshold, ratio, 0.0))
+        if mode not in ("sequence_truncate", "sequence_mask"):
+            raise ValueError(f"rollout_importance_sampling_mode must be one of {SWIFT_MODES}, got {mode!r}")
         geometric = x.to_tokens(torch.exp(x.sequence_mean(torch.log(ratio.clamp(min=1e-10)), f"ms-swift's {mode}")))
         if mode == "sequence_truncate":
             return CorrectionResult(weights=geometric.clamp(max=threshold))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dgpo_ops.core.aggregation import FRAMEWORK_AGGREGATIONS
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
 from dgpo_ops.methods.base import ParamSpec
 from dgpo_ops.methods.catalog import POLICY_LOSSES, MethodParam, format_value
@@ -98,12 +99,19 @@ class VerlAggregation:
 # the token sum), whatever loss_agg_mode and global_batch_info say (METHOD_AGGREGATIONS).
 ROW_MEAN = "row-mean"
 
+def _verl_row(loss_agg_mode: str, denominator: str | None, horizon: bool = False) -> VerlAggregation:
+    """The plugin's reading of verl's ``global_batch_info`` for a mode, its within-response weight from the
+    mode's row of ``FRAMEWORK_AGGREGATIONS`` (one copy of what verl's trainer divides by)."""
+    row = FRAMEWORK_AGGREGATIONS[f"verl:{loss_agg_mode}"]
+    return VerlAggregation(row.per_response, denominator, horizon)
+
+
 VERL_AGGREGATIONS: dict[str, VerlAggregation] = {
-    "token-mean": VerlAggregation(False, "batch_num_tokens"),
-    "token-sum": VerlAggregation(False, None),
-    "seq-mean-token-sum": VerlAggregation(False, "global_batch_size"),
-    "seq-mean-token-sum-norm": VerlAggregation(False, "global_batch_size", horizon=True),
-    "seq-mean-token-mean": VerlAggregation(True, "global_batch_size"),
+    "token-mean": _verl_row("token-mean", "batch_num_tokens"),
+    "token-sum": _verl_row("token-sum", None),
+    "seq-mean-token-sum": _verl_row("seq-mean-token-sum", "global_batch_size"),
+    "seq-mean-token-sum-norm": _verl_row("seq-mean-token-sum-norm", "global_batch_size", horizon=True),
+    "seq-mean-token-mean": _verl_row("seq-mean-token-mean", "global_batch_size"),
 }
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from dgpo_ops.core.aggregation import AGGREGATIONS
+from dgpo_ops.core.aggregation import aggregation_codes
 from dgpo_ops.core.inputs import (
     LossBatch,
     canonical_batch,
@@ -140,7 +140,7 @@ def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False
     gradient NaN, as for bad values."""
     extra = dict(finalize=(workspace, plan.has_kl)) if finalize else {}
     plan.kernels.prologue(plan.inputs, workspace.sequence_stats, workspace.seq_scale, workspace.status, plan.vocab,
-                          AGGREGATIONS[plan.options.aggregation], plan.normalizer, **extra)
+                          aggregation_codes(plan.options.aggregation), plan.normalizer, **extra)
     errors = plan.rows.errors()
     if errors is not None:  # never with finalize: a layout's rows are finished after the row forward
         workspace.status[Status.ERRORS] |= errors

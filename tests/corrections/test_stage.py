@@ -87,10 +87,10 @@ def test_a_bad_cu_seqlens_fails_loudly_before_the_stage_uses_it(bad):
 def test_a_rejection_keeps_the_callers_mask_values_and_their_checks():
     """A rejection zeroes the caller's mask where it rejects and leaves its values elsewhere: a mask that is not
     0/1 is still refused, an integer mask still works."""
-    from dgpo_ops.corrections import SkyRLCorrection
+    from dgpo_ops.corrections import VerlCorrection
 
     batch = mismatch_batch(2.0)
-    correction = SkyRLCorrection("token", token_mask_eps_low=0.5, token_mask_eps_high=1.0)
+    correction = VerlCorrection(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
     as_int = dgpo_ops.reference_loss(**{**batch, "mask": batch["mask"].long()}, rollout_correction=correction)
     as_bool = dgpo_ops.reference_loss(**batch, rollout_correction=correction)
     torch.testing.assert_close(as_int.loss, as_bool.loss)
@@ -131,7 +131,8 @@ def non_finite_case(case):
     batch = mismatch_batch(0.5, seed=8, **flags)
     if case == "overflow":
         batch["rollout_logps"][0] = batch["old_logps"][0] - 30.0
-        return batch, TrlCorrection("sequence_truncate", clip_min=0.5, clip_max=None)
+        return batch, TrlCorrection("sequence_truncate", vllm_importance_sampling_clip_min=0.5,
+                                    vllm_importance_sampling_clip_max=None)
     return batch, OpenRLHFCorrection("tis")
 
 
@@ -163,3 +164,30 @@ def test_non_finite_weights_under_compile_name_the_correction():
     batch, correction = non_finite_case("nan_logps")
     with pytest.raises(ValueError, match="computed by a rollout_correction from rollout_logps"):
         run_route("compiled", batch, method="grpo", rollout_correction=correction)
+
+
+@pytest.mark.parametrize("validation", ["immediate", "deferred"])
+@pytest.mark.parametrize("bad", ["old_logps", "mask"])
+def test_a_rejection_does_not_hide_a_value_the_routes_refuse(bad, validation):
+    """M2PO drops the tokens of largest (behave - prox)^2 first; a NaN old log-prob or a mask value of 0.5 on a
+    scored token is refused all the same (by the route's check, immediate or deferred), as without a correction
+    and as AReaL refuses it, instead of leaving the mask unnoticed."""
+    from dgpo_ops.corrections import m2po
+
+    batch = mismatch_batch(0.3, seed=3)
+    batch["mask"] = batch["mask"].float()
+    batch["rollout_logps"][1, 0] = batch["old_logps"][1, 0] - 30.0  # the largest m2: M2PO drops it first
+    if bad == "old_logps":
+        batch["old_logps"][1, 0] = float("nan")
+    else:
+        batch["mask"][1, 0] = 0.5
+    batch["advantages"] = batch["advantages"].float()
+    message = "old_logps has non-finite" if bad == "old_logps" else "mask must hold only 0 and 1"
+    logits = batch.pop("logits").requires_grad_(True)
+    with pytest.raises(ValueError, match=message):
+        out = dgpo_ops.fused_dgpo_loss(logits, **batch, method="grpo", rollout_correction=m2po(0.04),
+                                       validation=validation, backend="torch")
+        out.loss.backward()
+        dgpo_ops.raise_deferred_errors()
+    with pytest.raises(ValueError, match=message):
+        dgpo_ops.reference_loss(logits, **batch, method="grpo", rollout_correction=m2po(0.04))

@@ -71,3 +71,12 @@ def test_swift_refuses_a_kl_term_it_would_weight_differently():
         dgpo_ops.reference_loss(**batch, method="grpo", beta=0.04, ref_logps=batch["old_logps"] - 0.1,
                                 rollout_correction=SwiftCorrection())
     dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=SwiftCorrection())  # beta = 0: fine
+
+
+def test_the_dispatch_refuses_a_mode_it_does_not_know():
+    """Every mode is one branch of the dispatch, which ends in a refusal: a mode that got past the fields' check
+    (a frozen dataclass changed by hand) is not computed as another mode."""
+    correction = SwiftCorrection("sequence_mask")
+    object.__setattr__(correction, "rollout_importance_sampling_mode", "sequence_geometric")
+    with pytest.raises(ValueError, match="rollout_importance_sampling_mode must be one of"):
+        dgpo_ops.reference_loss(**mismatch_batch(0.5, seed=31), method="grpo", rollout_correction=correction)

@@ -4,6 +4,8 @@ re-implemented below from the installed trl's lines (TRL_VERSION), as are its lo
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.metadata
 import math
 
@@ -79,13 +81,30 @@ def test_mask_modes_keep_the_normaliser():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(mode="token"), "vllm_importance_sampling_mode must be one of"),
-    (dict(mode="token_truncate", clip_min=None, clip_max=None), "needs clip_min or clip_max"),
-    (dict(mode="token_mask", clip_min=3.0, clip_max=2.0), "must be less than"),
+    (dict(vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode must be one of"),
+    (dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
+          vllm_importance_sampling_clip_max=None), "needs vllm_importance_sampling_clip_min or _clip_max"),
+    (dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=3.0,
+          vllm_importance_sampling_clip_max=2.0), "must be less than"),
 ])
 def test_trl_fields_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrlCorrection(**kwargs)
+
+
+def test_trls_config_fields_copy_over():
+    """A GRPOConfig's vllm_importance_sampling_* values build the correction under TRL's own names; TRL's
+    GRPOConfig has no field ``mode`` or ``clip_max``, and neither has the correction."""
+    from trl import GRPOConfig
+
+    config = GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, vllm_importance_sampling_mode="token_mask",
+                        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
+    names = [field.name for field in dataclasses.fields(TrlCorrection)]
+    correction = TrlCorrection(**{name: getattr(config, name) for name in names})
+    assert correction == TrlCorrection("token_mask", 0.5, 2.0)
+    assert correction.bounds() == ("token_mask", 0.5, 2.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument .mode."):
+        TrlCorrection(mode="token_mask", clip_max=2.0)
 
 
 def test_a_correction_needs_both_log_probs_and_no_rollout_weights():
@@ -123,7 +142,7 @@ def test_every_aggregation(aggregation):
 
 def test_vespo_takes_the_token_modes_only_as_trl():
     batch = mismatch_batch(0.5)
-    with pytest.raises(ValueError, match="vespo needs a token_"):
+    with pytest.raises(ValueError, match="vespo folds the rollout weights .* needs a token_"):
         dgpo_ops.reference_loss(**batch, method="vespo", rollout_correction=TrlCorrection("sequence_mask"))
     ratio = trl_importance_sampling_ratio(batch["old_logps"], batch["rollout_logps"], batch["mask"].float(),
                                           "token_mask", None, 3.0)

@@ -23,6 +23,11 @@ ROLL_SOURCE = {
     "agg_loss, masked_mean": "roll/utils/functionals.py, lines 229-297",
     "_compute_topr_loss (scores: data.batch['scores'])": "roll/pipeline/rlvr/actor_pg_worker.py, lines 253-331",
     "topr_positive_weight, topr_negative_weight": "roll/configs/worker_config.py, lines 138-145",
+    "batch_num_tokens, global_valid_samples (over every dp rank)": "roll/distributed/strategy/strategy.py, "
+                                                                   "lines 355-431",
+    "loss *= loss_scale (micro-batches x dp, cancelling the backend's mean)": "roll/distributed/strategy/"
+                                                                             "megatron_strategy.py, lines 255-272, "
+                                                                             "635-660",
 }
 
 
@@ -51,6 +56,60 @@ def test_kimi15_is_rolls_loss(route, drift, tau):
                                                              0.1 if tau is None else tau),
         method="kimi15", aggregation="seq_mean_token_mean", loss_normalizer=valid,
         **({} if tau is None else {"dro_beta": tau}))
+
+
+def roll_agg_loss(loss_mat, mask, mode):
+    """ROLL's ``agg_loss`` on one process and one micro-batch, where ``batch_num_tokens`` and
+    ``global_valid_samples`` are that micro-batch's scored tokens and responses with a scored token (its strategy
+    counts them over every dp rank and multiplies each micro-batch's loss by micro-batches x dp, which the backend's
+    mean cancels)."""
+    valid = (mask.sum(-1) > 0).to(loss_mat.dtype)
+    token_sums = torch.where(mask.sum(-1) > 0, (loss_mat * mask).sum(-1), 0.0)
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / mask.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return (roll_masked_mean(loss_mat, mask) * valid).sum() / (valid.sum().clamp(min=1) + 1e-8)
+    if mode == "seq-mean-token-sum":
+        return (token_sums * valid).sum() / (valid.sum().clamp(min=1) + 1e-8)
+    if mode == "seq-mean-token-sum-norm":
+        return (token_sums * valid).sum() / mask.shape[-1]
+    raise ValueError(mode)
+
+
+ROLL_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("mode", ROLL_MODES)
+def test_rolls_aggregations_by_their_own_names(route, mode):
+    """``aggregation="roll:<loss_agg_mode>"`` is ROLL's divisor with no loss_normalizer: its seq-mean modes divide
+    by the responses with a scored token (the batch has a fully masked one), seq-mean-token-sum-norm by T alone."""
+    batch = ragged_batch(seed=6, drift=0.5)
+    assert not bool(batch[2][2].any())  # a fully masked response
+    assert_route_matches(
+        route, batch,
+        lambda logp, old_logp, advantages, mask: roll_agg_loss(
+            -advantages[:, None] * logp + 0.05 * (logp - old_logp) ** 2, mask.double(), mode),
+        method="kimi15", dro_beta=0.1, aggregation=f"roll:{mode}")
+
+
+@pytest.mark.parametrize("mode,ours", [("seq-mean-token-mean", "seq_mean_token_mean"),
+                                       ("seq-mean-token-sum-norm", "seq_mean_token_sum_norm")])
+def test_rolls_divisor_differs_from_the_unqualified_aggregation(mode, ours):
+    """The row is needed: with a fully masked response, our own seq_mean_token_mean divides by every row and
+    seq_mean_token_sum_norm by B x T, each another number than ROLL's."""
+    logits, targets, mask, old_logp, advantages = ragged_batch(seed=6, drift=0.5)
+    kwargs = dict(mask=mask, old_logps=old_logp, method="kimi15")
+    rolls = dgpo_ops.reference_loss(logits, targets, advantages, aggregation=f"roll:{mode}", **kwargs).loss
+    plain = dgpo_ops.reference_loss(logits, targets, advantages, aggregation=ours, **kwargs).loss
+    ratio = float(plain / rolls)
+    assert ratio == pytest.approx(3 / 4 if mode == "seq-mean-token-mean" else 1 / 4)
+
+
+def test_an_unknown_roll_mode_is_refused_with_rolls_modes():
+    logits, targets, mask, old_logp, advantages = ragged_batch(seed=6, drift=0.5)
+    with pytest.raises(ValueError, match="roll's: roll:token-mean, roll:seq-mean-token-mean"):
+        dgpo_ops.reference_loss(logits, targets, advantages, mask=mask, aggregation="roll:seq-mean")
 
 
 def roll_seq_mean_token_mean(loss_mat, mask):
@@ -88,8 +147,7 @@ def test_topr_is_rolls_loss(route, drift, weights):
         route, batch,
         lambda logp, old_logp, advantages, mask: roll_topr(logp, old_logp, advantages, mask.double(), scores,
                                                            **params),
-        method="topr", aggregation="seq_mean_token_mean", loss_normalizer=float(scored.sum()), scores=scores,
-        **params)
+        method="topr", aggregation="roll:seq-mean-token-mean", scores=scores, **params)
 
 
 def test_topr_without_scores_splits_by_the_advantage():
@@ -99,7 +157,7 @@ def test_topr_without_scores_splits_by_the_advantage():
     assert_route_matches(
         "reference", batch,
         lambda logp, old_logp, advantages, mask: roll_topr(logp, old_logp, advantages, mask.double(), advantages),
-        method="topr", aggregation="seq_mean_token_mean", loss_normalizer=float((mask.sum(-1) > 0).sum()))
+        method="topr", aggregation="roll:seq-mean-token-mean")
 
 
 def test_kimi15_is_dro_with_rolls_tau():
