@@ -10,7 +10,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # its own parser (TRL's options pass through); TRL is imported only here
-        from dgpo_ops.trainer import cli as train_cli
+        from dgpo_ops.trainer.app import cli as train_cli
 
         return train_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="dgpo-ops", description=__doc__)

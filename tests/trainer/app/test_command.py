@@ -1,5 +1,5 @@
 import pytest
-from dgpo_ops.trainer import command as cli
+from dgpo_ops.trainer.app import command as cli
 
 from dgpo_ops.methods.table import GATES, METHODS
 
