@@ -194,12 +194,7 @@ def parse_passthrough(extra: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        parser = build_parser(with_method_fields=True)
-    except ImportError as e:
-        print(f"dgpo-ops train: error: it needs TRL and transformers ({e.name} is missing): "
-              "pip install 'dgpo-ops[trl]'", file=sys.stderr)
-        return 2
+    parser = build_parser(with_method_fields=True)  # TRL is there: this module imports it (``presets``)
     args, extra = parser.parse_known_args(argv)
     if TASK_PRESETS[args.task]:  # the task's values become the defaults: options given explicitly still win
         parser.set_defaults(**TASK_PRESETS[args.task])
