@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import dgpo_ops
+
 DESCRIPTION = """\
 Train a language model's policy by reinforcement learning on problems with checkable answers, with DGPO or
 another policy loss of dgpo-ops, and compare the losses' gradient weights.
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="dgpo-ops", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dgpo-ops {dgpo_ops.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,table,plot}")
     sub.add_parser("train", add_help=False,
                    help="warm-start and RL-train a policy, report held-out accuracy (dgpo-ops train --help)")

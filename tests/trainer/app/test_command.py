@@ -1,6 +1,7 @@
 """The ``dgpo-ops`` command: its help, ``table`` and ``plot``, and ``train`` on an install without the "train"
 extra."""
 
+import importlib.metadata
 import pathlib
 import subprocess
 import sys
@@ -39,6 +40,13 @@ def test_help_opens_with_what_the_command_does_for_a_user(capsys):
         assert f"dgpo-ops {command} " in opening
     for internal in (".py", "``", "import", "TRL", "module", "dgpo_ops"):  # the package's inside, not the user's
         assert internal not in opening, internal
+
+
+def test_version_names_the_installed_package(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.split() == ["dgpo-ops", importlib.metadata.version("dgpo-ops")]
 
 
 # `dgpo-ops train` where the library was installed without the "train" extra: trl cannot be imported.
