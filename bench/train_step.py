@@ -148,7 +148,7 @@ def build_trainer(path: str, model_name: str, completion_length: int, workdir: s
     trainers (``bench/passes.py``'s options); ``policy_loss``: DGPOTrainer's method (GRPOTrainer runs TRL's)."""
     import torch
     from datasets import Dataset
-    from dgpo_ops.trainer.tiny_model import build_tokenizer
+    from dgpo_ops.trainer.app.tiny_model import build_tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     spec = PATHS[path]

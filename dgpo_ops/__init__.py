@@ -12,6 +12,29 @@ from dgpo_ops.methods.table import METHODS, method_config, token_terms
 from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 from dgpo_ops.ops.reference import reference_loss
 
+
+def _version() -> str:
+    """The installed distribution's version; in a checkout that is not installed, the version in the
+    pyproject.toml beside the package; "0+unknown" where there is neither."""
+    import importlib.metadata
+    import pathlib
+    import re
+
+    try:
+        return importlib.metadata.version("dgpo-ops")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    except OSError:
+        return "0+unknown"
+    project = re.search(r"^\[project\]$(.*?)(?=^\[)", text + "\n[", re.MULTILINE | re.DOTALL)
+    version = project and re.search(r'^version\s*=\s*"([^"]+)"', project.group(1), re.MULTILINE)
+    return version.group(1) if version else "0+unknown"
+
+
+__version__ = _version()
+
 # Every method's config class (GrpoConfig, DgpoConfig, ...), from the table: a new method's row exports it.
 METHOD_CONFIGS = {spec.config.__name__: spec.config for spec in METHODS.values()}
 globals().update(METHOD_CONFIGS)

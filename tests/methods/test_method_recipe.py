@@ -80,7 +80,8 @@ def test_a_parameter_check_fails_on_values_outside_its_range():
 @pytest.fixture(scope="module")
 def trainer_modules():
     pytest.importorskip("trl")
-    from dgpo_ops.trainer import cli, config
+    from dgpo_ops.trainer import config
+    from dgpo_ops.trainer.app import cli
 
     return config, cli
 

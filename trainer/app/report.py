@@ -295,13 +295,13 @@ def merge_results(results: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dgpo_ops.trainer.report run.json [more.json ...] [--out curves.png] [--merged all.json]``:
+    """``python -m dgpo_ops.trainer.app.report run.json [more.json ...] [--out curves.png] [--merged all.json]``:
     the figure and the final numbers of a committed run, from its JSON alone; several JSONs of the same
     command on other seeds are merged first."""
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m dgpo_ops.trainer.report", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dgpo_ops.trainer.app.report", description=main.__doc__)
     parser.add_argument("run_json", nargs="+")
     parser.add_argument("--out", default=None, help="figure path (default: next to the (merged) JSON, .png)")
     parser.add_argument("--merged", default=None, help="write the merge of several JSONs here")
