@@ -316,8 +316,8 @@ def avoid_cudnn_attention_backward() -> None:
     sequence length is 64 mod 128 and a row's log-sum-exp is below -88.7 (pytorch/pytorch#196678,
     since torch 2.11; huggingface/trl#7181). Left-padded prompts give fully masked rows (log-sum-exp
     -inf) in every RL batch, so a step whose longest prompt + completion is 64 tokens gets
-    non-finite gradients: the main job's failures in bf16 on an H100 (issue 13; csrc_notes.md,
-    "GPU run log", run 11). SDPA then uses the memory-efficient kernel."""
+    non-finite gradients: the main job's failures in bf16 on an H100 (csrc_notes.md, "GPU run log",
+    run 11). SDPA then uses the memory-efficient kernel."""
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(False)
