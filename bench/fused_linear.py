@@ -222,7 +222,7 @@ def child(competitor, N, H, V, setting, repeats):
 def machine(device: str) -> dict:
     import torch
 
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     return describe(torch.device(device), packages=("trl", "liger-kernel", "cut-cross-entropy"))
 

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.child:
         child(*args.child, model_name, args.repeats)
         return 0
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     methods, options, paths = (_choose(args.methods, METHODS), _choose(args.options, OPTIONS),
                                _choose(args.paths, PATHS))

@@ -21,7 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from dgpo_ops.trainer.tiny_model import build_char_tokenizer, build_tiny_model
+from dgpo_ops.trainer.app.tiny_model import build_char_tokenizer, build_tiny_model
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "real"
 dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import dgpo_ops  # noqa: E402
-from dgpo_ops.core.environment import describe  # noqa: E402
+from dgpo_ops.trainer.app.environment import describe  # noqa: E402
 
 LAUNCHES: list[str] = []
 

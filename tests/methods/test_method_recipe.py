@@ -13,7 +13,7 @@ from helpers import METHOD_VARIANTS, required_fields
 
 from dgpo_ops.methods import catalog
 from dgpo_ops.methods.base import ParamSpec
-from dgpo_ops.methods.styles import STYLES, style
+from dgpo_ops.trainer.app.styles import STYLES, style
 from dgpo_ops.methods.table import ALIASES, GATES, METHODS, method_config
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
@@ -81,7 +81,8 @@ def test_a_parameter_check_fails_on_values_outside_its_range():
 @pytest.fixture(scope="module")
 def trainer_modules():
     pytest.importorskip("trl")
-    from dgpo_ops.trainer import cli, config
+    from dgpo_ops.trainer import config
+    from dgpo_ops.trainer.app import cli
 
     return config, cli
 
@@ -216,7 +217,7 @@ def test_the_recipe_names_real_files_and_commands_and_its_derived_lists_cover_ev
         assert callable(getattr(importlib.import_module(module), "main", None)), module
     # each file named after a method holds that method's row, and table.FAMILIES lists every family file
     family_files = {path.stem for path in (root / "dgpo_ops" / "methods").glob("*.py")} - {
-        "__init__", "base", "clip", "gspo", "selection", "table", "catalog", "styles"}
+        "__init__", "base", "clip", "gspo", "selection", "table", "catalog"}
     assert {family.__name__.rpartition(".")[2] for family in table.FAMILIES} == family_files
     for name, spec in METHODS.items():
         module = spec.config.__module__.rpartition(".")[2]

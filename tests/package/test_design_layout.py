@@ -34,7 +34,8 @@ def named_modules(folder: Path, text: str) -> set[str]:
 
 
 def test_every_folder_of_the_package_has_a_row():
-    folders = {REPO / "kernels", REPO / "trainer"} | {path for path in (REPO / "dgpo_ops").iterdir()
+    packages = [*(REPO / "dgpo_ops").iterdir(), *(REPO / "trainer").iterdir()]
+    folders = {REPO / "kernels", REPO / "trainer"} | {path for path in packages
                                                      if (path / "__init__.py").is_file() and not path.is_symlink()}
     assert set(folder_rows()) == folders
 

@@ -1,23 +1,16 @@
-"""The psi(r) atlas: gradient weights of every method, straight from the method table.
-
-    python -m bench.atlas [--out psi_atlas.png]
-
-prints psi(r) of every method at A = +1 and A = -1; ``--out`` also draws the atlas (needs matplotlib).
-``python -m bench.report`` draws ``bench/plots/psi_atlas.png`` with it.
-"""
+"""The psi(r) atlas: gradient weights of every method, straight from the method table (``dgpo-ops table``,
+``dgpo-ops plot``; ``python -m bench.report`` draws ``bench/plots/psi_atlas.png`` with it)."""
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 
 import torch
 
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.catalog import required_params
-from dgpo_ops.methods.styles import style
 from dgpo_ops.methods.table import GATES, METHODS, method_config, token_terms
+from dgpo_ops.trainer.app.styles import style
 
 # One curve per row; sapo appears once per gate.
 ATLAS_METHODS: list[tuple[str, dict]] = [(name, required_params(name)) for name in METHODS if name != "sapo"] + [
@@ -113,22 +106,3 @@ def plot_atlas(path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.atlas", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="also write the atlas PNG here (needs matplotlib)")
-    args = parser.parse_args(argv)
-    print(psi_table())
-    if args.out:
-        try:
-            path = plot_atlas(args.out)
-        except ImportError:
-            print("the atlas needs matplotlib: pip install 'dgpo-ops[bench]'", file=sys.stderr)
-            return 1
-        print(f"\nwrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
