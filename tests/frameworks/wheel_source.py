@@ -51,18 +51,20 @@ def _unannotated(node):
     return node
 
 
-def load(distribution: str, path: str, names, namespace: dict | None = None) -> dict:
-    """Execute the top-level definitions ``names`` of ``distribution``'s file ``path`` (``"Class.method"``: one
-    method of a class, as a plain function taking ``self``) in ``namespace`` (torch is always there), in the
+def load(distribution: str, path: str, names=None, namespace: dict | None = None) -> dict:
+    """Execute the top-level definitions ``names`` of ``distribution``'s file ``path`` (a function, a class or a
+    constant; ``"Class.method"``: one method of a class, as a plain function taking ``self``; None: the whole
+    file, for a module that imports only the standard library) in ``namespace`` (torch is always there), in the
     file's order; returns the namespace. Tracebacks point at the wheel's file and lines."""
     file = source_file(distribution, path)
     tree = ast.parse(file.read_text(), filename=str(file))
-    wanted = set(names)
-    body = []
-    for node in tree.body:
-        if getattr(node, "name", None) in wanted:
+    wanted = set(names or ())
+    body = list(tree.body) if names is None else []
+    for node in tree.body if names is not None else ():
+        name = defined_name(node)
+        if name in wanted:
             body.append(_unannotated(node))
-            wanted.discard(node.name)
+            wanted.discard(name)
         elif isinstance(node, ast.ClassDef):
             for member in node.body:
                 if isinstance(member, ast.FunctionDef) and f"{node.name}.{member.name}" in wanted:
@@ -76,14 +78,26 @@ def load(distribution: str, path: str, names, namespace: dict | None = None) -> 
     scope = module.__dict__
     scope.update({"torch": torch, **(namespace or {})})
     for node in body:
-        name = node.name
-        if "." in name:  # a method: executed as a function under a plain name, stored under "Class.method"
+        name = defined_name(node) or ""
+        if "." in name and isinstance(node, ast.FunctionDef):  # a method: run as a plain function, kept as
+            # "Class.method"
             node.name = "_method"
             exec(compile(ast.Module(body=[node], type_ignores=[]), str(file), "exec"), scope)
             scope[name] = scope.pop("_method")
         else:
             exec(compile(ast.Module(body=[node], type_ignores=[]), str(file), "exec"), scope)
     return scope
+
+
+def defined_name(node) -> str | None:
+    """The name a top-level statement defines: a function's, a class's, a single-target assignment's."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if len(targets) == 1 and isinstance(targets[0], ast.Name):
+            return targets[0].id
+    return None
 
 
 def ragged_batch(seed: int, drift: float, rollout_drift: float = 0.0):
