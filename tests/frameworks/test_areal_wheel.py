@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from wheel_source import ROUTES, assert_same, load, ragged_batch, require
+from wheel_source import ROUTES, assert_same, load, ours, ragged_batch, require
 
 require("areal", "1.0.4")
 
@@ -95,7 +95,7 @@ def test_decoupled_ppo(route, rollout_drift, clip, case):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("threshold", [0.02, 0.3, 10.0])
+@pytest.mark.parametrize("threshold", [0.001, 0.02, 0.1, 10.0])
 @pytest.mark.parametrize("rejection", [None, "token-ratio-band", "sequence-ratio-mean"])
 def test_m2po(route, threshold, rejection):
     """M2PO's mask before the loss (the normaliser counts the tokens it keeps), alone or with a behaviour weight."""
@@ -134,7 +134,7 @@ def test_sapo(route, drift, taus):
 
 def test_the_cases_filter_some_tokens_and_keep_others():
     """At 0.8 nats of mismatch each rejection case filters or clamps some scored tokens and keeps others, and M2PO
-    at 0.3 drops some; so the comparisons above see both sides of every bound."""
+    at 0.1 drops some (at 0.001 all but one); so the comparisons above see both sides of every bound."""
     _, _, mask, old_logp, rollout_logp, _ = ragged_batch(seed=17, drift=0.5, rollout_drift=0.8)
     for case, fields in REJECTION.items():
         result = FUNCTIONAL["apply_rejection_sampling"](old_logp, rollout_logp, mask, None,
@@ -147,8 +147,25 @@ def test_the_cases_filter_some_tokens_and_keep_others():
         if case != "defaults":
             assert changed.any() and (mask & ~changed).any(), case
     _, _, mask, old_logp, rollout_logp, _ = ragged_batch(seed=19, drift=0.5, rollout_drift=0.6)
-    kept = ACTOR["_apply_m2po_masking"](rollout_logp, old_logp, mask, 0.3)
-    assert 0 < kept.sum() < mask.sum()
+    kept = ACTOR["_apply_m2po_masking"](rollout_logp, old_logp, mask, 0.1)
+    assert 0 < kept.sum() < mask.sum() - 1
+    assert ACTOR["_apply_m2po_masking"](rollout_logp, old_logp, mask, 0.001).sum() == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_m2po_refuses_a_proximal_log_prob_that_is_not_finite(bad):
+    """AReaL refuses a non-finite proximal log-prob before M2PO (``_resolve_proximal_logp``); dgpo-ops' M2PO
+    refuses a non-finite old log-prob on a scored token too, rather than sort it."""
+    batch = ragged_batch(seed=19, drift=0.5, rollout_drift=0.6)
+    old_logp = batch[3].clone()
+    old_logp[0, 2] = bad
+    batch = (*batch[:3], old_logp, *batch[4:])
+    with pytest.raises(RuntimeError, match="NaN or Inf"):
+        areal_loss(batch, m2_threshold=0.1)(batch[3])
+    logits, targets, mask, old_logp, rollout_logp, advantages = batch
+    with pytest.raises(ValueError, match="old_logps"):
+        ours("reference", logits, targets, advantages, mask, old_logp, rollout_logps=rollout_logp,
+             rollout_correction=m2po(0.1), **grpo({}))
 
 
 def test_defaults_are_areals():
