@@ -150,3 +150,19 @@ def assert_same(route, batch, loss_of_logp, *, rtol=1e-6, atol=1e-8, values=True
         torch.testing.assert_close(out.loss.detach().double(), expected.double(), rtol=rtol, atol=atol)
     torch.testing.assert_close(grad.double(), expected_grad.double(), rtol=rtol, atol=atol)
     return out
+
+
+def class_defaults(distribution: str, path: str, class_name: str) -> dict:
+    """The literal defaults of class ``class_name``'s annotated fields in ``distribution``'s file ``path`` (a
+    config dataclass whose bases and field factories need more than a test venv has)."""
+    tree = ast.parse(source_file(distribution, path).read_text())
+    found = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
+    assert found, f"{path} of {distribution} {md.version(distribution)} defines no class {class_name}"
+    defaults = {}
+    for node in found[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            try:
+                defaults[node.target.id] = ast.literal_eval(node.value)
+            except ValueError:  # field(...) and other expressions: not a literal default
+                pass
+    return defaults
