@@ -1,12 +1,13 @@
-"""AReaL 1.0.4's own GRPO actor loss (read from the installed ``areal`` wheel: ``import areal`` starts its launchers,
-and its functional module imports its whole CLI config) against dgpo-ops on the same inputs.
+"""AReaL 1.0.4's own GRPO actor loss (read from the installed ``areal`` wheel: ``import areal`` starts its
+launchers, and its functional module imports its whole CLI config) against dgpo-ops on the same inputs.
 
-``PPOActor.ppo_update`` hands each micro-batch to ``grpo_loss_fn`` (``trainer/ppo/actor.py``): M2PO's mask
-(``_apply_m2po_masking``) first, then ``ppo_actor_loss_fn`` (``utils/functional/functional.py``): the behaviour
-weight of ``apply_rejection_sampling`` (``RejectionSamplingConfig``), PPO's clip against the proximal policy with
-``c_clip``, the masked sum over the count taken before the rejection; or ``sapo_loss_fn``. The engine scales a
-micro-batch's loss by its share of the scored tokens (``loss_weight_fn``), 1 for the one micro-batch here.
-``grpo_loss_fn``'s statistics logging runs into a sink (``NoStats``); the loss is AReaL's."""
+``PPOActor.ppo_update`` hands each micro-batch to ``grpo_loss_fn`` (``areal.trainer.ppo.actor``): M2PO's mask
+(``_apply_m2po_masking``) first, then ``ppo_actor_loss_fn`` (``areal.utils.functional.functional``): the
+behaviour weight of ``apply_rejection_sampling`` (``RejectionSamplingConfig``), PPO's clip against the
+proximal policy with ``c_clip``, the masked sum over the count taken before the rejection; or
+``sapo_loss_fn``. The engine scales a micro-batch's loss by its share of the scored tokens
+(``loss_weight_fn``), 1 for the one micro-batch here. ``grpo_loss_fn``'s statistics logging runs into a sink
+(``NoStats``); the loss is AReaL's."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class NoStats:
 
 CONSTANTS = load("areal", "areal/utils/constants.py")
 KL = load("areal", "areal/utils/data.py", ["KLEstimator"])
-CLI = load("areal", "areal/api/cli_args.py", ["RejectionSamplingConfig"], {"dataclass": dataclass, "field": field})
+CLI = load("areal", "areal/api/cli_args.py", ["RejectionSamplingConfig"],
+           {"dataclass": dataclass, "field": field})
 FUNCTIONAL = load("areal", "areal/utils/functional/functional.py",
                   ["_compute_sequence_level_ratio_and_advantages", "RejectionSamplingResult", "_check_bounds",
                    "apply_rejection_sampling", "ppo_actor_loss_fn", "sapo_loss_fn"],
@@ -40,16 +42,18 @@ FUNCTIONAL = load("areal", "areal/utils/functional/functional.py",
 STATS = load("areal", "areal/trainer/ppo/stats.py", ["infer_token_denominator"])
 ACTOR = load("areal", "areal/trainer/ppo/actor.py",
              ["grpo_loss_fn", "_resolve_proximal_logp", "_apply_m2po_masking", "_get_m2po_loss_mask"],
-             {**{name: CONSTANTS[name] for name in CONSTANTS if name.startswith("PROX_") or name == "ProxLogpMethod"},
-              "ppo_actor_loss_fn": FUNCTIONAL["ppo_actor_loss_fn"], "sapo_loss_fn": FUNCTIONAL["sapo_loss_fn"],
+             {**{name: value for name, value in CONSTANTS.items()
+                 if name.startswith("PROX_") or name == "ProxLogpMethod"},
+              "ppo_actor_loss_fn": FUNCTIONAL["ppo_actor_loss_fn"],
+              "sapo_loss_fn": FUNCTIONAL["sapo_loss_fn"],
               "infer_token_denominator": STATS["infer_token_denominator"], "stats_tracker": NoStats(),
               "_log_proximal_approximation_stats": NoStats().log})
 RejectionSamplingConfig = CLI["RejectionSamplingConfig"]
 
 
 def areal_loss(batch, **options):
-    """``grpo_loss_fn`` on one padded micro-batch: the proximal log-probs are the old ones (a recomputed forward
-    pass), the behaviour's the rollout's (``input_data["logprobs"]``), GRPO's per-token advantages."""
+    """``grpo_loss_fn`` on one padded micro-batch: the proximal log-probs are the old ones (a recomputed
+    forward pass), the behaviour's the rollout's (``input_data["logprobs"]``), GRPO's per-token advantages."""
     _, _, mask, old_logp, rollout_logp, advantages = batch
     input_data = {"logprobs": rollout_logp, "advantages": advantages[:, None] * mask, "loss_mask": mask,
                   "prox_logp": old_logp}
@@ -98,13 +102,14 @@ def test_decoupled_ppo(route, rollout_drift, clip, case):
 @pytest.mark.parametrize("threshold", [0.001, 0.02, 0.1, 10.0])
 @pytest.mark.parametrize("rejection", [None, "token-ratio-band", "sequence-ratio-mean"])
 def test_m2po(route, threshold, rejection):
-    """M2PO's mask before the loss (the normaliser counts the tokens it keeps), alone or with a behaviour weight."""
+    """M2PO's mask before the loss (the normaliser counts the tokens it keeps), alone or with a behaviour
+    weight."""
     batch = ragged_batch(seed=19, drift=0.5, rollout_drift=0.6)
     fields = REJECTION.get(rejection)
     oracle = areal_loss(batch, m2_threshold=threshold,
                         rejection_sampling=None if fields is None else RejectionSamplingConfig(**fields))
-    assert_same(route, batch, oracle, rollout_logps=batch[4], rollout_correction=m2po(threshold, **(fields or {})),
-                **grpo({}))
+    assert_same(route, batch, oracle, rollout_logps=batch[4],
+                rollout_correction=m2po(threshold, **(fields or {})), **grpo({}))
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -133,14 +138,14 @@ def test_sapo(route, drift, taus):
 
 
 def test_the_cases_filter_some_tokens_and_keep_others():
-    """At 0.8 nats of mismatch each rejection case filters or clamps some scored tokens and keeps others, and M2PO
-    at 0.1 drops some (at 0.001 all but one); so the comparisons above see both sides of every bound."""
+    """At 0.8 nats of mismatch each rejection case filters or clamps some scored tokens and keeps others, and
+    M2PO at 0.1 drops some (at 0.001 all but one); so the comparisons above see both sides of every bound."""
     _, _, mask, old_logp, rollout_logp, _ = ragged_batch(seed=17, drift=0.5, rollout_drift=0.8)
     for case, fields in REJECTION.items():
         result = FUNCTIONAL["apply_rejection_sampling"](old_logp, rollout_logp, mask, None,
                                                         RejectionSamplingConfig(**fields))
         raw = torch.exp(old_logp - rollout_logp)
-        if fields.get("level") == "sequence" and fields.get("metric", "ratio") == "ratio":  # the geometric mean
+        if fields.get("level") == "sequence" and fields.get("metric", "ratio") == "ratio":  # geometric mean
             raw = torch.exp(((old_logp - rollout_logp) * mask).sum(-1, keepdim=True)
                             / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(raw)
         changed = ~torch.isclose(result.behave_imp_weight.double(), raw, rtol=1e-5) & mask

@@ -1,7 +1,7 @@
-"""ms-swift 4.6.0's own GRPO loss (``GRPOTrainer._compute_loss_and_metrics`` and the methods it calls, read from the
-installed ``ms-swift`` wheel: its trainer module imports trl, transformers, accelerate and vllm) against dgpo-ops on
-the same inputs: every ``loss_type`` dgpo-ops has (grpo, bnpo, dr_grpo, dapo, cispo, sapo, fipo), GSPO's
-importance-sampling levels, the KL term and the rollout importance sampling modes.
+"""ms-swift 4.6.0's own GRPO loss (``GRPOTrainer._compute_loss_and_metrics`` and the methods it calls, read
+from the installed ``ms-swift`` wheel: its trainer module imports trl, transformers, accelerate and vllm)
+against dgpo-ops on the same inputs: every ``loss_type`` dgpo-ops has (grpo, bnpo, dr_grpo, dapo, cispo, sapo,
+fipo), GSPO's importance-sampling levels, the KL term and the rollout importance sampling modes.
 
 The loss runs as a method of a stand-in trainer (``SwiftTrainer``) that holds the attributes
 ``_prepare_algorithm_params`` sets from the arguments, one process, one micro-batch: the window normaliser of
@@ -22,8 +22,9 @@ from dgpo_ops.corrections import SwiftCorrection  # noqa: E402
 
 TRAINER = "swift/rlhf_trainers/grpo_trainer.py"
 METHODS = ["_compute_loss_and_metrics", "_compute_fipo_influence", "_undo_gradient_accumulation_scaling",
-           "_get_rollout_is_correction", "_compute_sequence_level_ratios", "_apply_rollout_importance_sampling",
-           "_compute_rollout_offpolicy_metrics", "_compute_is_correction_metrics"]
+           "_get_rollout_is_correction", "_compute_sequence_level_ratios",
+           "_apply_rollout_importance_sampling", "_compute_rollout_offpolicy_metrics",
+           "_compute_is_correction_metrics"]
 SWIFT = load("ms-swift", TRAINER, ["WINDOW_NORMALIZED_LOSS_TYPES", *(f"GRPOTrainer.{m}" for m in METHODS)],
              {"gather_object": lambda objects: list(objects), "nanmax": lambda x: x[~x.isnan()].max(),
               "nanmin": lambda x: x[~x.isnan()].min()})
@@ -33,9 +34,10 @@ SwiftTrainer = type("SwiftTrainer", (), {name: SWIFT[f"GRPOTrainer.{name}"] for 
 
 
 def swift_trainer(loss_type, logp_holder, **arguments):
-    """The trainer's attributes as ``_prepare_algorithm_params`` sets them from ``arguments`` over the defaults."""
-    # beta and gradient_accumulation_steps: fields of TRL's GRPOConfig and transformers' TrainingArguments, which
-    # ms-swift's GRPOConfig extends (beta 0 here unless a test sets it)
+    """The trainer's attributes as ``_prepare_algorithm_params`` sets them from ``arguments`` over the
+    defaults."""
+    # beta and gradient_accumulation_steps: fields of TRL's GRPOConfig and transformers' TrainingArguments,
+    # which ms-swift's GRPOConfig extends (beta 0 here unless a test sets it)
     args = SimpleNamespace(**{**ARGUMENTS, "beta": 0.0, "gradient_accumulation_steps": 1, **arguments})
     trainer = SwiftTrainer()
     trainer.__dict__.update(
@@ -52,7 +54,8 @@ def swift_trainer(loss_type, logp_holder, **arguments):
         max_completion_length=args.max_completion_length, model=SimpleNamespace(training=True),
         model_accepts_loss_kwargs=False, compute_loss_func=None, current_gradient_accumulation_steps=1,
         accelerator=SimpleNamespace(num_processes=1, gather_for_metrics=lambda x: x if x.dim() else x[None]),
-        _get_per_token_logps_and_entropies=lambda model, inputs, batch, compute_entropy: (logp_holder[0], None))
+        _get_per_token_logps_and_entropies=lambda model, inputs, batch, compute_entropy: (logp_holder[0],
+                                                                                           None))
     return trainer
 
 
@@ -60,8 +63,10 @@ def swift_loss(batch, loss_type, ref_logp=None, **arguments):
     _, _, mask, old_logp, rollout_logp, advantages = batch
     holder = []
     trainer = swift_trainer(loss_type, holder, max_completion_length=mask.shape[1], **arguments)
-    grpo_batch = SimpleNamespace(completion_mask=mask, truncated_mask=torch.zeros(mask.shape[0], dtype=torch.bool),
-                                 advantages=advantages[:, None].expand(mask.shape), old_per_token_logps=old_logp,
+    grpo_batch = SimpleNamespace(completion_mask=mask,
+                                 truncated_mask=torch.zeros(mask.shape[0], dtype=torch.bool),
+                                 advantages=advantages[:, None].expand(mask.shape),
+                                 old_per_token_logps=old_logp,
                                  rollout_per_token_logps=rollout_logp, ref_per_token_logps=ref_logp,
                                  num_items_in_batch=mask.sum())
 
@@ -71,7 +76,7 @@ def swift_loss(batch, loss_type, ref_logp=None, **arguments):
     return loss
 
 
-# ms-swift's loss_type -> dgpo-ops' method and aggregation (B: the batch's responses, T: max_completion_length)
+# ms-swift's loss_type -> dgpo-ops' method and aggregation (dr_grpo's T: max_completion_length)
 LOSS_TYPES = {
     "grpo": dict(method="grpo", aggregation="seq_mean_token_mean"),
     "bnpo": dict(method="grpo", aggregation="token_mean"),
@@ -110,22 +115,24 @@ PPO_CLIP_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "fipo")  # the loss types d
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("drift", [0.05, 2.0])
-@pytest.mark.parametrize("loss_type, case", [(loss_type, case) for loss_type in LOSS_TYPES for case in ARGUMENT_CASES
+@pytest.mark.parametrize("loss_type, case", [(loss_type, case) for loss_type in LOSS_TYPES
+                                             for case in ARGUMENT_CASES
                                              if case != "delta" or loss_type in PPO_CLIP_TYPES])
 def test_loss_type(route, drift, loss_type, case):
     arguments, params = ARGUMENT_CASES[case]
-    if loss_type == "cispo":  # ms-swift's epsilon_high is CISPO's cap itself (None: epsilon, 0.2): one above 1
+    if loss_type == "cispo":  # ms-swift's epsilon_high is CISPO's cap itself (None: epsilon, 0.2)
         arguments = {**arguments, "epsilon_high": 5.0 if case == "defaults" else 1.6}
     batch = ragged_batch(seed=31, drift=drift)
-    assert_same(route, batch, swift_loss(batch, loss_type, **arguments), **ours_for(loss_type, arguments, params))
+    assert_same(route, batch, swift_loss(batch, loss_type, **arguments),
+                **ours_for(loss_type, arguments, params))
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("level", ["sequence", "sequence_token"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
 def test_gspo(route, level, loss_type):
-    """importance_sampling_level sequence (the mean log-ratio, differentiated) and sequence_token (GSPO-token: the
-    same gradient here, where every token of a response has its advantage)."""
+    """importance_sampling_level sequence (the mean log-ratio, differentiated) and sequence_token (GSPO-token:
+    the same gradient here, where every token of a response has its advantage)."""
     batch = ragged_batch(seed=37, drift=1.0)
     assert_same(route, batch, swift_loss(batch, loss_type, importance_sampling_level=level),
                 importance_sampling_level="sequence", **LOSS_TYPES[loss_type])
@@ -151,21 +158,25 @@ def test_rollout_importance_sampling(route, rollout_drift, threshold, mode, loss
     batch = ragged_batch(seed=43, drift=0.5, rollout_drift=rollout_drift)
     assert_same(route, batch, swift_loss(batch, loss_type, rollout_importance_sampling_mode=mode,
                                          rollout_importance_sampling_threshold=threshold),
-                rollout_logps=batch[4], rollout_correction=SwiftCorrection(mode, threshold), **LOSS_TYPES[loss_type])
+                rollout_logps=batch[4], rollout_correction=SwiftCorrection(mode, threshold),
+                **LOSS_TYPES[loss_type])
 
 
 def test_the_threshold_bites():
-    """At 1 nat of mismatch the 1.2 threshold truncates or masks some tokens and responses and keeps others."""
+    """At 1 nat of mismatch the 1.2 threshold truncates or masks some tokens and responses and keeps
+    others."""
     _, _, mask, old_logp, rollout_logp, _ = ragged_batch(seed=43, drift=0.5, rollout_drift=1.0)
     ratio = (old_logp - rollout_logp).exp()
     assert ((ratio > 1.2) & mask).any() and ((ratio <= 1.2) & mask).any()
-    geometric = torch.exp(((old_logp - rollout_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1))[mask.any(-1)]
+    log_ratio = (old_logp - rollout_logp) * mask
+    geometric = torch.exp(log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))[mask.any(-1)]
     assert (geometric > 1.2).any() and (geometric <= 1.2).any()
 
 
 def test_defaults_are_ms_swifts():
     """SwiftCorrection's threshold and fipo's parameters default to ms-swift's GRPO arguments."""
-    assert SwiftCorrection().rollout_importance_sampling_threshold == ARGUMENTS["rollout_importance_sampling_threshold"]
+    threshold = ARGUMENTS["rollout_importance_sampling_threshold"]
+    assert SwiftCorrection().rollout_importance_sampling_threshold == threshold
     from dgpo_ops.methods.fipo import FipoConfig
     fipo = FipoConfig()
     assert (fipo.decay_rate, fipo.clip_range, fipo.safety_threshold) == (

@@ -1,12 +1,13 @@
-"""OpenRLHF 0.11.2's own ``PolicyLoss`` and ``aggregate_loss`` (read from the installed ``openrlhf`` wheel: its
-``openrlhf.models`` package imports deepspeed, peft and transformers) against dgpo-ops on the same inputs.
+"""OpenRLHF 0.11.2's own ``PolicyLoss`` and ``aggregate_loss`` (read from the installed ``openrlhf`` wheel:
+its ``openrlhf.models`` package imports deepspeed, peft and transformers) against dgpo-ops on the same inputs.
 
-The actor (``trainer/ray/ppo_actor.py``) builds ``PolicyLoss`` from ``--actor.eps_clip_low_high``,
-``--actor.dual_clip``, ``--actor.loss_agg_mode`` (``token-mean``: ``token_level_loss``), ``--actor.policy_loss_type``
-and the ``--algo.advantage.is_correction_*`` options, and calls it with ``get_loss_batch_info``'s counts: the
-tokens of the step (``batch_num_tokens``) and its responses with a token (``global_batch_size``), here one
-micro-batch on one process. dgpo-ops' ``OpenRLHFCorrection`` names the three schemes OpenRLHF's help text names
-(TIS = token clip, ICEPOP = token mask, seq-mask-tis = seq mask, all on the ratio)."""
+The actor (``openrlhf.trainer.ray.ppo_actor``) builds ``PolicyLoss`` from ``--actor.eps_clip_low_high``,
+``--actor.dual_clip``, ``--actor.loss_agg_mode`` (``token-mean``: ``token_level_loss``),
+``--actor.policy_loss_type`` and the ``--algo.advantage.is_correction_*`` options, and calls it with
+``get_loss_batch_info``'s counts: the tokens of the step (``batch_num_tokens``) and its responses with a token
+(``global_batch_size``), here one micro-batch on one process. dgpo-ops' ``OpenRLHFCorrection`` names the three
+schemes OpenRLHF's help text names (TIS = token clip, ICEPOP = token mask, seq-mask-tis = seq mask, all on the
+ratio)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ SCHEMES = {"tis": ("token", "clip", "ratio"), "icepop": ("token", "mask", "ratio
 
 def loss_batch_info(mask):
     """``get_loss_batch_info`` on one process: the scored tokens and the responses with one."""
-    return dict(dp_size=1, batch_num_tokens=mask.sum().float(), global_batch_size=(mask.sum(-1) > 0).sum().float())
+    return dict(dp_size=1, batch_num_tokens=mask.sum().float(),
+                global_batch_size=(mask.sum(-1) > 0).sum().float())
 
 
 def openrlhf_loss(batch, **options):
@@ -44,7 +46,8 @@ def openrlhf_loss(batch, **options):
 
 
 def aggregation(policy_loss, mask):
-    """OpenRLHF's loss_agg_mode as dgpo-ops' aggregation: the sample mean counts the responses with a token."""
+    """OpenRLHF's loss_agg_mode as dgpo-ops' aggregation: the sample mean counts the responses with a
+    token."""
     if policy_loss.token_level_loss:
         return dict(aggregation="token_mean")
     return dict(aggregation="seq_mean_token_mean", loss_normalizer=float((mask.sum(-1) > 0).sum()))
@@ -74,7 +77,8 @@ def test_ppo(route, drift, token_level_loss, case):
 @pytest.mark.parametrize("drift", [0.05, 1.5])
 @pytest.mark.parametrize("dual_clip", [None, 2.0])
 def test_gspo(route, drift, dual_clip):
-    """policy_loss_type gspo (no correction): the sequence's geometric-mean ratio in PPO's clip, per-sample mean."""
+    """policy_loss_type gspo (no correction): the sequence's geometric-mean ratio in PPO's clip, per-sample
+    mean."""
     batch = ragged_batch(seed=12, drift=drift)
     policy_loss, oracle = openrlhf_loss(batch, policy_loss_type="gspo", dual_clip=dual_clip)
     assert not policy_loss.token_level_loss
@@ -88,8 +92,8 @@ def test_gspo(route, drift, dual_clip):
 @pytest.mark.parametrize("threshold", [(0.5, 5.0), (0.8, 1.25)])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_is_correction(route, rollout_drift, token_level_loss, threshold, scheme):
-    """The correction inside OpenRLHF's PPO loss (dual clip on), each scheme at OpenRLHF's default threshold and a
-    narrow one; OpenRLHF's vllm_kl is dgpo-ops' mismatch_kl_k1."""
+    """The correction inside OpenRLHF's PPO loss (dual clip on), each scheme at OpenRLHF's default threshold
+    and a narrow one; OpenRLHF's vllm_kl is dgpo-ops' mismatch_kl_k1."""
     level, mode, gating = SCHEMES[scheme]
     batch = ragged_batch(seed=13, drift=0.3, rollout_drift=rollout_drift)
     policy_loss, oracle = openrlhf_loss(batch, dual_clip=3.0, token_level_loss=token_level_loss,
@@ -107,7 +111,8 @@ def test_is_correction(route, rollout_drift, token_level_loss, threshold, scheme
 
 
 def test_the_narrow_threshold_bites():
-    """At 1 nat of mismatch the narrow band clips or masks some tokens and some responses, and keeps others."""
+    """At 1 nat of mismatch the narrow band clips or masks some tokens and some responses, and keeps
+    others."""
     _, _, mask, old_logp, rollout_logp, _ = ragged_batch(seed=13, drift=0.3, rollout_drift=1.0)
     ratio = (old_logp - rollout_logp).exp()
     inside = (ratio >= 0.8) & (ratio <= 1.25)

@@ -1,11 +1,13 @@
-"""SkyRL 0.3.0's own policy losses, off-policy correction and mini-batch loss reduction (read from the installed
-``skyrl`` wheel: its modules import ray, omegaconf and its gym configs) against dgpo-ops on the same inputs.
+"""SkyRL 0.3.0's own policy losses, off-policy correction and mini-batch loss reduction (read from the
+installed ``skyrl`` wheel: its modules import ray, omegaconf and its gym configs) against dgpo-ops on the same
+inputs.
 
 SkyRL's trainer scales the advantages by the loss reduction's count before the loss
-(``apply_loss_reduction_to_advantages_minibatch``, ``trainer.py``), then a registered policy loss
+(``apply_loss_reduction_to_advantages_minibatch``, ``skyrl.train.trainer``), then a registered policy loss
 (``PolicyLossRegistry``: ``@register_policy_loss(PolicyLossType.X)``) computes the per-token loss, applies
-``apply_off_policy_correction`` (a TIS weight times the loss, rejections taken out of ``loss_mask``) and sums it
-over the mask (``reduce_loss``). One mini-batch = one micro-batch on one process here: the loss is that sum."""
+``apply_off_policy_correction`` (a TIS weight times the loss, rejections taken out of ``loss_mask``) and sums
+it over the mask (``reduce_loss``). One mini-batch = one micro-batch on one process here: the loss is that
+sum."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from types import SimpleNamespace
 from typing import Optional
 
 import pytest
-import torch
 from wheel_source import ROUTES, assert_same, load, ragged_batch, require
 
 require("skyrl", "0.3.0")
@@ -33,7 +34,8 @@ REGISTRY = {}
 
 
 def register_policy_loss(name):
-    """What SkyRL's decorator does, minus the ray actor that shares the registry: the loss under its type name."""
+    """What SkyRL's decorator does, minus the ray actor that shares the registry: the loss under its type
+    name."""
     def decorator(function):
         REGISTRY[str(name)] = function
         return function
@@ -49,30 +51,33 @@ PPO_UTILS = load("skyrl", UTILS + "ppo_utils.py",
 CONFIG = load("skyrl", "skyrl/train/config/config.py",
               ["SAPOConfig", "CISPOConfig", "DPPOConfig", "OffPolicyCorrectionConfig"],
               {"dataclass": dataclass, "field": field, "Optional": Optional, "BaseConfig": object})
+# SkyRL's loss_reduction -> dgpo-ops' aggregation
 REDUCTIONS = {"token_mean": "token_mean", "sequence_mean": "seq_mean_token_mean",
-              "seq_mean_token_sum_norm": "seq_mean_token_sum_norm"}  # SkyRL's loss_reduction -> our aggregation
+              "seq_mean_token_sum_norm": "seq_mean_token_sum_norm"}
 
 
 def algorithm(policy_loss_type, loss_reduction, off_policy_correction=None, **fields):
-    """SkyRL's ``trainer.algorithm`` with its defaults (``AlgorithmConfig``'s eps_clip_low/high 0.2, clip_ratio_c
-    3.0; its sub-configs' own dataclasses) and ``fields`` over them."""
+    """SkyRL's ``trainer.algorithm`` with its defaults (``AlgorithmConfig``'s eps_clip_low/high 0.2,
+    clip_ratio_c 3.0; its sub-configs' own dataclasses) and ``fields`` over them."""
     defaults = dict(eps_clip_low=0.2, eps_clip_high=0.2, clip_ratio_c=3.0, sapo=CONFIG["SAPOConfig"](),
                     cispo=CONFIG["CISPOConfig"](), dppo=CONFIG["DPPOConfig"]())
     return SimpleNamespace(**{**defaults, **fields}, policy_loss_type=policy_loss_type,
                            loss_reduction=loss_reduction,
-                           off_policy_correction=CONFIG["OffPolicyCorrectionConfig"](**(off_policy_correction or {})))
+                           off_policy_correction=CONFIG["OffPolicyCorrectionConfig"](
+                               **(off_policy_correction or {})))
 
 
 def skyrl_loss(batch, config, rollout=True):
-    """SkyRL's mini-batch step: GRPO's per-token advantages (the response's score on its tokens), scaled by the
-    loss reduction, then the registered loss with the rollout log-probs."""
+    """SkyRL's mini-batch step: GRPO's per-token advantages (the response's score on its tokens), scaled by
+    the loss reduction, then the registered loss with the rollout log-probs."""
     _, _, mask, old_logp, rollout_logp, advantages = batch
     loss_mask = mask.double()
     scaled = PPO_UTILS["apply_loss_reduction_to_advantages_minibatch"](
         advantages[:, None] * loss_mask, loss_mask, config.loss_reduction, micro_batch_size=mask.shape[0],
         max_seq_len=mask.shape[1])
     loss_fn = REGISTRY[config.policy_loss_type]
-    return lambda logp: loss_fn(logp, old_logp, scaled, config, loss_mask, rollout_logp if rollout else None)[0]
+    rollout_logp = rollout_logp if rollout else None
+    return lambda logp: loss_fn(logp, old_logp, scaled, config, loss_mask, rollout_logp)[0]
 
 
 SKYRL_TOLERANCE = dict(rtol=2e-6, atol=1e-7)  # safe_exp_delta exponentiates in float32
@@ -93,8 +98,8 @@ def test_rollout_is(route, drift, loss_reduction, eps):
     logits, targets, mask, old_logp, _, advantages = batch
     batch = (logits, targets, mask, old_logp, old_logp, advantages)  # the old pass is skipped: rollout = old
     config = algorithm("rollout_is", loss_reduction, eps_clip_low=eps[0], eps_clip_high=eps[1])
-    assert_same(route, batch, skyrl_loss(batch, config), method="rollout_is", aggregation=REDUCTIONS[loss_reduction],
-                eps_low=eps[0], eps_high=eps[1], **SKYRL_TOLERANCE)
+    assert_same(route, batch, skyrl_loss(batch, config), method="rollout_is",
+                aggregation=REDUCTIONS[loss_reduction], eps_low=eps[0], eps_high=eps[1], **SKYRL_TOLERANCE)
 
 
 # SkyRL's policy_loss_type and config fields -> dgpo-ops' method and parameters
@@ -126,8 +131,8 @@ def test_policy_loss(route, drift, loss_reduction, case):
     fields, ours = LOSSES[case]
     batch = ragged_batch(seed=5, drift=drift)
     config = algorithm(case.split("-")[0], loss_reduction, **fields)
-    assert_same(route, batch, skyrl_loss(batch, config, rollout=False), aggregation=REDUCTIONS[loss_reduction],
-                **ours, **SKYRL_TOLERANCE)
+    assert_same(route, batch, skyrl_loss(batch, config, rollout=False),
+                aggregation=REDUCTIONS[loss_reduction], **ours, **SKYRL_TOLERANCE)
 
 
 # trainer.algorithm.off_policy_correction fields, SkyRL's names (SkyRLCorrection takes the same)
@@ -142,8 +147,8 @@ CORRECTIONS = {
     "sequence-tis-token-mask": dict(tis_ratio_type="sequence", token_mask_is_threshold_low=0.5,
                                     token_mask_is_threshold_high=2.0),
     "everything": dict(tis_ratio_type="token", sequence_mask_metric="geometric", geo_mask_low=0.5,
-                       geo_mask_high=2.0, outlier_token_is_threshold_high=6.0, token_mask_is_threshold_low=0.3,
-                       token_mask_is_threshold_high=3.0),
+                       geo_mask_high=2.0, outlier_token_is_threshold_high=6.0,
+                       token_mask_is_threshold_low=0.3, token_mask_is_threshold_high=3.0),
 }
 
 
@@ -161,8 +166,9 @@ def test_off_policy_correction(route, rollout_drift, loss_reduction, case):
                 rollout_correction=SkyRLCorrection(**CORRECTIONS[case]), **SKYRL_TOLERANCE)
 
 
-@pytest.mark.parametrize("thresholds", [dict(outlier_token_is_threshold_high=1.5),
-                                        dict(token_mask_is_threshold_low=0.7, token_mask_is_threshold_high=1.4)])
+@pytest.mark.parametrize("thresholds", [
+    dict(outlier_token_is_threshold_high=1.5),
+    dict(token_mask_is_threshold_low=0.7, token_mask_is_threshold_high=1.4)])
 def test_a_mask_alone_is_a_correction(thresholds):
     """SkyRL 0.3.0 applies its correction when only the outlier or the token mask is set
     (``off_policy_correction_enabled``)."""
@@ -191,5 +197,6 @@ def test_defaults_are_skyrls():
     ours = SkyRLCorrection(tis_ratio_type="token")
     for name in ("token_tis_ratio_clip_high", "sequence_tis_ratio_clip_high", "geo_mask_high", "geo_mask_low",
                  "product_mask_high", "product_mask_low", "outlier_token_is_threshold_low",
-                 "outlier_token_is_threshold_high", "token_mask_is_threshold_low", "token_mask_is_threshold_high"):
+                 "outlier_token_is_threshold_high", "token_mask_is_threshold_low",
+                 "token_mask_is_threshold_high"):
         assert getattr(ours, name) == getattr(theirs, name), name

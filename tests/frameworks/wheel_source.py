@@ -1,12 +1,12 @@
 """The frameworks' released functions, read from their installed wheels: the oracles of tests/frameworks/.
 
 The frameworks' modules import what a CPU test venv cannot take (ray, deepspeed, vllm, trl's trainer, their
-launchers and configs), so a test takes the named definitions out of the installed source file (located through
-the distribution's own file list, whose version ``require`` asserts) and executes them, unchanged, in a namespace
-that holds only what they call: torch and the few helpers named beside them. Function annotations are dropped
-(they name the frameworks' config and typing classes, never read); decorators stay and resolve in that namespace
-(SkyRL's ``register_policy_loss`` there fills a dict, the way its registry maps a name to a loss).
-Nothing is copied into this repository."""
+launchers and configs), so a test takes the named definitions out of the installed source file (located
+through the distribution's own file list, whose version ``require`` asserts) and executes them, unchanged, in
+a namespace that holds only what they call: torch and the few helpers named beside them. Function annotations
+are dropped (they name the frameworks' config and typing classes, never read); decorators stay and resolve in
+that namespace (SkyRL's ``register_policy_loss`` there fills a dict, the way its registry maps a name to a
+loss). Nothing is copied into this repository."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ import dgpo_ops
 
 def require(distribution: str, version: str) -> None:
     """Skip the calling test module where ``distribution`` is not installed (the main suite; the venv of
-    .ci/frameworks_cpu.sh has it, and counts a skip as a failure); fail on another version than ``version``."""
+    .ci/frameworks_cpu.sh has it, and counts a skip as a failure); fail on another version than
+    ``version``."""
     try:
         found = md.version(distribution)
     except md.PackageNotFoundError:
-        pytest.skip(f"{distribution} is not installed (.ci/frameworks_cpu.sh installs {distribution}=={version})",
-                    allow_module_level=True)
+        pytest.skip(f"{distribution} is not installed (.ci/frameworks_cpu.sh installs "
+                    f"{distribution}=={version})", allow_module_level=True)
     assert found == version, f"{distribution} {found} is installed; these tests read {version}'s code"
 
 
@@ -52,10 +53,10 @@ def _unannotated(node):
 
 
 def load(distribution: str, path: str, names=None, namespace: dict | None = None) -> dict:
-    """Execute the top-level definitions ``names`` of ``distribution``'s file ``path`` (a function, a class or a
-    constant; ``"Class.method"``: one method of a class, as a plain function taking ``self``; None: the whole
-    file, for a module that imports only the standard library) in ``namespace`` (torch is always there), in the
-    file's order; returns the namespace. Tracebacks point at the wheel's file and lines."""
+    """Execute the top-level definitions ``names`` of ``distribution``'s file ``path`` (a function, a class or
+    a constant; ``"Class.method"``: one method of a class, as a plain function taking ``self``; None: the
+    whole file, for a module that imports only the standard library) in ``namespace`` (torch is always there),
+    in the file's order; returns the namespace. Tracebacks point at the wheel's file and lines."""
     file = source_file(distribution, path)
     tree = ast.parse(file.read_text(), filename=str(file))
     wanted = set(names or ())
@@ -102,8 +103,9 @@ def defined_name(node) -> str | None:
 
 def ragged_batch(seed: int, drift: float, rollout_drift: float = 0.0):
     """Ragged responses (lengths 7, 4, 0, 2: one fully masked), float64: ``(logits, targets, mask, old_logp,
-    rollout_logp, advantages)``, the old log-probs up to ``drift`` nats from the current ones and the rollout's a
-    normal of scale ``rollout_drift`` from the old (the rollout's equal to the old where it is 0)."""
+    rollout_logp, advantages)``, the old log-probs up to ``drift`` nats from the current ones and the
+    rollout's a normal of scale ``rollout_drift`` from the old (the rollout's equal to the old where it is
+    0)."""
     generator = torch.Generator().manual_seed(seed)
     B, T, V = 4, 7, 33
     logits = torch.randn(B, T, V, generator=generator, dtype=torch.float64) * 2
@@ -143,7 +145,7 @@ def theirs(logits, targets, loss_of_logp):
 def assert_same(route, batch, loss_of_logp, *, rtol=1e-6, atol=1e-8, values=True, **keywords):
     """dgpo-ops with ``keywords`` on ``route`` gives the framework's loss (unless not ``values``: a loss whose
     value is defined otherwise, with the same gradient) and logits gradient; returns ours."""
-    logits, targets, mask, old_logp, rollout_logp, advantages = batch
+    logits, targets, mask, old_logp, _, advantages = batch
     expected, expected_grad = theirs(logits, targets, loss_of_logp)
     out, grad = ours(route, logits, targets, advantages, mask, old_logp, **keywords)
     if values:
