@@ -14,7 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from wheel_source import ROUTES, assert_same, class_defaults, load, ragged_batch, require
+from wheel_source import (
+    ROUTES,
+    assert_same,
+    class_defaults,
+    far_off_policy_batch,
+    load,
+    ragged_batch,
+    require,
+)
 
 require("ms-swift", "4.6.0")
 
@@ -183,3 +191,11 @@ def test_defaults_are_ms_swifts():
         ARGUMENTS["fipo_decay_rate"], ARGUMENTS["fipo_clip_range"], ARGUMENTS["fipo_safety_threshold"])
     assert (fipo.clip_side == "high") == ARGUMENTS["fipo_clip_high_only"]
     assert set(SWIFT["WINDOW_NORMALIZED_LOSS_TYPES"]) == {"cispo", "dapo", "fipo"}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
+def test_a_token_25_nats_off_policy(loss_type):
+    """coef_1 = exp(log_ratio) unclamped: a token 25 nats off contributes |A| e^25 and its gradient;
+    ms-swift's loss is the judge (dgpo-ops clamps the log-ratio at 20)."""
+    batch = far_off_policy_batch()
+    assert_same("reference", batch, swift_loss(batch, loss_type), **LOSS_TYPES[loss_type])

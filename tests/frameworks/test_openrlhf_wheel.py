@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import pytest
 import torch
-from wheel_source import ROUTES, assert_same, load, ragged_batch, require
+from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ragged_batch, require
 
 require("openrlhf", "0.11.2")
 
@@ -126,3 +126,12 @@ def test_defaults_are_openrlhfs():
     """OpenRLHFCorrection's default threshold is PolicyLoss's (and the CLI's) (0.5, 5.0)."""
     policy_loss = LOSS["PolicyLoss"]()
     assert tuple(policy_loss.is_correction_threshold) == OpenRLHFCorrection().is_correction_threshold
+
+
+def test_a_token_25_nats_off_policy():
+    """PolicyLoss clamps the log-ratio at 20 with torch.clamp: a token beyond it keeps the clamped value and
+    gets no gradient; OpenRLHF's loss is the judge (dgpo-ops' straight-through clamp gives it A e^20)."""
+    batch = far_off_policy_batch()
+    _, oracle = openrlhf_loss(batch)
+    assert_same("reference", batch, oracle, method="grpo", eps_low=0.2, eps_high=0.2,
+                aggregation="token_mean")

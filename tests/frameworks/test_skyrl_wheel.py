@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 import pytest
-from wheel_source import ROUTES, assert_same, load, ragged_batch, require
+from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ragged_batch, require
 
 require("skyrl", "0.3.0")
 
@@ -200,3 +200,15 @@ def test_defaults_are_skyrls():
                  "outlier_token_is_threshold_high", "token_mask_is_threshold_low",
                  "token_mask_is_threshold_high"):
         assert getattr(ours, name) == getattr(theirs, name), name
+
+
+@pytest.mark.parametrize("policy_loss_type", ["regular", "dual_clip"])
+def test_a_token_25_nats_off_policy(policy_loss_type):
+    """safe_exp_delta clamps the log-ratio at 20 with torch.clamp, so a token beyond it keeps the clamped
+    value and gets no gradient; SkyRL's loss is the judge (dgpo-ops' straight-through clamp gives it A
+    e^20)."""
+    batch = far_off_policy_batch()
+    config = algorithm(policy_loss_type, "token_mean")
+    assert_same("reference", batch, skyrl_loss(batch, config, rollout=False), method="grpo",
+                aggregation="token_mean", dual_clip=3.0 if policy_loss_type == "dual_clip" else None,
+                **SKYRL_TOLERANCE)

@@ -118,6 +118,19 @@ def ragged_batch(seed: int, drift: float, rollout_drift: float = 0.0):
     return logits, targets, mask, old_logp, rollout_logp, advantages
 
 
+def far_off_policy_batch():
+    """``ragged_batch(seed=5, drift=0.05)`` with one scored token whose ratio is ``e^25`` where ``A < 0`` and
+    one with ``e^-25`` where ``A > 0``: PPO's unclipped side, beyond dgpo-ops' log-ratio clamp of 20 (old =
+    rollout)."""
+    logits, targets, mask, old_logp, _, advantages = ragged_batch(seed=5, drift=0.05)
+    assert advantages[3] < 0 < advantages[0] and mask[3, 0] and mask[0, 1]
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    old_logp = old_logp.clone()
+    old_logp[3, 0] = logp[3, 0] - 25.0
+    old_logp[0, 1] = logp[0, 1] + 25.0
+    return logits, targets, mask, old_logp, old_logp, advantages
+
+
 ROUTES = ("reference", "fused-torch")
 
 
