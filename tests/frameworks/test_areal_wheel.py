@@ -91,11 +91,15 @@ CLIPS = {"ppo": {}, "decoupled-dual": dict(eps_clip=0.2, eps_clip_higher=0.28, c
 @pytest.mark.parametrize("clip", list(CLIPS))
 @pytest.mark.parametrize("case", list(REJECTION))
 def test_decoupled_ppo(route, rollout_drift, clip, case):
+    """The loss and gradient, and AReaL's filtered fraction (rs_filtered_fraction)."""
     batch = ragged_batch(seed=17, drift=0.5, rollout_drift=rollout_drift)
     fields = REJECTION[case]
-    oracle = areal_loss(batch, rejection_sampling=RejectionSamplingConfig(**fields), **CLIPS[clip])
-    assert_same(route, batch, oracle, rollout_logps=batch[4], rollout_correction=decoupled_ppo(**fields),
-                **grpo(CLIPS[clip]))
+    config = RejectionSamplingConfig(**fields)
+    out = assert_same(route, batch, areal_loss(batch, rejection_sampling=config, **CLIPS[clip]),
+                      rollout_logps=batch[4], rollout_correction=decoupled_ppo(**fields), **grpo(CLIPS[clip]))
+    _, _, mask, old_logp, rollout_logp, _ = batch
+    filtered = FUNCTIONAL["apply_rejection_sampling"](old_logp, rollout_logp, mask, None, config).filtered_fraction
+    assert out.metrics["rs_filtered_fraction"].item() == pytest.approx(filtered, abs=1e-6)
 
 
 @pytest.mark.parametrize("route", ROUTES)
