@@ -98,7 +98,8 @@ def test_decoupled_ppo(route, rollout_drift, clip, case):
     out = assert_same(route, batch, areal_loss(batch, rejection_sampling=config, **CLIPS[clip]),
                       rollout_logps=batch[4], rollout_correction=decoupled_ppo(**fields), **grpo(CLIPS[clip]))
     _, _, mask, old_logp, rollout_logp, _ = batch
-    filtered = FUNCTIONAL["apply_rejection_sampling"](old_logp, rollout_logp, mask, None, config).filtered_fraction
+    filtered = FUNCTIONAL["apply_rejection_sampling"](old_logp, rollout_logp, mask, None, config)
+    filtered = filtered.filtered_fraction
     assert out.metrics["rs_filtered_fraction"].item() == pytest.approx(filtered, abs=1e-6)
 
 
