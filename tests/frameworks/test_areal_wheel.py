@@ -142,6 +142,40 @@ def test_sapo(route, drift, taus):
                 aggregation="token_mean")
 
 
+def packed(batch):
+    """The batch's responses back to back (AReaL's 1D packed layout, ``cu_seqlens`` with the empty response's
+    zero-length segment): the per-token tensors flat, the per-response advantages as they are."""
+    logits, targets, mask, old_logp, rollout_logp, advantages = batch
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(-1).cumsum(0)])
+    flat = (logits[mask], targets[mask], torch.ones(int(mask.sum()), dtype=torch.bool), old_logp[mask],
+            rollout_logp[mask], advantages)
+    return flat, cu_seqlens
+
+
+def areal_packed_loss(flat, cu_seqlens, **options):
+    """``grpo_loss_fn`` on the packed micro-batch: AReaL's 1D path, the advantages per token."""
+    _, _, mask, old_logp, rollout_logp, advantages = flat
+    input_data = {"logprobs": rollout_logp, "loss_mask": mask, "prox_logp": old_logp, "cu_seqlens": cu_seqlens,
+                  "advantages": advantages.repeat_interleave(cu_seqlens.diff())}
+    options = {"eps_clip": 0.2, "eps_clip_higher": None, "c_clip": None, **options}
+    return lambda logp: ACTOR["grpo_loss_fn"](logp, torch.zeros_like(logp), input_data, **options)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", ["token-ratio-band", "token-clamp", "sequence-ratio-mean", "sequence-ratio-max",
+                                  "sequence-k2-max", "sequence-clamp"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_packed(route, case, level):
+    """AReaL's packed path (``cu_seqlens``: its scatter-add reductions per sequence) against dgpo-ops' packed
+    route, with M2PO on and the PPO ratio at either importance-sampling level."""
+    flat, cu_seqlens = packed(ragged_batch(seed=17, drift=0.5, rollout_drift=0.8))
+    fields = REJECTION[case]
+    oracle = areal_packed_loss(flat, cu_seqlens, rejection_sampling=RejectionSamplingConfig(**fields),
+                               m2_threshold=0.1, importance_sampling_level=level)
+    assert_same(route, flat, oracle, rollout_logps=flat[4], rollout_correction=m2po(0.1, **fields),
+                cu_seqlens=cu_seqlens, max_seqlen=7, importance_sampling_level=level, **grpo({}))
+
+
 def test_the_cases_filter_some_tokens_and_keep_others():
     """At 0.8 nats of mismatch each rejection case filters or clamps some scored tokens and keeps others, and
     M2PO at 0.1 drops some (at 0.001 all but one); so the comparisons above see both sides of every bound."""
