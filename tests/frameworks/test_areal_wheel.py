@@ -155,15 +155,15 @@ def packed(batch):
 def areal_packed_loss(flat, cu_seqlens, **options):
     """``grpo_loss_fn`` on the packed micro-batch: AReaL's 1D path, the advantages per token."""
     _, _, mask, old_logp, rollout_logp, advantages = flat
-    input_data = {"logprobs": rollout_logp, "loss_mask": mask, "prox_logp": old_logp, "cu_seqlens": cu_seqlens,
-                  "advantages": advantages.repeat_interleave(cu_seqlens.diff())}
+    input_data = {"logprobs": rollout_logp, "loss_mask": mask, "prox_logp": old_logp,
+                  "cu_seqlens": cu_seqlens, "advantages": advantages.repeat_interleave(cu_seqlens.diff())}
     options = {"eps_clip": 0.2, "eps_clip_higher": None, "c_clip": None, **options}
     return lambda logp: ACTOR["grpo_loss_fn"](logp, torch.zeros_like(logp), input_data, **options)
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("case", ["token-ratio-band", "token-clamp", "sequence-ratio-mean", "sequence-ratio-max",
-                                  "sequence-k2-max", "sequence-clamp"])
+@pytest.mark.parametrize("case", ["token-ratio-band", "token-clamp", "sequence-ratio-mean",
+                                  "sequence-ratio-max", "sequence-k2-max", "sequence-clamp"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_packed(route, case, level):
     """AReaL's packed path (``cu_seqlens``: its scatter-add reductions per sequence) against dgpo-ops' packed

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 from typing import Optional
 
 import pytest
-from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ragged_batch, require
+import torch
+from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ours, ragged_batch, require, theirs
 
 require("skyrl", "0.3.0")
 
@@ -67,17 +68,25 @@ def algorithm(policy_loss_type, loss_reduction, off_policy_correction=None, **fi
                                **(off_policy_correction or {})))
 
 
-def skyrl_loss(batch, config, rollout=True):
+def skyrl_loss(batch, config, rollout=True, micro_batch_size=None):
     """SkyRL's mini-batch step: GRPO's per-token advantages (the response's score on its tokens), scaled by
-    the loss reduction, then the registered loss with the rollout log-probs."""
+    the loss reduction over the whole mini-batch, then the registered loss with the rollout log-probs on each
+    micro-batch of ``micro_batch_size`` responses (all of them by default), their losses summed as the
+    worker's backward passes add their gradients."""
     _, _, mask, old_logp, rollout_logp, advantages = batch
     loss_mask = mask.double()
+    size = micro_batch_size or mask.shape[0]
     scaled = PPO_UTILS["apply_loss_reduction_to_advantages_minibatch"](
-        advantages[:, None] * loss_mask, loss_mask, config.loss_reduction, micro_batch_size=mask.shape[0],
+        advantages[:, None] * loss_mask, loss_mask, config.loss_reduction, micro_batch_size=size,
         max_seq_len=mask.shape[1])
     loss_fn = REGISTRY[config.policy_loss_type]
     rollout_logp = rollout_logp if rollout else None
-    return lambda logp: loss_fn(logp, old_logp, scaled, config, loss_mask, rollout_logp)[0]
+
+    def loss(logp):
+        parts = [slice(start, start + size) for start in range(0, mask.shape[0], size)]
+        return sum(loss_fn(logp[s], old_logp[s], scaled[s], config, loss_mask[s],
+                           None if rollout_logp is None else rollout_logp[s])[0] for s in parts)
+    return loss
 
 
 SKYRL_TOLERANCE = dict(rtol=2e-6, atol=1e-7)  # safe_exp_delta exponentiates in float32
@@ -212,3 +221,29 @@ def test_a_token_25_nats_off_policy(policy_loss_type):
     assert_same("reference", batch, skyrl_loss(batch, config, rollout=False), method="grpo",
                 aggregation="token_mean", dual_clip=3.0 if policy_loss_type == "dual_clip" else None,
                 **SKYRL_TOLERANCE)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("loss_reduction", list(REDUCTIONS))
+@pytest.mark.parametrize("policy_loss_type", ["regular", "rollout_is"])
+def test_micro_batches(route, loss_reduction, policy_loss_type):
+    """Two micro-batches of one mini-batch: SkyRL scales the advantages by the mini-batch's count; dgpo-ops
+    takes that count as each micro-batch's ``loss_normalizer`` (tokens; responses; responses x
+    max_seq_len)."""
+    batch = ragged_batch(seed=47, drift=1.0)
+    logits, targets, mask, old_logp, _, advantages = batch
+    batch = (logits, targets, mask, old_logp, old_logp, advantages)
+    config = algorithm(policy_loss_type, loss_reduction)
+    oracle = skyrl_loss(batch, config, rollout=policy_loss_type == "rollout_is", micro_batch_size=2)
+    expected, expected_grad = theirs(logits, targets, oracle)
+    normalizer = {"token_mean": float(mask.sum()), "sequence_mean": float(mask.shape[0]),
+                  "seq_mean_token_sum_norm": float(mask.shape[0] * mask.shape[1])}[loss_reduction]
+    method = "grpo" if policy_loss_type == "regular" else "rollout_is"
+    loss, grad = 0.0, torch.zeros_like(logits)
+    for part in (slice(0, 2), slice(2, 4)):
+        out, part_grad = ours(route, logits[part], targets[part], advantages[part], mask[part],
+                              old_logp[part], method=method, aggregation=REDUCTIONS[loss_reduction],
+                              loss_normalizer=normalizer)
+        loss, grad[part] = loss + out.loss.detach(), part_grad
+    torch.testing.assert_close(loss.double(), expected.double(), **SKYRL_TOLERANCE)
+    torch.testing.assert_close(grad.double(), expected_grad.double(), **SKYRL_TOLERANCE)
