@@ -142,6 +142,20 @@ def test_sapo(route, drift, taus):
                 aggregation="token_mean")
 
 
+@pytest.mark.parametrize("case", ["defaults", "token-k2", "token-k1-band", "sequence-ratio-mean",
+                                  "sequence-k3-mean", "sequence-clamp"])
+def test_non_finite_behaviour_log_probs(case):
+    """A NaN and a -inf inference log-prob on scored tokens: AReaL's log-ratio turns them into 0 (weight 1),
+    its KL metrics see them unsanitised (NaN and inf fall outside every bound)."""
+    batch = ragged_batch(seed=17, drift=0.5, rollout_drift=0.8)
+    rollout_logp = batch[4].clone()
+    rollout_logp[0, 2], rollout_logp[1, 0] = float("nan"), float("-inf")
+    batch = (*batch[:4], rollout_logp, batch[5])
+    fields = REJECTION[case]
+    assert_same("reference", batch, areal_loss(batch, rejection_sampling=RejectionSamplingConfig(**fields)),
+                rollout_logps=rollout_logp, rollout_correction=decoupled_ppo(**fields), **grpo({}))
+
+
 def packed(batch):
     """The batch's responses back to back (AReaL's 1D packed layout, ``cu_seqlens`` with the empty response's
     zero-length segment): the per-token tensors flat, the per-response advantages as they are."""

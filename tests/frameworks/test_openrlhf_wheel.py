@@ -89,7 +89,7 @@ def test_gspo(route, drift, dual_clip):
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("rollout_drift", [0.05, 1.0])
 @pytest.mark.parametrize("token_level_loss", [True, False])
-@pytest.mark.parametrize("threshold", [(0.5, 5.0), (0.8, 1.25)])
+@pytest.mark.parametrize("threshold", [(0.5, 5.0), (0.8, 1.25), (0.0, 1.25)])  # one value: (0, HIGH)
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_is_correction(route, rollout_drift, token_level_loss, threshold, scheme):
     """The correction inside OpenRLHF's PPO loss (dual clip on), each scheme at OpenRLHF's default threshold
