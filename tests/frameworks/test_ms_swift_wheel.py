@@ -137,13 +137,19 @@ def test_loss_type(route, drift, loss_type, case):
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("level", ["sequence", "sequence_token"])
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
-def test_gspo(route, level, loss_type):
+@pytest.mark.parametrize("loss_type, case", [("grpo", "defaults"), ("grpo", "delta"), ("bnpo", "defaults"),
+                                             ("dr_grpo", "defaults"), ("sapo", "asymmetric"),
+                                             ("cispo", "defaults")])
+def test_gspo(route, level, loss_type, case):
     """importance_sampling_level sequence (the mean log-ratio, differentiated) and sequence_token (GSPO-token:
-    the same gradient here, where every token of a response has its advantage)."""
+    the same gradient here, where every token of a response has its advantage), for each loss type that reads
+    the ratio (cispo's value is the token's own log-prob times its response's clipped weight)."""
+    arguments, params = ARGUMENT_CASES[case]
+    if loss_type == "cispo":
+        arguments = {"epsilon_high": 1.6}
     batch = ragged_batch(seed=37, drift=1.0)
-    assert_same(route, batch, swift_loss(batch, loss_type, importance_sampling_level=level),
-                importance_sampling_level="sequence", **LOSS_TYPES[loss_type])
+    assert_same(route, batch, swift_loss(batch, loss_type, importance_sampling_level=level, **arguments),
+                importance_sampling_level="sequence", **ours_for(loss_type, arguments, params))
 
 
 @pytest.mark.parametrize("route", ROUTES)
