@@ -205,3 +205,17 @@ def test_a_token_25_nats_off_policy(loss_type):
     ms-swift's loss is the judge (dgpo-ops clamps the log-ratio at 20)."""
     batch = far_off_policy_batch()
     assert_same("reference", batch, swift_loss(batch, loss_type), **LOSS_TYPES[loss_type])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("level", ["sequence", "sequence_token"])
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_gspo_with_rollout_importance_sampling(route, level, mode):
+    """sequence differentiates the mean log-ratio, so per-token weights reach every token of the response, as
+    in dgpo-ops; sequence_token (GSPO-token) gives each token its own weighted gradient: with token_truncate's
+    per-token weights ms-swift's loss is the judge."""
+    batch = ragged_batch(seed=43, drift=0.5, rollout_drift=1.0)
+    oracle = swift_loss(batch, "grpo", importance_sampling_level=level, rollout_importance_sampling_mode=mode,
+                        rollout_importance_sampling_threshold=1.5)
+    assert_same(route, batch, oracle, importance_sampling_level="sequence", rollout_logps=batch[4],
+                rollout_correction=SwiftCorrection(mode, 1.5), **LOSS_TYPES["grpo"])

@@ -247,3 +247,19 @@ def test_micro_batches(route, loss_reduction, policy_loss_type):
         loss, grad[part] = loss + out.loss.detach(), part_grad
     torch.testing.assert_close(loss.double(), expected.double(), **SKYRL_TOLERANCE)
     torch.testing.assert_close(grad.double(), expected_grad.double(), **SKYRL_TOLERANCE)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", ["cispo", "sapo", "dual_clip", "gspo"])
+@pytest.mark.parametrize("tis_ratio_type", ["token", "sequence"])
+def test_correction_in_other_losses(route, case, tis_ratio_type):
+    """The correction is applied inside every registered loss. gspo is GSPO-token (each token's ratio carries
+    its own log-prob's gradient), so per-token TIS weights weigh each token's own gradient, where dgpo-ops'
+    sequence ratio spreads the weighted terms over the response: SkyRL's loss is the judge."""
+    fields, params = LOSSES[case]
+    batch = ragged_batch(seed=7, drift=0.3, rollout_drift=1.0)
+    correction = {"tis_ratio_type": tis_ratio_type}
+    config = algorithm(case, "sequence_mean", correction, **fields)
+    assert_same(route, batch, skyrl_loss(batch, config), aggregation="seq_mean_token_mean",
+                rollout_logps=batch[4], rollout_correction=SkyRLCorrection(**correction), **params,
+                **SKYRL_TOLERANCE)
