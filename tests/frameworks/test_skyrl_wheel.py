@@ -263,3 +263,17 @@ def test_correction_in_other_losses(route, case, tis_ratio_type):
     assert_same(route, batch, skyrl_loss(batch, config), aggregation="seq_mean_token_mean",
                 rollout_logps=batch[4], rollout_correction=SkyRLCorrection(**correction), **params,
                 **SKYRL_TOLERANCE)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", ["dppo", "dppo-kl"])
+def test_dppo_against_the_rollout(route, case):
+    """With rollout log-probs SkyRL's dppo takes its ratio and its divergence against them (the behaviour
+    policy, its paper's section 5.2), not the old ones: dgpo-ops gets them as old_logps, as for rollout_is."""
+    fields, params = LOSSES[case]
+    batch = ragged_batch(seed=53, drift=0.5, rollout_drift=0.5)
+    logits, targets, mask, old_logp, rollout_logp, advantages = batch
+    config = algorithm("dppo", "token_mean", **fields)
+    oracle = skyrl_loss(batch, config)
+    assert_same(route, (logits, targets, mask, rollout_logp, rollout_logp, advantages), oracle,
+                aggregation="token_mean", **params, **SKYRL_TOLERANCE)
