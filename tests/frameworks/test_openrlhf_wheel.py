@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import pytest
 import torch
-from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ragged_batch, require
+from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ours, ragged_batch, require, theirs
 
 require("openrlhf", "0.11.2")
 
@@ -135,3 +135,35 @@ def test_a_token_25_nats_off_policy():
     _, oracle = openrlhf_loss(batch)
     assert_same("reference", batch, oracle, method="grpo", eps_low=0.2, eps_high=0.2,
                 aggregation="token_mean")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("token_level_loss", [True, False])
+def test_micro_batches(route, token_level_loss):
+    """Two micro-batches of one step: OpenRLHF divides each by the step's counts (``batch_num_tokens``,
+    ``global_batch_size``); dgpo-ops takes them as each micro-batch's ``loss_normalizer``. ICEPOP on."""
+    batch = ragged_batch(seed=59, drift=0.5, rollout_drift=0.7)
+    logits, targets, mask, old_logp, rollout_logp, advantages = batch
+    options = dict(token_level_loss=token_level_loss, is_correction_level="token", is_correction_mode="mask",
+                   is_correction_threshold=(0.6, 1.6))
+    policy_loss = LOSS["PolicyLoss"](**options)
+    step = loss_batch_info(mask)
+    parts = (slice(0, 2), slice(2, 4))
+
+    def oracle(logp):
+        return sum(policy_loss(logp[p], old_logp[p], advantages[p, None] * mask[p],
+                               action_mask=mask[p].double(), rollout_log_probs=rollout_logp[p], **step)[0]
+                   for p in parts)
+
+    expected, expected_grad = theirs(logits, targets, oracle)
+    aggregate = aggregation(policy_loss, mask)
+    if token_level_loss:
+        aggregate["loss_normalizer"] = float(step["batch_num_tokens"])
+    loss, grad = 0.0, torch.zeros_like(logits)
+    for p in parts:
+        out, grad[p] = ours(route, logits[p], targets[p], advantages[p], mask[p], old_logp[p], method="grpo",
+                            rollout_logps=rollout_logp[p],
+                            rollout_correction=OpenRLHFCorrection("icepop", (0.6, 1.6)), **aggregate)
+        loss = loss + out.loss.detach()
+    torch.testing.assert_close(loss.double(), expected.double(), rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(grad.double(), expected_grad.double(), rtol=1e-6, atol=1e-8)
