@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ours, ragged_batch, require
+from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ours, ragged_batch, require, theirs
 
 require("areal", "1.0.4")
 
@@ -237,3 +237,40 @@ def test_a_token_25_nats_off_policy():
     and its gradient; AReaL's loss is the judge (dgpo-ops clamps the log-ratio at 20)."""
     batch = far_off_policy_batch()
     assert_same("reference", batch, areal_loss(batch), **grpo({}))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("m2_threshold", [None, 0.1])
+def test_micro_batches(route, m2_threshold):
+    """Two micro-batches: AReaL's engine scales each one's loss by its share of the scored tokens
+    (``loss_weight_fn``: the count before M2PO and the rejection). Without M2PO that is dgpo-ops with the
+    step's count as ``loss_normalizer``; M2PO's count is the micro-batch's own, so dgpo-ops runs each
+    micro-batch with its own normaliser and the caller scales it by the same share."""
+    batch = ragged_batch(seed=61, drift=0.5, rollout_drift=0.7)
+    logits, targets, mask, old_logp, rollout_logp, advantages = batch
+    fields = REJECTION["token-ratio-band"]
+    parts = (slice(0, 2), slice(2, 4))
+    total = mask.sum()
+    if m2_threshold is not None:  # M2PO drops tokens in both micro-batches
+        for p in parts:
+            kept = ACTOR["_apply_m2po_masking"](rollout_logp[p], old_logp[p], mask[p], m2_threshold)
+            assert kept.sum() < mask[p].sum()
+
+    def oracle(logp):
+        return sum(areal_loss((None, None, mask[p], old_logp[p], rollout_logp[p], advantages[p]),
+                              rejection_sampling=RejectionSamplingConfig(**fields),
+                              m2_threshold=m2_threshold)(logp[p]) * mask[p].sum() / total for p in parts)
+
+    expected, expected_grad = theirs(logits, targets, oracle)
+    correction = decoupled_ppo(**fields) if m2_threshold is None else m2po(m2_threshold, **fields)
+    loss, grad = 0.0, torch.zeros_like(logits)
+    for p in parts:
+        share = float(mask[p].sum() / total)
+        normalizer = {"loss_normalizer": float(total)} if m2_threshold is None else {}
+        out, part_grad = ours(route, logits[p], targets[p], advantages[p], mask[p], old_logp[p],
+                              rollout_logps=rollout_logp[p], rollout_correction=correction, **normalizer,
+                              **grpo({}))
+        scale = 1.0 if m2_threshold is None else share
+        loss, grad[p] = loss + scale * out.loss.detach(), scale * part_grad
+    torch.testing.assert_close(loss.double(), expected.double(), rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(grad.double(), expected_grad.double(), rtol=1e-6, atol=1e-8)
