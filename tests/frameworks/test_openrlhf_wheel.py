@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import pytest
 import torch
-from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ours, ragged_batch, require, theirs
+from wheel_source import ROUTES, assert_beyond_the_clamp, assert_same, load, ours, ragged_batch, require, theirs
 
 require("openrlhf", "0.11.2")
 
@@ -101,13 +101,28 @@ def test_is_correction(route, rollout_drift, token_level_loss, threshold, scheme
                                         is_correction_gating=gating, is_correction_threshold=threshold)
     out = assert_same(route, batch, oracle, method="grpo", eps_low=0.2, eps_high=0.2, dual_clip=3.0,
                       rollout_logps=batch[4],
-                      rollout_correction=OpenRLHFCorrection(is_correction_type=scheme,
-                                                            is_correction_threshold=threshold),
+                      rollout_correction=OpenRLHFCorrection(level, mode, gating, threshold),
                       **aggregation(policy_loss, batch[2]))
     _, _, mask, old_logp, rollout_logp, advantages = batch
     vllm_kl = policy_loss(old_logp, old_logp, advantages[:, None] * mask, action_mask=mask.double(),
                           rollout_log_probs=rollout_logp, **loss_batch_info(mask))[3]
     torch.testing.assert_close(out.metrics["mismatch_kl_k1"].double(), vllm_kl.double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("delta", [0.02, 0.2])
+@pytest.mark.parametrize("level", ["token", "seq"])
+@pytest.mark.parametrize("gating", ["binary_kl", "tv"])
+def test_divergence_gates(route, delta, level, gating):
+    """The binary-KL and total-variation trust regions (mask mode, a single upper bound), per token and per
+    response's mean, inside OpenRLHF's PPO loss."""
+    batch = ragged_batch(seed=14, drift=0.3, rollout_drift=1.0)
+    policy_loss, oracle = openrlhf_loss(batch, dual_clip=None, token_level_loss=True, is_correction_level=level,
+                                        is_correction_mode="mask", is_correction_gating=gating,
+                                        is_correction_threshold=(0.0, delta))
+    assert_same(route, batch, oracle, method="grpo", eps_low=0.2, eps_high=0.2, rollout_logps=batch[4],
+                rollout_correction=OpenRLHFCorrection(level, "mask", gating, delta),
+                **aggregation(policy_loss, batch[2]))
 
 
 def test_the_narrow_threshold_bites():
@@ -129,12 +144,10 @@ def test_defaults_are_openrlhfs():
 
 
 def test_a_token_25_nats_off_policy():
-    """PolicyLoss clamps the log-ratio at 20 with torch.clamp: a token beyond it keeps the clamped value and
-    gets no gradient; OpenRLHF's loss is the judge (dgpo-ops' straight-through clamp gives it A e^20)."""
-    batch = far_off_policy_batch()
-    _, oracle = openrlhf_loss(batch)
-    assert_same("reference", batch, oracle, method="grpo", eps_low=0.2, eps_high=0.2,
-                aggregation="token_mean")
+    """PolicyLoss clamps the log-ratio at 20 with torch.clamp: a token beyond it gets no gradient in OpenRLHF;
+    dgpo-ops' straight-through clamp gives it OpenRLHF's own gradient at 20 nats (a known difference)."""
+    assert_beyond_the_clamp("reference", lambda batch: openrlhf_loss(batch)[1], method="grpo", eps_low=0.2,
+                            eps_high=0.2, aggregation="token_mean")
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -163,7 +176,7 @@ def test_micro_batches(route, token_level_loss):
     for p in parts:
         out, grad[p] = ours(route, logits[p], targets[p], advantages[p], mask[p], old_logp[p], method="grpo",
                             rollout_logps=rollout_logp[p],
-                            rollout_correction=OpenRLHFCorrection("icepop", (0.6, 1.6)), **aggregate)
+                            rollout_correction=OpenRLHFCorrection("token", "mask", is_correction_threshold=(0.6, 1.6)), **aggregate)
         loss = loss + out.loss.detach()
     torch.testing.assert_close(loss.double(), expected.double(), rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(grad.double(), expected_grad.double(), rtol=1e-6, atol=1e-8)

@@ -18,7 +18,7 @@ from typing import Optional
 
 import pytest
 import torch
-from wheel_source import ROUTES, assert_same, far_off_policy_batch, load, ours, ragged_batch, require, theirs
+from wheel_source import ROUTES, assert_beyond_the_clamp, assert_same, load, ours, ragged_batch, require, theirs
 
 require("skyrl", "0.3.0")
 
@@ -213,14 +213,12 @@ def test_defaults_are_skyrls():
 
 @pytest.mark.parametrize("policy_loss_type", ["regular", "dual_clip"])
 def test_a_token_25_nats_off_policy(policy_loss_type):
-    """safe_exp_delta clamps the log-ratio at 20 with torch.clamp, so a token beyond it keeps the clamped
-    value and gets no gradient; SkyRL's loss is the judge (dgpo-ops' straight-through clamp gives it A
-    e^20)."""
-    batch = far_off_policy_batch()
+    """safe_exp_delta clamps the log-ratio at 20 with torch.clamp, so a token beyond it gets no gradient in
+    SkyRL; dgpo-ops' straight-through clamp gives it SkyRL's own gradient at 20 nats (a known difference)."""
     config = algorithm(policy_loss_type, "token_mean")
-    assert_same("reference", batch, skyrl_loss(batch, config, rollout=False), method="grpo",
-                aggregation="token_mean", dual_clip=3.0 if policy_loss_type == "dual_clip" else None,
-                **SKYRL_TOLERANCE)
+    assert_beyond_the_clamp("reference", lambda batch: skyrl_loss(batch, config, rollout=False), method="grpo",
+                            aggregation="token_mean", dual_clip=3.0 if policy_loss_type == "dual_clip" else None,
+                            **SKYRL_TOLERANCE)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -255,11 +253,17 @@ def test_micro_batches(route, loss_reduction, policy_loss_type):
 def test_correction_in_other_losses(route, case, tis_ratio_type):
     """The correction is applied inside every registered loss. gspo is GSPO-token (each token's ratio carries
     its own log-prob's gradient), so per-token TIS weights weigh each token's own gradient, where dgpo-ops'
-    sequence ratio spreads the weighted terms over the response: SkyRL's loss is the judge."""
+    sequence ratio would spread the weighted terms over the response: that pair is refused; the per-response
+    weights give SkyRL's loss."""
     fields, params = LOSSES[case]
     batch = ragged_batch(seed=7, drift=0.3, rollout_drift=1.0)
     correction = {"tis_ratio_type": tis_ratio_type}
     config = algorithm(case, "sequence_mean", correction, **fields)
+    if case == "gspo" and tis_ratio_type == "token":  # refused: dgpo-ops' GSPO is not GSPO-token
+        with pytest.raises(ValueError, match="SkyRL's gspo is GSPO-token"):
+            ours(route, *batch[:2], batch[5], batch[2], batch[3], aggregation="seq_mean_token_mean",
+                 rollout_logps=batch[4], rollout_correction=SkyRLCorrection(**correction), **params)
+        return
     assert_same(route, batch, skyrl_loss(batch, config), aggregation="seq_mean_token_mean",
                 rollout_logps=batch[4], rollout_correction=SkyRLCorrection(**correction), **params,
                 **SKYRL_TOLERANCE)

@@ -131,6 +131,36 @@ def far_off_policy_batch():
     return logits, targets, mask, old_logp, old_logp, advantages
 
 
+def at_the_clamp(batch):
+    """``batch`` (``far_off_policy_batch``) with its two far tokens just inside dgpo-ops' log-ratio clamp of 20
+    (``20 - 1e-9`` nats): where every framework's loss and gradient are dgpo-ops' by definition of its
+    straight-through clamp, which takes a token beyond 20 nats as one at 20."""
+    logits, targets, mask, old_logp, rollout_logp, advantages = batch
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    old_logp = old_logp.clone()
+    old_logp[3, 0] = logp[3, 0] - (20.0 - 1e-9)
+    old_logp[0, 1] = logp[0, 1] + (20.0 - 1e-9)
+    return logits, targets, mask, old_logp, old_logp, advantages
+
+
+def assert_beyond_the_clamp(route, oracle_of_batch, *, rtol=1e-6, atol=1e-8, **keywords):
+    """A token 25 nats off-policy on PPO's unclipped side: the frameworks differ (SkyRL's and OpenRLHF's
+    ``torch.clamp`` at 20 stops its gradient, AReaL and ms-swift do not clamp, ``|A| e^25``); dgpo-ops gives
+    it the framework's own value and gradient at 20 nats (docs/normalization.md, "Known differences"). Every
+    other token is the framework's; ``oracle_of_batch(batch)`` is the framework's loss of the log-probs."""
+    far = far_off_policy_batch()
+    logits, targets, mask, old_logp, _, advantages = far
+    expected, expected_grad = theirs(logits, targets, oracle_of_batch(at_the_clamp(far)))
+    beyond, beyond_grad = theirs(logits, targets, oracle_of_batch(far))
+    assert not torch.allclose(beyond_grad, expected_grad)  # the far tokens are where the frameworks differ
+    out, grad = ours(route, logits, targets, advantages, mask, old_logp, **keywords)
+    torch.testing.assert_close(out.loss.detach().double(), expected.double(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(grad.double(), expected_grad.double(), rtol=rtol, atol=atol)
+    near = torch.ones(mask.shape, dtype=torch.bool)
+    near[3, 0] = near[0, 1] = False
+    torch.testing.assert_close(grad[near].double(), beyond_grad[near].double(), rtol=rtol, atol=atol)
+
+
 ROUTES = ("reference", "fused-torch")
 
 

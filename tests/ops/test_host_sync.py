@@ -190,7 +190,7 @@ CORRECTIONS = {
     "trl_sequence_mask": corrections.TrlCorrection("sequence_mask", 0.5, 3.0),
     "verl_is_rs": corrections.VerlCorrection(rollout_is="sequence", rollout_is_batch_normalize=True,
                                              rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.5_2.0,1.0"),
-    "openrlhf_seq_mask_tis": corrections.OpenRLHFCorrection("seq-mask-tis", (0.5, 2.0)),
+    "openrlhf_seq_mask_tis": corrections.OpenRLHFCorrection("seq", "mask", is_correction_threshold=(0.5, 2.0)),
     "nemo_rl_seq_mask_tis": corrections.NemoRLCorrection("seq-mask-tis", 2.0, 0.5),
     "swift_sequence_truncate": corrections.SwiftCorrection("sequence_truncate"),
     "skyrl": corrections.SkyRLCorrection("sequence", sequence_mask_metric="geometric", geo_mask_low=0.5,
