@@ -8,7 +8,9 @@
 * docs/integrations.md, between ``<!-- verl-methods:start -->`` and ``<!-- verl-methods:end -->``: verl's loss
   names and the verl field each parameter is read from (``dgpo_ops/integrations/verl_params.py``);
 * docs/design.md, between ``<!-- method-files:start -->`` and ``<!-- method-files:end -->``: each method's file,
-  its Triton branch (``MethodId``) and the stage that evaluates it (``method_files_markdown`` below).
+  its Triton branch (``MethodId``) and the stage that evaluates it (``method_files_markdown`` below);
+* docs/normalization.md, between ``<!-- framework-aggregations:start -->`` and ``<!-- framework-aggregations:end
+  -->``: every framework's aggregation row (``dgpo_ops.FRAMEWORK_AGGREGATIONS``), what it divides by.
 
 A tool of the checkout, not of the package: the library and the trainer hand back markdown and never read a
 checkout path.
@@ -52,6 +54,23 @@ def method_files_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def framework_aggregations_markdown() -> str:
+    """docs/normalization.md's table: each framework's aggregation mode, what one call divides by, what a whole
+    step passes as ``loss_normalizer``, and the framework's source."""
+    from dgpo_ops.core.aggregation import FRAMEWORK_AGGREGATIONS
+    from dgpo_ops.kernels.interface import Denominator
+
+    words = {Denominator.TOKENS: "scored tokens", Denominator.RESPONSES: "responses (every row)",
+             Denominator.GRID: "responses x T", Denominator.ONE: "1",
+             Denominator.SCORED_RESPONSES: "responses with a scored token", Denominator.HORIZON: "T"}
+    lines = ["| aggregation | each token weighs | divided by (one call) | over a whole step | source |",
+             "|---|---|---|---|---|"]
+    for name, row in FRAMEWORK_AGGREGATIONS.items():
+        weight = "1 / its response length" if row.per_response else "1"
+        lines.append(f"| `{name}` | {weight} | {words[row.denominator]} | {row.global_normalizer} | {row.source} |")
+    return "\n".join(lines) + "\n"
+
+
 def _readme_methods() -> str:
     from dgpo_ops.trainer.method_fields import method_table_markdown
 
@@ -68,6 +87,8 @@ SECTIONS = (
     Section("README.md", "<!-- methods:start -->", "<!-- methods:end -->", _readme_methods),
     Section("docs/integrations.md", "<!-- verl-methods:start -->", "<!-- verl-methods:end -->", _verl_methods),
     Section("docs/design.md", "<!-- method-files:start -->", "<!-- method-files:end -->", method_files_markdown),
+    Section("docs/normalization.md", "<!-- framework-aggregations:start -->", "<!-- framework-aggregations:end -->",
+            framework_aggregations_markdown),
 )
 
 

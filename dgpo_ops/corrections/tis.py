@@ -93,8 +93,10 @@ class OpenRLHFCorrection(RolloutCorrection):
                 # reads: 0 here)
                 geometric = x.to_tokens(torch.exp(x.sequence_mean(log_ratio, "OpenRLHF's seq level")))
             return CorrectionResult(weights=truncated_weights(kind, token_ratio, low, high, geometric))
-        rollout_p = torch.exp(x.rollout_logps).clamp(1e-6, 1 - 1e-6)  # keeps the binary KL's logs finite
-        train_p = torch.exp(x.old_logps).clamp(1e-6, 1 - 1e-6)
+        # float64: the binary KL of two close probabilities is a difference of near-equal terms, which float32
+        # can round below 0, outside a [0, delta] band it lies in (an O(tokens) vector: no cost to speak of)
+        rollout_p = torch.exp(x.rollout_logps.double()).clamp(1e-6, 1 - 1e-6)  # keeps the binary KL's logs finite
+        train_p = torch.exp(x.old_logps.double()).clamp(1e-6, 1 - 1e-6)
         if self.is_correction_gating == "binary_kl":
             statistic = (rollout_p * torch.log(rollout_p / train_p)
                          + (1 - rollout_p) * torch.log((1 - rollout_p) / (1 - train_p)))
