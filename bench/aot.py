@@ -74,7 +74,8 @@ METHOD_VARIANTS = [(m.name.lower(), m, Gate.SIGMOID) for m in MethodId if m != M
     (f"sapo_{g.name.lower()}", MethodId.SAPO, g) for g in Gate
 ]
 MMA_OF_ARCH = {"sm_80": "HMMA", "sm_90": "HGMMA"}  # what the on-chip fused-linear products must use
-MAX_BACKWARD_MUFU_PER_ELEMENT = 1.0  # issue 12: one exp per element, 1 - p of the target once per row
+# The backward is bound by memory only while the SFU keeps up: one exp per element, 1 - p of the target once per row
+MAX_BACKWARD_MUFU_PER_ELEMENT = 1.0
 
 
 @dataclass(frozen=True)

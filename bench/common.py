@@ -184,12 +184,12 @@ def parity(loss: torch.Tensor, sample: torch.Tensor, ref_loss: torch.Tensor, ref
 
 
 # --------------------------------------------------------------------------------------------
-# Machine description (dgpo_ops.core.environment: the same for the trainer's run.json)
+# Machine description (dgpo_ops.trainer.app.environment: the same for the trainer's run.json)
 # --------------------------------------------------------------------------------------------
 
 
 def machine() -> dict:
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     return describe(device(), packages=("trl", "liger-kernel", "transformers", "pytest-benchmark"))
 

@@ -5,8 +5,8 @@ path (whole logits, ``log_softmax``, TRL's loss), side by side.
 
     python bench/fused_linear.py [--sizes NxHxV ...] [--settings ...] [--competitors ...] [--repeats 5]
 
-On a GPU (the default sizes are issue 14's: N = 8192, V = 151,936, H = 1,536 and 4,096) each
-(size, setting, competitor) runs in this process: time is the median of ``--repeats`` forward +
+On a GPU (the default sizes are Qwen2.5-1.5B's head and a 4,096-wide one: N = 8192, V = 151,936, H = 1,536
+and 4,096) each (size, setting, competitor) runs in this process: time is the median of ``--repeats`` forward +
 backward calls (CUDA-synchronised wall time), peak memory is ``torch.cuda.max_memory_allocated``
 during one call over what was allocated before it. Settings: ``autocast`` (bf16 autocast over fp32
 hidden states and weight: a bf16 training run with fp32 master weights, ``DGPOTrainer``'s case) and
@@ -222,7 +222,7 @@ def child(competitor, N, H, V, setting, repeats):
 def machine(device: str) -> dict:
     import torch
 
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     return describe(torch.device(device), packages=("trl", "liger-kernel", "cut-cross-entropy"))
 
@@ -259,7 +259,7 @@ def write_markdown(doc, path: Path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", help="NxHxV (default: issue 14's on a GPU, two CPU sizes on the CPU)")
+    parser.add_argument("--sizes", nargs="+", help="NxHxV (default: GPU_SIZES on a GPU, two CPU sizes on the CPU)")
     parser.add_argument("--settings", nargs="+", choices=["autocast", "bf16", "fp32"])
     parser.add_argument("--competitors", nargs="+", choices=list(COMPETITORS))
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,4 +1,4 @@
-"""How many GEMM passes over the lm_head weight one policy update pays (issue 40): DGPOTrainer (fused linear and
+"""How many GEMM passes over the lm_head weight one policy update pays: DGPOTrainer (fused linear and
 fused logits) against TRL's GRPOTrainer, for each of TRL's loss options and three kinds of method.
 
     python bench/passes.py [--model tiny] [--methods ...] [--options ...] [--paths ...] [--output PATH]
@@ -22,7 +22,7 @@ one update of ``bench/train_step.py``'s tiny model (its trainers, its synthetic 
 same on every run of the same code on the same device kind (no time is involved), and ``tests/bench/test_passes.py``
 pins them next to ``designed_passes``.
 
-Writes ``bench/results/passes-<device>.json`` (machine and commit from ``dgpo_ops.core.environment.describe``)
+Writes ``bench/results/passes-<device>.json`` (machine and commit from ``dgpo_ops.trainer.app.environment.describe``)
 after every case, and the table beside it (``.md``) at the end.
 """
 
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--output", default=None, help="JSON path (default: bench/results/passes-<device>.json)")
     args = parser.parse_args(argv)
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     methods, options, paths = (_choose(args.methods, METHODS), _choose(args.options, OPTIONS),

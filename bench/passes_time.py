@@ -1,4 +1,4 @@
-"""Wall time and peak memory of one policy update for the cases of ``bench/passes.py`` (issue 40): what the passes
+"""Wall time and peak memory of one policy update for the cases of ``bench/passes.py``: what the passes
 cost on ``bench/train_step.py``'s model.
 
     python bench/passes_time.py [--model cpu-small] [--methods ...] [--options ...] [--paths ...] [--repeats 1]
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.child:
         child(*args.child, model_name, args.repeats)
         return 0
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     methods, options, paths = (_choose(args.methods, METHODS), _choose(args.options, OPTIONS),
                                _choose(args.paths, PATHS))

@@ -4,7 +4,7 @@
 
 * the tables between ``<!-- bench:start -->`` and ``<!-- bench:end -->`` in docs/benchmarks.md (the README links it),
 * ``bench/plots/time_vs_V.png`` and ``bench/plots/memory_vs_V.png`` (one row of panels per results file),
-* ``bench/plots/psi_atlas.png`` (``dgpo_ops.methods.atlas.plot_atlas``),
+* ``bench/plots/psi_atlas.png`` (``dgpo_ops.trainer.app.atlas.plot_atlas``),
 * ``bench/results/traffic.md`` (``python -m bench.traffic`` in a subprocess without TRITON_INTERPRET).
 
 Only complete runs are used (``<device>-partial.json`` files are ignored), and every ratio compares
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-traffic", action="store_true", help="skip the SASS traffic model (keeps traffic.md)")
     args = parser.parse_args(argv)
     PLOTS_DIR.mkdir(parents=True, exist_ok=True)
-    from dgpo_ops.methods.atlas import plot_atlas
+    from dgpo_ops.trainer.app.atlas import plot_atlas
 
     plot_atlas(str(PLOTS_DIR / "psi_atlas.png"))
     runs = load_runs()

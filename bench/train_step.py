@@ -148,7 +148,7 @@ def build_trainer(path: str, model_name: str, completion_length: int, workdir: s
     trainers (``bench/passes.py``'s options); ``policy_loss``: DGPOTrainer's method (GRPOTrainer runs TRL's)."""
     import torch
     from datasets import Dataset
-    from dgpo_ops.trainer.tiny_model import build_tokenizer
+    from dgpo_ops.trainer.app.tiny_model import build_tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     spec = PATHS[path]
@@ -534,7 +534,7 @@ def main(argv=None) -> int:
         child(args.child, model_name, prompt_length, lengths, args.repeats, not args.no_search)
         return 0
 
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = [p for p in paths if p not in PATHS]

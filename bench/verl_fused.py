@@ -114,7 +114,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_args(argv)
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = [tuple(int(x) for x in s.split("x")) for s in (args.sizes or (GPU_SIZES if device == "cuda" else CPU_SIZES))]

@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from dgpo_ops.core.environment import code_commit, describe
+    from dgpo_ops.trainer.app.environment import code_commit, describe
 
     rows = []
     for world in args.processes:

@@ -12,6 +12,20 @@ from dgpo_ops.methods.table import METHODS, method_config, token_terms
 from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 from dgpo_ops.ops.reference import reference_loss
 
+
+def _version() -> str:
+    """The installed distribution's version; "0+unknown" where none is installed (the library reads no file of a
+    checkout: tests/package/test_no_checkout_paths.py)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("dgpo-ops")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
+
 # Every method's config class (GrpoConfig, DgpoConfig, ...), from the table: a new method's row exports it.
 METHOD_CONFIGS = {spec.config.__name__: spec.config for spec in METHODS.values()}
 globals().update(METHOD_CONFIGS)

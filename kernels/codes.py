@@ -23,9 +23,6 @@ from .interface import (
     LOGP_FLOOR as _LOGP_FLOOR,
 )
 from .interface import (
-    VESPO_LOG_W_MIN as _VESPO_LOG_W_MIN,
-)
-from .interface import (
     Denominator,
     Gate,
     InputError,
@@ -59,7 +56,6 @@ for _prefix, _enum in _ENUMS.items():
 
 LOG_RATIO_CLAMP = tl.constexpr(_LOG_RATIO_CLAMP)
 LOGP_FLOOR = tl.constexpr(_LOGP_FLOOR)
-VESPO_LOG_W_MIN = tl.constexpr(_VESPO_LOG_W_MIN)
 IGNORE_INDEX = tl.constexpr(_IGNORE_INDEX)
 NAN_PROPAGATING = tl.constexpr(tl.PropagateNan.ALL)
 NO_TOKEN = tl.constexpr(2**31 - 1)  # past every token and response index (both are int32-sized)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 
-VESPO_LOG_W_MIN = -18.420680743952367  # log(1e-8): TRL's floor of vespo's log-weight
 LOG_RATIO_CLAMP = 20.0  # |log r| is clamped (straight-through) before L and psi are evaluated
 # Log-ratios to the reference policy (the k3 KL) are clamped the same way before their exponential.
 # The token's log-prob enters the objective floored here (straight-through): a -inf target logit
@@ -57,9 +56,11 @@ class Gate(enum.IntEnum):
 
 
 class MethodId(enum.IntEnum):
-    """Kernel-side method switch (a constexpr); several table rows may share one id."""
+    """Kernel-side switch of a per-token method (a constexpr); several table rows may share one id. Only a method
+    the row kernels' epilogue evaluates has one (``LossOptions.token_local``): one evaluated at a sequence
+    statistic, after a batch-level selection or from the responses' scores runs in the torch objective."""
 
-    PPO_CLIP = 0  # PPO's clipped ratio: grpo, and geo_mean, clip_cov and kl_cov (with bounds that clip nothing or a selection)
+    PPO_CLIP = 0  # PPO's clipped ratio: grpo
     DCPO = 1
     CAPPED_IS = 2  # cispo and dispo
     GRADIENT_PRESERVING = 3  # gppo and ce_gppo
@@ -69,13 +70,10 @@ class MethodId(enum.IntEnum):
     REINFORCE = 7  # gpg: the plain policy gradient
     DPPO_TV = 8  # divergence-proximal: drop tokens whose probability moved too far (total variation)
     DPPO_KL = 9  # ... (binary KL)
-    VESPO = 10  # a sequence's gamma weight (TRL's vespo), evaluated at the summed log-ratio
-    DRO = 11  # the plain policy gradient plus a quadratic penalty on the log-ratio (verl's dro)
-    PRIME_DPPO = 12  # prime-rl's default: -A r on DPPO's TV-kept tokens plus a squared log-ratio penalty
-    PRIME_IPO = 13  # ... its ipo: the same with a keep band symmetric in the probability's move
-    BANDED_IS = 14  # SkyRL's rollout_is: the importance weight inside an open band, 0 outside
-    TOPR = 15  # REINFORCE on positive samples, the ratio truncated at 1 on negative ones (split by A's sign here)
-    FIPO = 16  # PPO's clipped ratio weighed by exp(future KL), clipped (ms-swift's fipo), at its future-KL statistic
+    DRO = 10  # the plain policy gradient plus a quadratic penalty on the log-ratio (verl's dro)
+    PRIME_DPPO = 11  # prime-rl's default: -A r on DPPO's TV-kept tokens plus a squared log-ratio penalty
+    PRIME_IPO = 12  # ... its ipo: the same with a keep band symmetric in the probability's move
+    BANDED_IS = 13  # SkyRL's rollout_is: the importance weight inside an open band, 0 outside
 
 
 class KernelParam(enum.IntEnum):
@@ -100,17 +98,8 @@ class KernelParam(enum.IntEnum):
     TAU_POS = 12
     TAU_NEG = 13
     DELTA = 14  # TRL's cap on the ratio (grpo); +inf when off
-    K_POS = 15  # vespo's gamma shape for A >= 0 ...
-    K_NEG = 16  # ... and A < 0
-    LAMBDA_POS = 17  # vespo's gamma rate for A >= 0 ...
-    LAMBDA_NEG = 18  # ... and A < 0
-    PROXIMAL_BETA = 19  # the penalty (beta / 2) (l - l_old)^2: dro's, and prime-rl's with beta = 2 kl_tau
-    ADV_SCALE = 20  # prime-rl's adv_tau: the advantage is scaled by it
-    POSITIVE_WEIGHT = 21  # topr's weight of the positive samples ...
-    NEGATIVE_WEIGHT = 22  # ... and of the negative ones
-    INFLUENCE_LOW = 23  # fipo's bounds of its influence weight exp(future KL) (0 and +inf when off) ...
-    INFLUENCE_HIGH = 24
-    SAFETY_THRESHOLD = 25  # ... and the ratio above which A < 0 caps it to [0.8, 1] (+inf when off)
+    PROXIMAL_BETA = 15  # the penalty (beta / 2) (l - l_old)^2: dro's, and prime-rl's with beta = 2 kl_tau
+    ADV_SCALE = 16  # prime-rl's adv_tau: the advantage is scaled by it
 
 
 NUM_KERNEL_PARAMS = len(KernelParam)

@@ -1,10 +1,11 @@
-"""Triton mirror of the method table (``dgpo_ops/methods/``, one file per method or family) for the kernels' per-token epilogue.
+"""Triton mirror of the per-token rows of the method table (``dgpo_ops/methods/``) for the kernels' epilogue.
 
-``token_terms`` takes one token's scalars and the fp32 parameter vector a ``MethodConfig`` lowers
-to (``kernel_params``), and returns ``(L, dL/dl, psi, region, r)``. The method is a constexpr switch that
-names every ``MethodId`` and fails to compile on any other value (``tl.static_assert``), so a
-method without a Triton branch is a compile error, never another method's numbers. Every
-hyperparameter is a runtime value. Tests compare this mirror with the torch table row by row.
+Only the methods the row kernels evaluate have a row here: those with a ``MethodId`` (each token's terms from
+that token's inputs alone, ``MethodSpec.token_local``). ``token_terms`` takes one token's scalars and the fp32
+parameter vector a ``MethodConfig`` lowers to (``kernel_params``), and returns ``(L, dL/dl, psi, region, r)``.
+The method is a constexpr switch that names every ``MethodId`` and fails to compile on any other value
+(``tl.static_assert``), so a method without a Triton branch is a compile error, never another method's
+numbers. Every hyperparameter is a runtime value. Tests compare this mirror with the torch table row by row.
 """
 
 import triton
@@ -234,47 +235,6 @@ def _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, SYMMETRIC: tl.co
 
 
 @triton.jit
-def _topr_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
-    # the table's split without scores: a sample is positive where A > 0
-    positive = adv > 0
-    truncated = tl.minimum(r, 1.0, propagate_nan=codes.NAN_PROPAGATING)
-    psi = tl.where(positive, tl.load(params_ptr + codes.PARAM_POSITIVE_WEIGHT),
-                   tl.load(params_ptr + codes.PARAM_NEGATIVE_WEIGHT) * truncated)
-    region = tl.where((positive == 0) & (r > 1.0) & (adv != 0), codes.REGION_DUAL, codes.REGION_M)
-    return -adv * psi * logp, psi, region
-
-
-@triton.jit
-def _fipo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
-    # log_ratio is the token's future sum (the torch objective forms it, as the table's future_log_ratio); PPO's term
-    # uses the token's own ratio, weighed by the clipped influence exp(future sum)
-    own_ratio = tl.exp(tl.clamp(logp - old_logp, -codes.LOG_RATIO_CLAMP, codes.LOG_RATIO_CLAMP,
-                                propagate_nan=codes.NAN_PROPAGATING))
-    loss, psi, region = _ppo_clip(own_ratio, adv, tl.load(params_ptr + codes.PARAM_LOW_POS),
-                                  tl.load(params_ptr + codes.PARAM_HIGH_POS), float("inf"),
-                                  tl.load(params_ptr + codes.PARAM_DELTA))
-    influence = tl.clamp(r, tl.load(params_ptr + codes.PARAM_INFLUENCE_LOW),
-                         tl.load(params_ptr + codes.PARAM_INFLUENCE_HIGH), propagate_nan=codes.NAN_PROPAGATING)
-    unsafe = (adv < 0) & (own_ratio > tl.load(params_ptr + codes.PARAM_SAFETY_THRESHOLD))
-    influence = tl.where(unsafe, tl.clamp(influence, 0.8, 1.0, propagate_nan=codes.NAN_PROPAGATING), influence)
-    return influence * loss, influence * psi, region
-
-
-@triton.jit
-def _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr):
-    # log_ratio is the response's summed log-ratios (the torch objective forms it; the table's _vespo says why)
-    pos = adv >= 0
-    k = tl.where(pos, tl.load(params_ptr + codes.PARAM_K_POS), tl.load(params_ptr + codes.PARAM_K_NEG))
-    rate = tl.where(pos, tl.load(params_ptr + codes.PARAM_LAMBDA_POS), tl.load(params_ptr + codes.PARAM_LAMBDA_NEG))
-    rate = tl.maximum(rate, 1e-4)
-    log_w = tl.clamp(log_ratio, codes.VESPO_LOG_W_MIN, codes.LOG_RATIO_CLAMP, propagate_nan=codes.NAN_PROPAGATING)
-    phi = tl.exp(rate + k * log_w - rate * tl.exp(log_w))
-    phi = tl.where(phi == float("inf"), 0.0, phi)  # beyond float32: 0, as the table (and TRL); NaN stays NaN
-    silenced = (phi == 0.0) & ((logp == float("inf")) | (logp == -float("inf")))  # as the table: not 0 * inf
-    return tl.where(silenced, 0.0, -adv * phi * logp), phi, tl.zeros_like(adv).to(tl.int32) + codes.REGION_M
-
-
-@triton.jit
 def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
     """(L, dL/dl, psi, region, r) of one token: ``r`` is the ratio psi was evaluated at (exp of the clamped
     log ratio); dL/dl is -A psi plus a penalty's slope where the method has one (dro). ``logp`` is the token's
@@ -301,8 +261,6 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         loss, psi, region = _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, False)
     elif METHOD == codes.METHOD_DPPO_KL:
         loss, psi, region = _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, True)
-    elif METHOD == codes.METHOD_VESPO:
-        loss, psi, region = _vespo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_DRO:
         loss, psi, region = _reinforce_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     elif METHOD == codes.METHOD_PRIME_DPPO:
@@ -311,10 +269,6 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
         loss, psi, region = _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, True)
     elif METHOD == codes.METHOD_BANDED_IS:
         loss, psi, region = _banded_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
-    elif METHOD == codes.METHOD_FIPO:
-        loss, psi, region = _fipo_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
-    elif METHOD == codes.METHOD_TOPR:
-        loss, psi, region = _topr_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     else:
         tl.static_assert(False, "token_terms: unknown METHOD id (add the method's function and branch here)")
     dloss_dlogp = -adv * psi

@@ -56,6 +56,18 @@ def for_method(method: str, options: dict, responses: int | None = None) -> dict
 TOKEN_LEVEL_VARIANTS = [v for v in METHOD_VARIANTS if dgpo_ops.LossOptions.build(v[0], **v[1]).token_local]
 
 
+def docs_tool():
+    """``docs/generate.py``, the checkout's tool that writes the docs' generated tables (not a module of the package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "generate.py"
+    spec = importlib.util.spec_from_file_location("docs_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 required_params = catalog.required_params  # what a call by name alone must add (dro's dro_beta)
 
 

@@ -1,7 +1,8 @@
-"""TRL integration: ``from dgpo_ops.trainer import DGPOTrainer, DGPOConfig``.
+"""TRL integration, the trainer library: ``from dgpo_ops.trainer import DGPOTrainer, DGPOConfig``.
 
 TRL and transformers are imported on first use of these names, so ``import dgpo_ops.trainer``
-stays as light as ``import dgpo_ops``.
+stays as light as ``import dgpo_ops``. The ``dgpo-ops`` command and its ``train`` app are built on this
+library in ``dgpo_ops.trainer.app``, which nothing here imports.
 """
 
 _LAZY = {

@@ -1,6 +1,6 @@
 """Where ``DGPOConfig`` (TRL's ``GRPOConfig`` and the fields it adds) reads each method parameter, and the views
 derived from that one mapping: the config fields and their defaults and help, the presets of ``dgpo-ops train``,
-and the README's method table (``python -m dgpo_ops.trainer.method_fields`` rewrites it).
+and the README's method table (``method_table_markdown``; ``python docs/generate.py`` writes it there).
 
 A parameter keeps TRL's meaning where TRL has a field for it (``epsilon``, ``epsilon_high``, ``delta``); every
 other field is added to ``DGPOConfig`` from here (``config.py``). The method table itself knows no framework.
@@ -11,12 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dgpo_ops.methods.base import ParamSpec
-from dgpo_ops.methods.catalog import (
-    MethodParam,
-    format_value,
-    method_params,
-    readme_with_section,
-)
+from dgpo_ops.methods.catalog import MethodParam, format_value, method_params
 from dgpo_ops.methods.table import ALIASES, METHODS, resolve
 
 
@@ -176,22 +171,3 @@ def method_table_markdown() -> str:
         lines.append(f"| `{name}` | {alias.summary}: `{alias.method}` with {params} where unset | as `{alias.method}` "
                      f"| as `{alias.method}` |")
     return "\n".join(lines) + "\n"
-
-
-START, END = "<!-- methods:start -->", "<!-- methods:end -->"
-
-
-def readme_with_method_table(text: str) -> str:
-    """``text`` with the part between the method-table markers replaced by the current table."""
-    return readme_with_section(text, START, END, method_table_markdown())
-
-
-def main() -> None:
-    from dgpo_ops.methods.catalog import README
-
-    README.write_text(readme_with_method_table(README.read_text()))
-    print(f"wrote the method table of {README}")
-
-
-if __name__ == "__main__":
-    main()

@@ -142,9 +142,10 @@ class FusedModelCalls:
     """``DGPOTrainer``'s model calls (a mixin of ``GRPOTrainer``): the old-policy and reference log-probs
     through ``FusedModelCall``, and what such a call needs of the trainer."""
 
-    def _init_model_calls(self) -> None:
-        """After ``GRPOTrainer.__init__``, with ``self.loss_options`` set: the hidden-state outputs and the
-        backbone hook on the models, and the projection of ``fused="linear"``."""
+    def _init_model_calls(self, backend: str) -> None:
+        """After ``GRPOTrainer.__init__``: the hidden-state outputs and the backbone hook on the models, and the
+        projection of ``fused="linear"``; ``backend``: the loss options' kernels (``fused_logits_on_chip`` needs
+        Triton ones)."""
         base = self._policy_base()
         add_hidden_state_output(base)
         if self.ref_model is not None:
@@ -158,7 +159,7 @@ class FusedModelCalls:
                                                     logits_on_chip=self.args.fused_logits_on_chip)
         if self.args.fused_logits_on_chip:  # fail now, not at the first training step
             probe = torch.empty(0, device=self.accelerator.device)
-            if select_kernels(self.loss_options.backend, probe).name != "triton":
+            if select_kernels(backend, probe).name != "triton":
                 raise ValueError(f"fused_logits_on_chip=True runs Triton kernels, which this run on "
                                  f"{self.accelerator.device} does not use (CUDA, or TRITON_INTERPRET=1 with "
                                  "backend='triton' on the CPU)")

@@ -1,15 +1,32 @@
-"""Each response's score in ``DGPOTrainer``: the weighted sum of its rewards, as TRL sums them (the ``reward``
-it logs), kept beside the advantages for what reads it: DCPO's smooth advantages, and a loss that reads the
-``scores`` input (topr's sample split, the positive-example NLL)."""
+"""Each response's score in ``DGPOTrainer``, and what reads it: the weighted sum of its rewards, as TRL sums them
+(the ``reward`` it logs), kept beside the advantages for a loss that reads the ``scores`` input (topr's sample
+split, the positive-example NLL), and read by DCPO's smooth advantages (``advantage_estimator="dcpo"``), whose
+running per-prompt statistics are saved with every checkpoint and read back on resume."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
+from accelerate.utils import gather_object
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .advantages import SmoothAdvantageStandardizer, prompt_key
+
+DCPO_STATE_FILE = "dcpo_advantage_state.json"
 
 
 class ResponseScores:
-    """A mixin of ``GRPOTrainer`` (``DGPOTrainer``'s): the rewards of the last generation batch, and its
-    responses' scores in the batch the loss reads (``inputs["scores"]``) where the loss needs them."""
+    """A mixin of ``GRPOTrainer`` (``DGPOTrainer``'s): the rewards of the last generation batch; its responses'
+    scores in the batch the loss reads (``inputs["scores"]``) where the loss needs them; DCPO's smooth advantages
+    from the same scores in place of TRL's group ones, and their checkpointed state."""
+
+    def _init_scores(self, loss_reads_scores: bool, smooth_advantages: bool) -> None:
+        """``loss_reads_scores``: put the scores in the loss's batch (the loss options' ``needs_scores``);
+        ``smooth_advantages``: DCPO's advantages (``advantage_estimator="dcpo"``)."""
+        self.loss_reads_scores = loss_reads_scores
+        self.smooth_advantages = SmoothAdvantageStandardizer() if smooth_advantages else None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -34,8 +51,36 @@ class ResponseScores:
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self.loss_options.needs_scores:
-            scores, _ = self._gathered_scores()
+        smooth = self.smooth_advantages is not None and self.model.training
+        if not (smooth or self.loss_reads_scores):
+            return output
+        scores, unscorable = self._gathered_scores()
+        device = output["advantages"].device
+        if smooth:
+            output["advantages"] = self._smooth_advantages(scores, unscorable).to(device)
+        if self.loss_reads_scores:
             # a per-response tensor of the batch: TRL's shuffling and splitting carry it with the advantages
-            output["scores"] = self._local_rows(scores).float().to(output["advantages"].device)
+            output["scores"] = self._local_rows(scores).float().to(device)
         return output
+
+    def _smooth_advantages(self, scores: torch.Tensor, unscorable: torch.Tensor) -> torch.Tensor:
+        """DCPO's advantages of this process's responses from every process's scores."""
+        # Every process sees the same gathered scores and keys, so every standardiser stays identical.
+        keys = gather_object([prompt_key(json.dumps(p, sort_keys=True, default=str)) for p in self._scored_prompts])
+        advantages = self.smooth_advantages(keys, scores.float(), self.num_generations)
+        return self._local_rows(advantages.masked_fill(unscorable, 0.0))
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.smooth_advantages is not None and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with open(os.path.join(folder, DCPO_STATE_FILE), "w") as f:
+                json.dump(self.smooth_advantages.state_dict(), f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.smooth_advantages is not None and checkpoint is not None:
+            path = os.path.join(checkpoint, DCPO_STATE_FILE)
+            if os.path.exists(path):
+                with open(path) as f:
+                    self.smooth_advantages.load_state_dict(json.load(f))

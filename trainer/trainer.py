@@ -12,9 +12,13 @@ accumulation, PEFT, vLLM importance sampling and checkpointing are GRPOTrainer's
 * ``trl_metrics.TRLMetrics``: TRL's metric names and definitions
   (``tests/trainer/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s first update);
 * ``gradient_guard.NonfiniteGradientGuard``: an optimizer step with non-finite gradients is skipped;
-* ``dcpo_state.DCPOAdvantageState``: DCPO's smooth advantages and their checkpointed state;
-* ``scores.ResponseScores``: the rewards of each generation batch, and each response's score in the loss's
-  inputs where the loss reads it (topr, the positive-example NLL).
+* ``scores.ResponseScores``: the rewards of each generation batch, each response's score in the loss's inputs
+  where the loss reads it (topr, the positive-example NLL), and DCPO's smooth advantages from the same scores
+  with their checkpointed state.
+
+No two mixins override the same method (``tests/trainer/test_trainer_conformance.py`` checks it), so their order
+in the class list does not matter; ``DGPOTrainer.__init__`` sets them up in one place, each part given what it
+reads of another as an argument.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 from trl import GRPOConfig, GRPOTrainer
 
 from .config import DGPOConfig
-from .dcpo_state import DCPOAdvantageState
 from .gradient_guard import NonfiniteGradientGuard
 from .loss import FusedLoss
 from .model_call import FusedModelCalls
@@ -45,8 +48,7 @@ def _trainer_config(config, model) -> DGPOConfig:
     raise ValueError(f"DGPOTrainer needs args=DGPOConfig(...) or a GRPOConfig, got {type(config).__name__}")
 
 
-class DGPOTrainer(FusedLoss, TRLMetrics, FusedModelCalls, NonfiniteGradientGuard, DCPOAdvantageState, ResponseScores,
-                  GRPOTrainer):
+class DGPOTrainer(FusedLoss, TRLMetrics, FusedModelCalls, NonfiniteGradientGuard, ResponseScores, GRPOTrainer):
     """Drop-in for ``GRPOTrainer``: ``DGPOTrainer(model, reward_funcs, args=DGPOConfig(policy_loss="dgpo"), ...)``.
     ``args`` may also be None (``DGPOConfig``'s defaults, which are ``GRPOConfig``'s) or a plain ``GRPOConfig``
     (its fields, its ``loss_type``'s objective)."""
@@ -65,7 +67,8 @@ class DGPOTrainer(FusedLoss, TRLMetrics, FusedModelCalls, NonfiniteGradientGuard
         if self.use_vllm:
             from .vllm_cpu import install_cpu_weight_sync
             install_cpu_weight_sync(self)  # colocated vLLM on CPU: TRL's weight sync can't load into vLLM-CPU
-        self._init_loss()
-        self._init_model_calls()  # reads the loss options' backend
-        self._init_dcpo_state()
+        self._init_loss()  # self.loss_options: the other parts are passed what they read of it
+        self._init_model_calls(self.loss_options.backend)
+        self._init_scores(loss_reads_scores=self.loss_options.needs_scores,
+                          smooth_advantages=self.args.advantage_estimator == "dcpo")
         self._init_gradient_guard()

@@ -11,15 +11,17 @@ completion lengths -> random failures. fp32 never uses cuDNN attention; CPU uses
   python bench/experiments/bf16_cudnn_attention_repro.py emulate  # CPU: the cuDNN bug's effect injected: 16/27 non-finite
   python bench/experiments/bf16_cudnn_attention_repro.py fix      # CPU: emulated bug, eager attention: finite
 On a CUDA H100 with torch >= 2.11, run it without arguments: expected 16/27 non-finite with the default backends,
-finite with cuDNN attention disabled (printed second; what `dgpo-ops train` now does on CUDA). Found by a helper
-session on the CPU from H100.md section 4's symptoms; confirmed on an H100 (2026-11-23, de21c71): 16/27 non-finite,
-then 0/27 (results/bf16_cudnn_repro-h100-11.log).
+finite with cuDNN attention disabled (printed second; what `dgpo-ops train` now does on CUDA). Found on the CPU
+from the first H100 session's symptoms (6 of 22 bf16 runs of `dgpo-ops train` with non-finite gradients in 16 of
+27 parameters after the first RL step; docs/training.md says why: cuDNN's attention backend); confirmed on an H100
+(2026-11-23, de21c71, csrc_notes.md's GPU run log, run 11): 16/27 non-finite, then 0/27
+(results/bf16_cudnn_repro-h100-11.log).
 """
 import sys
 
 import torch
 import torch.nn.functional as F
-from dgpo_ops.trainer.tiny_model import build_char_tokenizer, build_tiny_model
+from dgpo_ops.trainer.app.tiny_model import build_char_tokenizer, build_tiny_model
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "real"
 dev = "cuda" if torch.cuda.is_available() else "cpu"

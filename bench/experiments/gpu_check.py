@@ -397,7 +397,7 @@ def main():
 
     global DEV
     DEV = args.device
-    from dgpo_ops.core.environment import describe
+    from dgpo_ops.trainer.app.environment import describe
 
     RESULTS["env"] = describe(torch.device(DEV), packages=("trl", "liger-kernel"))
     RESULTS["arguments"] = vars(args)

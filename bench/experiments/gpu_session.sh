@@ -185,7 +185,7 @@ for stage in "${STAGES[@]}"; do
   mainjob)
     run_stage mainjob 600 "" bash -c 'for batch in 0 1; do
         for i in $(seq 0 9); do run=$((batch * 10 + i))
-          (timeout 260 '"$PYTHON"' -m dgpo_ops.trainer.command train --tokenizer chars --generator builtin --max-steps 20 \
+          (timeout 260 '"$PYTHON"' -m dgpo_ops.trainer.app.command train --tokenizer chars --generator builtin --max-steps 20 \
              --eval-size 100 --no-progress --output-dir /tmp/mj/$run > /tmp/mj-$run.log 2>&1; echo "run $run rc $?" >> /tmp/mj-rc) &
         done; wait; done; sort -n -k2 /tmp/mj-rc; grep -c "rc 0" /tmp/mj-rc' ;;
   *) log "unknown stage $stage"; exit 2 ;;

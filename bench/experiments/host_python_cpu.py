@@ -1,5 +1,5 @@
 """The op's own host Python per call, measured on the CPU: a proxy for the host time of one
-``fused_dgpo_loss`` forward + backward on CUDA without a GPU (issue 25, item 1).
+``fused_dgpo_loss`` forward + backward on CUDA without a GPU.
 
     python bench/experiments/host_python_cpu.py [--calls 300] [--profile] [--out FILE.json]
 
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import dgpo_ops  # noqa: E402
-from dgpo_ops.core.environment import describe  # noqa: E402
+from dgpo_ops.trainer.app.environment import describe  # noqa: E402
 
 LAUNCHES: list[str] = []
 

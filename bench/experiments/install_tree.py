@@ -27,10 +27,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def package_sources(repo: Path = REPO) -> dict[str, Path]:
-    """Dotted package name -> the folder its modules come from, per pyproject.toml."""
+    """Dotted package name -> the folder its modules come from, per pyproject.toml: as setuptools maps them, a
+    package under a mapped one lies under its folder (``dgpo_ops.trainer.app`` in ``trainer/app``)."""
     config = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
     mapped = config.get("package-dir", {})
-    return {name: repo / mapped.get(name, name.replace(".", "/")) for name in config["packages"]}
+
+    def folder(name: str) -> Path:
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:cut])
+            if prefix in mapped:
+                return repo / mapped[prefix] / "/".join(parts[cut:])
+        return repo / "/".join(parts)
+
+    return {name: folder(name) for name in config["packages"]}
 
 
 def install(target: Path, repo: Path = REPO) -> list[str]:

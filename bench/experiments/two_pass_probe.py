@@ -3,19 +3,20 @@
     python bench/experiments/two_pass_probe.py [--out DIR] [--quick]
 
 Standalone (torch + triton only): bare kernels, no method epilogue, bf16 logits, N=8192 rows,
-gradient g (onehot - p) in bf16, as in H100.md section 5. It times
+gradient g (onehot - p) in bf16, as the first H100 session's bare-kernel experiments (csrc_notes.md's
+GPU run log, run 1). It times
 
 * copy: a device-to-device copy (the bandwidth every floor below is taken at);
 * 3pass: a log-sum-exp kernel, then a gradient kernel with one exp per element and 1 - p of the
-  target once per row (the design of dgpo-ops' row kernels after issue 12);
+  target once per row (the design of dgpo-ops' row kernels);
 * coop: one launch in which SPLIT programs share each row, each holding its CHUNK of the row in
   registers; they exchange (max, sum-exp, target logit) through global memory and an arrival
   counter per row, then write the gradient from registers (one read, one write per element).
   The grid is at most what is resident at once, so every program of a row runs concurrently; the
   wait is bounded (a program that waits too long writes NaN and counts a timeout) so a wrong
   occupancy estimate shows up as NaN, never as a hang;
-* gemm: the fused-linear GEMMs (logits tile with an fp32 output, dH, dW) for the H100 targets of
-  issue 14, per token chunk size.
+* gemm: the fused-linear GEMMs (logits tile with an fp32 output, dH, dW) at the fused linear's
+  sizes (N = 8192, V = 151,936, H = 1,536 and 4,096), per token chunk size.
 
 Every variant's gradient is checked against torch before it is timed.
 """

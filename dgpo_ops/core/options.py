@@ -121,10 +121,10 @@ class LossOptions:
 
     @property
     def token_local(self) -> bool:
-        """Each token's terms depend on that token's inputs alone (no sequence statistic, no batch-level selection,
-        no response score), so the row kernels' epilogue can evaluate them where they finish a row."""
-        spec = METHODS[self.method.name]
-        return (not self.sequence_level and spec.token_selection is None and not spec.reads_scores
+        """The method is per-token (``MethodSpec.token_local``) and this call adds nothing that reaches across
+        tokens (GSPO's sequence-level ratio, the positive-example NLL), so the row kernels' epilogue can evaluate
+        its terms where they finish a row."""
+        return (METHODS[self.method.name].token_local and not self.sequence_level
                 and self.positive_nll_coef == 0.0)  # its normaliser counts the positive responses' tokens
 
     @classmethod

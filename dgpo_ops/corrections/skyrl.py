@@ -71,6 +71,17 @@ class SkyRLCorrection(RolloutCorrection):
             raise ValueError("token_mask_is_threshold_low and token_mask_is_threshold_high go together: SkyRL "
                              "applies its per-token mask only with both set and silently ignores one alone")
 
+    def check_options(self, options) -> None:
+        # SkyRL's gspo is GSPO-token: each token's ratio carries its own log-prob's gradient, so a per-token weight
+        # scales that token's gradient alone; GSPO's differentiated sequence ratio would spread it over the response
+        per_token = self.tis_ratio_type == "token" or self.token_mask_is_threshold_low is not None
+        if per_token and options.importance_sampling_level == "sequence":
+            raise ValueError("SkyRL's gspo is GSPO-token, where a per-token weight (tis_ratio_type='token' or the "
+                             "token_mask_is_thresholds) scales each token's own gradient; "
+                             "importance_sampling_level='sequence' differentiates the response's mean log-ratio and "
+                             "would give other gradients: use a per-response correction (tis_ratio_type='sequence', "
+                             "the outlier or sequence masks) with it")
+
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         log_ratio = x.log_ratio
         ratio = clamped_exp(log_ratio)

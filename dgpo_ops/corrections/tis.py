@@ -1,4 +1,5 @@
-"""The tis / icepop / seq-mask-tis family as OpenRLHF (``openrlhf/models/loss.py: PolicyLoss``) and NeMo-RL
+"""The tis / icepop / seq-mask-tis family as OpenRLHF (``openrlhf/models/loss.py: PolicyLoss``, with its binary-KL
+and total-variation gates) and NeMo-RL
 (``nemo_rl/algorithms/loss/loss_functions.py: ClippedPGLossFn``) apply it: the token ratio
 ``pi_old / pi_rollout`` truncated to ``[L, U]`` (tis), zeroed outside it (icepop, bounds kept), or kept raw on the
 responses whose geometric-mean ratio lies in ``[L, U]`` and zeroed on the others (seq-mask-tis: the token weights
@@ -26,39 +27,85 @@ def truncated_weights(kind: str, token_ratio, low, high, geometric_mean=None):
     """``token_ratio`` (per token) under ``kind``; ``geometric_mean`` (per token, its response's) for seq-mask-tis."""
     if kind == "tis":
         return token_ratio.clamp(min=low, max=high)
+    # mask kinds: the survivors' ratio, 0 elsewhere (where: a NaN ratio, out of every band, gives 0, not NaN)
     if kind == "icepop":
-        return token_ratio * ((token_ratio >= low) & (token_ratio <= high))
-    return token_ratio * ((geometric_mean >= low) & (geometric_mean <= high))
+        return torch.where((token_ratio >= low) & (token_ratio <= high), token_ratio, 0.0)
+    return torch.where((geometric_mean >= low) & (geometric_mean <= high), token_ratio, 0.0)
+
+
+OPENRLHF_LEVELS = ("token", "seq")  # "off" is no correction: rollout_correction=None
+OPENRLHF_MODES = ("mask", "clip")
+OPENRLHF_GATINGS = ("ratio", "binary_kl", "tv")
+# OpenRLHF's named schemes in its three fields (its --algo.advantage help): (level, mode) -> this module's kind
+RATIO_SCHEMES = {("token", "clip"): "tis", ("token", "mask"): "icepop", ("seq", "mask"): "seq-mask-tis"}
 
 
 @dataclass(frozen=True)
 class OpenRLHFCorrection(RolloutCorrection):
-    """``--algo.advantage.is_correction_type`` (tis, icepop, seq-mask-tis) and ``is_correction_threshold``
-    ``(L, U)`` (OpenRLHF's defaults: tis, (0.5, 5.0)); OpenRLHF applies it with ``policy_loss_type='ppo'``."""
+    """OpenRLHF 0.11.2's ``--algo.advantage.is_correction_level`` (token, seq), ``_mode`` (mask, clip),
+    ``_gating`` (ratio, binary_kl, tv) and ``_threshold`` ``(LOW, HIGH)`` or a single HIGH (an upper bound only,
+    ``(0, HIGH)``, as its CLI reads it); its defaults but the level, whose default ``off`` is no correction.
+    OpenRLHF applies it with ``policy_loss_type='ppo'`` (``PolicyLoss.forward``): the gated statistic is the
+    ratio ``pi_train / pi_rollout`` (per token, or the response's geometric mean) or the sampled token's
+    binary KL / total variation between the two probabilities (clamped to ``[1e-6, 1 - 1e-6]``; per token or the
+    response's mean); ``clip`` clamps the token ratio into the band (token level, ratio gating only), ``mask``
+    zeroes the units outside it and keeps the survivors' raw token ratio."""
 
-    is_correction_type: str = "tis"
-    is_correction_threshold: tuple = (0.5, 5.0)
+    is_correction_level: str = "token"
+    is_correction_mode: str = "mask"
+    is_correction_gating: str = "ratio"
+    is_correction_threshold: tuple | float = (0.5, 5.0)
 
     def __post_init__(self):
-        if self.is_correction_type not in TIS_TYPES:
-            raise ValueError(f"is_correction_type must be one of {TIS_TYPES}, got {self.is_correction_type!r}")
+        for name, allowed in (("is_correction_level", OPENRLHF_LEVELS), ("is_correction_mode", OPENRLHF_MODES),
+                              ("is_correction_gating", OPENRLHF_GATINGS)):
+            if getattr(self, name) not in allowed:
+                off = " ('off' is no correction: pass rollout_correction=None)" if name.endswith("level") else ""
+                raise ValueError(f"{name} must be one of {allowed}{off}, got {getattr(self, name)!r}")
         threshold = self.is_correction_threshold
+        if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+            threshold = (0.0, threshold)  # a single value is an upper bound only, as OpenRLHF's CLI reads it
+        if isinstance(threshold, (tuple, list)) and len(threshold) == 1:
+            threshold = (0.0, threshold[0])
         if not isinstance(threshold, (tuple, list)) or len(threshold) != 2:
-            raise ValueError(f"is_correction_threshold must be (low, high), got {threshold!r}")
+            raise ValueError(f"is_correction_threshold must be (LOW, HIGH) or a single HIGH, got {threshold!r}")
         for name, value in zip(("low", "high"), threshold):
             check_number(f"is_correction_threshold {name}", value, minimum=0.0)
         check_order("is_correction_threshold low", threshold[0], "high", threshold[1])
         object.__setattr__(self, "is_correction_threshold", tuple(float(v) for v in threshold))
+        if self.is_correction_mode == "clip" and (self.is_correction_level == "seq"
+                                                  or self.is_correction_gating != "ratio"):
+            raise ValueError("is_correction_mode=clip requires is_correction_level=token and "
+                             "is_correction_gating=ratio, as OpenRLHF requires")
+        if self.is_correction_gating != "ratio" and self.is_correction_threshold[0] > 0:
+            raise ValueError(f"is_correction_gating={self.is_correction_gating} takes an upper bound only (a single "
+                             "delta), as OpenRLHF requires")
 
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
         low, high = self.is_correction_threshold
         log_ratio = x.log_ratio
-        geometric = None
-        if self.is_correction_type == "seq-mask-tis":  # OpenRLHF's sum / count (NaN for a response without tokens,
-            # whose weights nothing reads: 0 here)
-            geometric = x.to_tokens(torch.exp(x.sequence_mean(log_ratio, "seq-mask-tis")))
-        weights = truncated_weights(self.is_correction_type, torch.exp(log_ratio), low, high, geometric)
-        return CorrectionResult(weights=weights)
+        token_ratio = torch.exp(log_ratio)
+        sequence_level = self.is_correction_level == "seq"
+        if self.is_correction_gating == "ratio":
+            kind = RATIO_SCHEMES[(self.is_correction_level, self.is_correction_mode)]
+            geometric = None
+            if sequence_level:  # OpenRLHF's sum / count (NaN for a response without tokens, whose weights nothing
+                # reads: 0 here)
+                geometric = x.to_tokens(torch.exp(x.sequence_mean(log_ratio, "OpenRLHF's seq level")))
+            return CorrectionResult(weights=truncated_weights(kind, token_ratio, low, high, geometric))
+        # float64: the binary KL of two close probabilities is a difference of near-equal terms, which float32
+        # can round below 0, outside a [0, delta] band it lies in (an O(tokens) vector: no cost to speak of)
+        rollout_p = torch.exp(x.rollout_logps.double()).clamp(1e-6, 1 - 1e-6)  # keeps the binary KL's logs finite
+        train_p = torch.exp(x.old_logps.double()).clamp(1e-6, 1 - 1e-6)
+        if self.is_correction_gating == "binary_kl":
+            statistic = (rollout_p * torch.log(rollout_p / train_p)
+                         + (1 - rollout_p) * torch.log((1 - rollout_p) / (1 - train_p)))
+        else:
+            statistic = (rollout_p - train_p).abs()
+        if sequence_level:
+            statistic = x.to_tokens(x.sequence_mean(statistic, "OpenRLHF's seq level"))
+        keep = (statistic >= low) & (statistic <= high)
+        return CorrectionResult(weights=torch.where(keep, token_ratio, 0.0))
 
 
 @dataclass(frozen=True)

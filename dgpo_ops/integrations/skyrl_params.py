@@ -1,5 +1,6 @@
 """The SkyRL integration's names, hyperparameters and off-policy correction, derived from the method table without
-importing SkyRL (``dgpo_ops.integrations.skyrl`` registers them; docs/integrations.md's SkyRL table comes from here).
+importing SkyRL (``dgpo_ops.integrations.skyrl`` registers them; docs/integrations.md's SkyRL table comes from here,
+through ``docs/generate.py``).
 
 * Every method and alias of the table (``catalog.POLICY_LOSSES``) is the SkyRL policy loss ``dgpo_ops.<name>``
   (SkyRL has its own ``cispo``, ``gspo``, ``sapo``, ... : the prefix keeps every name apart from SkyRL's).
@@ -166,23 +167,9 @@ def skyrl_table_markdown() -> str:
     return method_table_markdown("SkyRL", "policy_loss_type", ALGORITHM, "method_params", loss_type, field_text)
 
 
-START, END = "<!-- skyrl-methods:start -->", "<!-- skyrl-methods:end -->"
-
 for _method, _param in METHOD_SKYRL_FIELDS:  # every override names a real parameter
     if _param not in {p.name for p in table_params(_method)}:
         raise AssertionError(f"METHOD_SKYRL_FIELDS[({_method!r}, {_param!r})]: {_method} has no such parameter")
 if not set(ROLLOUT_BEHAVIOUR) <= set(METHODS):
     raise AssertionError(f"ROLLOUT_BEHAVIOUR names a method the table lacks: {set(ROLLOUT_BEHAVIOUR) - set(METHODS)}")
 
-
-def main() -> None:
-    """``python -m dgpo_ops.integrations.skyrl_params``: rewrite the SkyRL table of docs/integrations.md."""
-    from dgpo_ops.methods.catalog import README, readme_with_section
-
-    page = README.parent / "docs" / "integrations.md"
-    page.write_text(readme_with_section(page.read_text(), START, END, skyrl_table_markdown()))
-    print(f"wrote the SkyRL table of {page}")
-
-
-if __name__ == "__main__":
-    main()

@@ -243,19 +243,3 @@ def verl_table_markdown() -> str:
 
     return method_table_markdown("verl", "loss_mode", ACTOR, "policy_loss.method_params", loss_mode, field_text)
 
-
-START, END = "<!-- verl-methods:start -->", "<!-- verl-methods:end -->"
-
-
-def main() -> None:
-    """``python -m dgpo_ops.integrations.verl_params``: rewrite the verl table of docs/integrations.md (the
-    README's method table is ``python -m dgpo_ops.trainer.method_fields``'s)."""
-    from dgpo_ops.methods.catalog import README, readme_with_section
-
-    page = README.parent / "docs" / "integrations.md"
-    page.write_text(readme_with_section(page.read_text(), START, END, verl_table_markdown()))
-    print(f"wrote the verl table of {page}")
-
-
-if __name__ == "__main__":
-    main()

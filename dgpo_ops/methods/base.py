@@ -68,10 +68,12 @@ def param(default, help: str, **spec):
 @dataclass(frozen=True)
 class MethodConfig:
     """Base of the per-method configs. Field names are the public keyword names; each field's
-    ``ParamSpec`` (its metadata) says what it accepts."""
+    ``ParamSpec`` (its metadata) says what it accepts. A per-token method (``MethodSpec.token_local``) names the
+    ``MethodId`` of its Triton branch and the ``KernelParam`` slots its parameters fill (``_kernel_slots``); any
+    other method has neither: the row kernels never evaluate it."""
 
     name: ClassVar[str]
-    method_id: ClassVar[MethodId]
+    method_id: ClassVar[MethodId | None] = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -79,6 +81,9 @@ class MethodConfig:
 
     def kernel_params(self) -> list[float]:
         """The fp32 parameter vector of ``KernelParam`` slots; slots a method does not read stay 0."""
+        if self.method_id is None:
+            raise ValueError(f"{self.name} has no Triton branch (it is not per-token): the torch objective "
+                             "evaluates it, and there are no kernel parameters to lower")
         values = [0.0] * NUM_KERNEL_PARAMS
         values[KernelParam.DUAL_CLIP] = math.inf
         values[KernelParam.DELTA] = math.inf
@@ -153,9 +158,24 @@ class MethodSpec:
     # (TRL's loss_type has none for a method TRL lacks); an explicit aggregation wins. None: token_mean.
     aggregation: str | None = None
 
+    def __post_init__(self):
+        # The row kernels' epilogue evaluates exactly the per-token methods: each has a Triton branch, no other has.
+        has_id = self.config.method_id is not None
+        if has_id != self.token_local:
+            raise TypeError(f"{self.config.name}: a per-token method names a MethodId (its Triton branch) and a "
+                            f"method with a sequence statistic, a token selection or scores names none; "
+                            f"this one is {'' if self.token_local else 'not '}per-token and its method_id is "
+                            f"{self.config.method_id!r}")
+
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def token_local(self) -> bool:
+        """Each token's terms depend on that token's inputs alone (no sequence statistic, no batch-level selection,
+        no response score): what the row kernels' epilogue can evaluate where it finishes a row."""
+        return self.sequence_statistic is None and self.token_selection is None and not self.reads_scores
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,13 @@
 names a user may pass (``POLICY_LOSSES``), each method's parameters with their specs (``method_params``), the
 parameters a call by name must add (``required_params``) and the parameter sets the tests run (``variants``).
 What a framework's config reads each parameter from lives with that integration (``trainer/method_fields.py``,
-which also writes the README's method table; ``dgpo_ops.integrations.verl_params``).
+``dgpo_ops.integrations.verl_params``); each hands back its table as markdown, which ``docs/generate.py`` writes
+into the README and docs/integrations.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import re
 from dataclasses import dataclass
 
 from dgpo_ops.methods.base import ParamSpec
@@ -53,14 +52,3 @@ def variants() -> list[tuple[str, dict]]:
 def format_value(value) -> str:
     """A parameter value as the generated tables write it."""
     return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def readme_with_section(text: str, start: str, end: str, body: str) -> str:
-    """``text`` with the part between the markers ``start`` and ``end`` replaced by ``body``."""
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"no {start} ... {end} section")
-    return pattern.sub(lambda _: f"{start}\n{body}{end}", text)
-
-
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"

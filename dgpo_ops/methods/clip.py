@@ -33,12 +33,6 @@ def symmetric_bounds(cfg) -> dict[KernelParam, float]:
     }
 
 
-def unclipped_bounds() -> dict[KernelParam, float]:
-    """Bounds that clip nothing: the plain ratio -A r in the PPO branch of the kernels."""
-    return {KernelParam.LOW_POS: 0.0, KernelParam.HIGH_POS: math.inf, KernelParam.LOW_NEG: 0.0,
-            KernelParam.HIGH_NEG: math.inf}
-
-
 def full_like(value, like):
     return value if torch.is_tensor(value) else torch.full_like(like, value)
 

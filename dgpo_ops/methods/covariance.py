@@ -9,23 +9,15 @@ from typing import ClassVar
 
 import torch
 
-from dgpo_ops.kernels.interface import MethodId, Region
+from dgpo_ops.kernels.interface import Region
 from dgpo_ops.methods.base import MethodConfig, MethodSpec, TokenInputs, TokenTerms, param
-from dgpo_ops.methods.clip import (
-    eps_high_param,
-    eps_low_param,
-    ppo_clip,
-    symmetric_bounds,
-    unclipped_bounds,
-    unclipped_ratio,
-)
+from dgpo_ops.methods.clip import eps_high_param, eps_low_param, ppo_clip, unclipped_ratio
 from dgpo_ops.methods.selection import random_subset, selection_size, token_covariance, top_subset
 
 
 @dataclass(frozen=True)
 class ClipCovConfig(MethodConfig):
     name: ClassVar[str] = "clip_cov"
-    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # PPO's single clip; the selection cuts the chosen tokens
     eps_low: float = eps_low_param()
     eps_high: float = eps_high_param()
     clip_cov_ratio: float = param(2e-4, "fraction of the scored tokens whose gradient is cut (at least one)",
@@ -33,20 +25,13 @@ class ClipCovConfig(MethodConfig):
     clip_cov_lb: float = param(1.0, "a cut token's covariance is above clip_cov_lb")
     clip_cov_ub: float = param(5.0, "a cut token's covariance is below clip_cov_ub")
 
-    def _kernel_slots(self):
-        return symmetric_bounds(self)
-
 
 @dataclass(frozen=True)
 class KlCovConfig(MethodConfig):
     name: ClassVar[str] = "kl_cov"
-    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # the plain ratio; the selection adds the penalty
     kl_cov_ratio: float = param(2e-4, "fraction of the scored tokens (the largest covariances, at least one) that "
                                 "get the penalty", low=0.0, low_open=True, high=1.0)
     ppo_kl_coef: float = param(0.1, "weight of the penalty abs(l - l_old) on the chosen tokens", low=0.0)
-
-    def _kernel_slots(self):
-        return unclipped_bounds()
 
 
 def _clip_cov(cfg: ClipCovConfig, x: TokenInputs) -> TokenTerms:

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, KernelParam, MethodId
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP
 from dgpo_ops.methods.base import (
     MethodConfig,
     MethodSpec,
@@ -29,7 +29,6 @@ SAFETY_BAND = (0.8, 1.0)
 @dataclass(frozen=True)
 class FipoConfig(MethodConfig):
     name: ClassVar[str] = "fipo"
-    method_id: ClassVar[MethodId] = MethodId.FIPO
     eps_low: float = eps_low_param()
     eps_high: float = eps_high_param()
     delta: float | None = param(None, "TRL's cap on the ratio, as ms-swift's delta; tokens above it also leave the "
@@ -50,12 +49,6 @@ class FipoConfig(MethodConfig):
         if not self.clip_range:
             return 0.0, math.inf
         return (1.0 if self.clip_side == "high" else 1.0 - self.clip_range), 1.0 + self.clip_range
-
-    def _kernel_slots(self):
-        low, high = self.influence_bounds
-        return {KernelParam.LOW_POS: 1.0 - self.eps_low, KernelParam.HIGH_POS: 1.0 + self.eps_high,
-                KernelParam.DELTA: self.delta, KernelParam.INFLUENCE_LOW: low, KernelParam.INFLUENCE_HIGH: high,
-                KernelParam.SAFETY_THRESHOLD: self.safety_threshold}
 
 
 def discounted_future_sum(values: torch.Tensor, gamma: float) -> torch.Tensor:

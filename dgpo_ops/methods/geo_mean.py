@@ -8,21 +8,16 @@ from typing import ClassVar
 
 import torch
 
-from dgpo_ops.kernels.interface import MethodId
 from dgpo_ops.methods.base import MethodConfig, MethodSpec, SequenceInputs, param
-from dgpo_ops.methods.clip import unclipped_bounds, unclipped_ratio
+from dgpo_ops.methods.clip import unclipped_ratio
 
 
 @dataclass(frozen=True)
 class GeoMeanConfig(MethodConfig):
     name: ClassVar[str] = "geo_mean"
-    method_id: ClassVar[MethodId] = MethodId.PPO_CLIP  # -A R at the response's clipped geometric mean R
     # GMPO clips each token's log-ratio before the mean, in log space (verl reads its clip_ratio_* as these)
     eps_low: float = param(0.2, "for A < 0 a token's log-ratio is clipped below at -eps_low", low=0.0)
     eps_high: float = param(0.2, "for A > 0 a token's log-ratio is clipped above at eps_high", low=0.0)
-
-    def _kernel_slots(self):
-        return unclipped_bounds()
 
 
 def clipped_log_ratio_mean(cfg: GeoMeanConfig, x: SequenceInputs) -> torch.Tensor:

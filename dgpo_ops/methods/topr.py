@@ -8,21 +8,15 @@ from typing import ClassVar
 
 import torch
 
-from dgpo_ops.kernels.interface import KernelParam, MethodId, Region
+from dgpo_ops.kernels.interface import Region
 from dgpo_ops.methods.base import MethodConfig, MethodSpec, TokenInputs, TokenTerms, param
 
 
 @dataclass(frozen=True)
 class ToprConfig(MethodConfig):
     name: ClassVar[str] = "topr"
-    # The fused ops evaluate it with the torch objective (it reads the scores, MethodSpec.reads_scores); the Triton
-    # mirror has the split by the advantage's sign, what it is without scores.
-    method_id: ClassVar[MethodId] = MethodId.TOPR
     positive_weight: float = param(1.0, "weight of the positive samples' (score > 0) -A l", low=0.0)
     negative_weight: float = param(1.0, "weight of the negative samples' -A min(r, 1) l", low=0.0)
-
-    def _kernel_slots(self):
-        return {KernelParam.POSITIVE_WEIGHT: self.positive_weight, KernelParam.NEGATIVE_WEIGHT: self.negative_weight}
 
 
 def _topr(cfg: ToprConfig, x: TokenInputs) -> TokenTerms:

@@ -9,9 +9,11 @@ from typing import ClassVar
 
 import torch
 
-from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP, VESPO_LOG_W_MIN, KernelParam, MethodId
+from dgpo_ops.kernels.interface import LOG_RATIO_CLAMP
 from dgpo_ops.methods.base import MethodConfig, MethodSpec, SequenceInputs, TokenInputs, TokenTerms, param
 from dgpo_ops.methods.clip import full_like
+
+LOG_W_MIN = math.log(1e-8)  # TRL's floor of the log-weight (get_gamma_weights)
 
 
 def _vespo_param(default, what: str, sign: str):
@@ -21,15 +23,10 @@ def _vespo_param(default, what: str, sign: str):
 @dataclass(frozen=True)
 class VespoConfig(MethodConfig):
     name: ClassVar[str] = "vespo"
-    method_id: ClassVar[MethodId] = MethodId.VESPO
     k_pos: float = _vespo_param(2.0, "shape", ">=")
     lambda_pos: float = _vespo_param(3.0, "rate", ">=")
     k_neg: float = _vespo_param(3.0, "shape", "<")
     lambda_neg: float = _vespo_param(2.0, "rate", "<")
-
-    def _kernel_slots(self):
-        return {KernelParam.K_POS: self.k_pos, KernelParam.LAMBDA_POS: self.lambda_pos, KernelParam.K_NEG: self.k_neg,
-                KernelParam.LAMBDA_NEG: self.lambda_neg}
 
 
 def summed_log_ratio(cfg: VespoConfig, x: SequenceInputs) -> torch.Tensor:
@@ -39,7 +36,7 @@ def summed_log_ratio(cfg: VespoConfig, x: SequenceInputs) -> torch.Tensor:
     mask = x.mask
     total = torch.where(mask, x.log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0).sum(1, keepdim=True)
     if x.rollout_weights is not None:
-        log_weights = torch.log(x.rollout_weights).clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+        log_weights = torch.log(x.rollout_weights).clamp(LOG_W_MIN, LOG_RATIO_CLAMP)
         total = total + torch.where(mask, log_weights, 0.0).sum(1, keepdim=True)
     return total.expand_as(x.log_ratio)
 
@@ -51,7 +48,7 @@ def _vespo(cfg: VespoConfig, x: TokenInputs) -> TokenTerms:
     pos = adv >= 0
     k = torch.where(pos, full_like(cfg.k_pos, rd), full_like(cfg.k_neg, rd))
     rate = torch.where(pos, full_like(max(cfg.lambda_pos, 1e-4), rd), full_like(max(cfg.lambda_neg, 1e-4), rd))
-    log_w = x.log_ratio.detach().clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+    log_w = x.log_ratio.detach().clamp(LOG_W_MIN, LOG_RATIO_CLAMP)
     phi = torch.exp(rate + k * log_w - rate * log_w.exp())
     # A weight beyond the dtype's range (k = 10, lambda = 0, log w = 10: 3e42 in float32) is 0, as TRL's
     # nan_to_num(posinf=0): it drops that response. A NaN stays NaN (a bad input must reach the loss).

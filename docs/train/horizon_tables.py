@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dgpo_ops.trainer.report import OUTSIDE, REGION_KEYS, pass_keys
+from dgpo_ops.trainer.app.report import OUTSIDE, REGION_KEYS, pass_keys
 
 
 def _cell(values: list[float], digits: int = 3) -> str:

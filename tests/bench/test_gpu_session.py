@@ -44,7 +44,7 @@ def test_dry_run_of_every_stage(tmp_path):
     # the stages imported the install, which holds the three folders as pyproject.toml maps them
     site = work / "site"
     assert f"dgpo_ops from {site}/dgpo_ops/__init__.py" in log
-    for package in ("dgpo_ops", "dgpo_ops/kernels", "dgpo_ops/trainer", "dgpo_ops/ops"):
+    for package in ("dgpo_ops", "dgpo_ops/kernels", "dgpo_ops/trainer", "dgpo_ops/trainer/app", "dgpo_ops/ops"):
         assert (site / package / "__init__.py").exists()
     assert not (work / "run" / "dgpo_ops").exists() and (work / "run" / "tests").is_dir()
 

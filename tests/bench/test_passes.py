@@ -1,4 +1,4 @@
-"""The lm_head's GEMM passes of one policy update (``bench/passes.py``, issue 40), pinned per case: a count, not a time.
+"""The lm_head's GEMM passes of one policy update (``bench/passes.py``), pinned per case: a count, not a time.
 
 ``CURRENT_PASSES`` is what the code pays today on the CPU (the torch twins), ``DESIGNED_PASSES`` what it is built
 to pay (``bench.passes.designed_passes``). Where the two differ the design is not reached yet: the test holds

@@ -1,6 +1,7 @@
-"""Deferred validation (the CUDA default, issue 12): bad values are found by the prologue kernel on the
-device, the loss and gradient become NaN at once, and the ValueError naming the argument (the same
-message as immediate validation gives) comes from a later call or ``raise_deferred_errors()``."""
+"""Deferred validation (the CUDA default: checking values on the host would synchronise every call): bad
+values are found by the prologue kernel on the device, the loss and gradient become NaN at once, and the
+ValueError naming the argument (the same message as immediate validation gives) comes from a later call or
+``raise_deferred_errors()``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A framework's aggregation row (``aggregation="framework:mode"``) divides as its row says on every route: the
 row's loss equals the same route's token sum (or per-response mean sum) divided by the count the row names,
-counted here from the mask; and docs/normalization.md's table is the rows'."""
+counted here from the mask (docs/normalization.md's table is written from the rows by docs/generate.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +10,6 @@ from rollout_cases import ROUTES, mismatch_batch, run_route
 
 import dgpo_ops
 from dgpo_ops.kernels.interface import Denominator
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def divisor(denominator: Denominator, mask: torch.Tensor) -> float:
@@ -66,21 +62,3 @@ def test_an_unknown_framework_lists_the_frameworks():
     batch.pop("rollout_logps")
     with pytest.raises(ValueError, match="'framework:mode' \\(areal, nemo_rl, openrlhf, roll, skyrl, trl, verl"):
         dgpo_ops.reference_loss(**batch, aggregation="openrlhf2:token-mean")
-
-
-def normalization_table() -> str:
-    lines = ["| aggregation | each token weighs | divided by (one call) | over a whole step | source |",
-             "|---|---|---|---|---|"]
-    words = {Denominator.TOKENS: "scored tokens", Denominator.RESPONSES: "responses (every row)",
-             Denominator.GRID: "responses x T", Denominator.ONE: "1",
-             Denominator.SCORED_RESPONSES: "responses with a scored token", Denominator.HORIZON: "T"}
-    for name, row in dgpo_ops.FRAMEWORK_AGGREGATIONS.items():
-        lines.append(f"| `{name}` | {'1 / its response length' if row.per_response else '1'} | "
-                     f"{words[row.denominator]} | {row.global_normalizer} | {row.source} |")
-    return "\n".join(lines)
-
-
-def test_the_docs_table_is_the_rows():
-    doc = (ROOT / "docs" / "normalization.md").read_text()
-    assert normalization_table() in doc, "docs/normalization.md's table differs from FRAMEWORK_AGGREGATIONS:\n" + \
-        normalization_table()

@@ -1,6 +1,6 @@
 """Scalar options that are finite Python floats but leave float32's range (the kernels' runtime arguments)
-are refused where they are read, naming the option, on every entry point (issue 24, item 2); a value just
-inside the range works."""
+are refused where they are read, naming the option, on every entry point (as float32 they would reach the
+kernels as inf or 0); a value just inside the range works."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def non_finite_case(case):
         batch["rollout_logps"][0] = batch["old_logps"][0] - 30.0
         return batch, TrlCorrection("sequence_truncate", vllm_importance_sampling_clip_min=0.5,
                                     vllm_importance_sampling_clip_max=None)
-    return batch, OpenRLHFCorrection("tis")
+    return batch, OpenRLHFCorrection("token", "clip")
 
 
 @pytest.mark.parametrize("case", sorted(NON_FINITE))

@@ -65,6 +65,8 @@ def nemo_rl_weights(prev_logprobs, generation_logprobs, prev_mask, kind, ratio, 
     return weights.expand_as(prev_mask), metrics
 
 
+# OpenRLHF 0.11.2's named schemes as its (is_correction_level, is_correction_mode)
+OPENRLHF_SCHEMES = {"tis": ("token", "clip"), "icepop": ("token", "mask"), "seq-mask-tis": ("seq", "mask")}
 OPENRLHF_CASES = [("tis", (0.5, 5.0)), ("tis", (0.8, 1.2)), ("icepop", (0.5, 2.0)), ("seq-mask-tis", (0.7, 1.3)),
                   ("seq-mask-tis", (0.2, 5.0))]
 
@@ -77,7 +79,8 @@ def test_openrlhf_equals_openrlhf(kind, threshold, drift):
     weights = openrlhf_weights(batch["old_logps"], batch["rollout_logps"], mask.float(), kind, *threshold)
     weights = torch.where(mask, weights, 0.0)  # an empty response's NaN lies outside the mask
     routes = ROUTES if drift == 0.1 else ("reference", "torch", "packed")
-    assert_same_as_weights(OpenRLHFCorrection(kind, threshold), batch, weights, mask, routes, method="grpo",
+    assert_same_as_weights(OpenRLHFCorrection(*OPENRLHF_SCHEMES[kind], is_correction_threshold=threshold), batch,
+                           weights, mask, routes, method="grpo",
                            aggregation="seq_mean_token_mean")
 
 
@@ -103,19 +106,25 @@ def test_nemo_rl_equals_nemo_rl(kind, ratio, ratio_min, sequence_level, drift, n
 
 
 def test_the_two_differ_where_values_are_not_finite():
-    """NeMo-RL zeroes a NaN token's weight; OpenRLHF's weight is NaN there (the call refuses it, naming the
-    correction, where OpenRLHF's loss would be NaN)."""
+    """NeMo-RL zeroes a NaN token's weight, and so does OpenRLHF's mask mode (the NaN ratio is outside every
+    band); OpenRLHF's clip mode keeps the NaN (the call refuses it, naming the correction, where OpenRLHF's loss
+    would be NaN)."""
     batch = mismatch_batch(0.5, seed=23, nan_tokens=True)
     import dgpo_ops
 
     out = dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=NemoRLCorrection("icepop", 5.0, 0.2))
     assert torch.isfinite(out.loss)
+    masked = dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=OpenRLHFCorrection("token", "mask"))
+    assert torch.isfinite(masked.loss)
     with pytest.raises(ValueError, match="rollout_correction OpenRLHFCorrection.* non-finite weights from rollout_logps"):
-        dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=OpenRLHFCorrection("icepop", (0.2, 5.0)))
+        dgpo_ops.reference_loss(**batch, method="grpo", rollout_correction=OpenRLHFCorrection("token", "clip"))
 
 
 @pytest.mark.parametrize("cls,fields", [
-    (OpenRLHFCorrection, dict(is_correction_type="mis")), (OpenRLHFCorrection, dict(is_correction_threshold=(1,))),
+    (OpenRLHFCorrection, dict(is_correction_level="off")), (OpenRLHFCorrection, dict(is_correction_mode="mis")),
+    (OpenRLHFCorrection, dict(is_correction_gating="kl")), (OpenRLHFCorrection, dict(is_correction_threshold=(1, 2, 3))),
+    (OpenRLHFCorrection, dict(is_correction_level="seq", is_correction_mode="clip")),
+    (OpenRLHFCorrection, dict(is_correction_gating="tv", is_correction_threshold=(0.5, 5.0))),
     (NemoRLCorrection, dict(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0)),
     (NemoRLCorrection, dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=0.0)),
     (NemoRLCorrection, dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.0,
@@ -123,7 +132,7 @@ def test_the_two_differ_where_values_are_not_finite():
     (NemoRLCorrection, dict(truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=2.0,
                             truncated_importance_sampling_ratio_min=0.5, sequence_level_importance_ratios=True)),
     (NemoRLCorrection, dict(truncated_importance_sampling_ratio=2.0)),
-    (OpenRLHFCorrection, dict(is_correction_type="icepop", is_correction_threshold=(3.0, 2.0))),
+    (OpenRLHFCorrection, dict(is_correction_threshold=(3.0, 2.0))),
     (OpenRLHFCorrection, dict(is_correction_threshold=("0.5", 5.0))),
     (NemoRLCorrection, dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio="2.0")),
 ])

@@ -4,7 +4,6 @@ the oracle in tests/integrations/test_skyrl_registry.py, which runs in SkyRL's o
 
 from __future__ import annotations
 
-import pathlib
 from dataclasses import dataclass, field
 
 from helpers import value_error_message
@@ -13,8 +12,6 @@ from dgpo_ops.corrections import SkyRLCorrection
 from dgpo_ops.integrations import skyrl_params
 from dgpo_ops.methods import catalog
 from dgpo_ops.methods.table import METHODS
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -52,14 +49,13 @@ def method(loss_type, **fields):
     return skyrl_params.loss_options(loss_type, Algorithm(**fields)).method
 
 
-def test_readme_skyrl_table_is_current():
-    """The table of SkyRL loss names in docs/integrations.md is ``skyrl_params.skyrl_table_markdown()``
-    (``python -m dgpo_ops.integrations.skyrl_params`` rewrites it), so it lists every method of the table."""
-    page = (REPO / "docs" / "integrations.md").read_text()
-    start, end = page.index(skyrl_params.START), page.index(skyrl_params.END)
-    assert page[start + len(skyrl_params.START):end].strip() == skyrl_params.skyrl_table_markdown().strip()
+def test_the_skyrl_table_lists_every_loss():
+    """docs/integrations.md's SkyRL table (``python docs/generate.py`` writes it; tests/package/test_generated_docs.py
+    fails while it is stale) names every ``dgpo_ops.*`` loss, and ``SKYRL_FIELDS``' fields where they are read."""
+    table = skyrl_params.skyrl_table_markdown()
     for loss_type in skyrl_params.LOSS_TYPES:
-        assert f"`{loss_type}`" in page
+        assert f"| `{loss_type}` |" in table
+    assert "`eps_low` <- `cispo.cispo_eps_clip_low`" in table and "`n=1`, `m=2`" in table
 
 
 def test_the_skyrl_mapping_names_only_parameters_of_the_table():

@@ -237,7 +237,7 @@ def test_fused_ops_equal_verl(case, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_geo_mean_aggregates_as_verls_without_an_aggregation(mode, backend):
     """``fused_dgpo_loss(..., method="geo_mean")`` with no aggregation is verl's geo_mean on a micro-batch, whatever
-    loss_agg_mode verl is given (issue 41.1.5: it took token_mean, another loss and gradient)."""
+    loss_agg_mode verl is given (token_mean there would be another loss and gradient)."""
     logits, targets, old, _, advantages, mask, _ = rollout(41, False, drift=1.5)
     rows = slice(0, PER_MICRO)
     config = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode=mode,

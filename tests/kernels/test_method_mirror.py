@@ -1,5 +1,7 @@
 """The Triton mirror of the method table (kernels/method_table.py) against the torch table, row by
-row, on tokens in every region, exactly on the fp32 boundaries, and with NaN ratios."""
+row, on tokens in every region, exactly on the fp32 boundaries, and with NaN ratios: every per-token method
+(one with a ``MethodId``), the ones the row kernels' epilogue evaluates. A method evaluated by the torch objective
+has no Triton branch and no kernel parameters."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import METHOD_VARIANTS, config, spanning_tokens, trust_region, variant_id
+from helpers import TOKEN_LEVEL_VARIANTS, config, spanning_tokens, trust_region, variant_id
 from method_terms import mirror, table_terms
 
 import dgpo_ops
@@ -28,7 +30,7 @@ EXTRA_VARIANTS = [("grpo", {"eps_low": 0.16, "eps_high": 0.09}), ("dgpo", {"eps_
                   ("ce_gppo", {"beta1": 0.3, "beta2": 1.7, "dual_clip": 2.0}), ("dcpo", {"r_max": 3.0})]
 
 
-@pytest.mark.parametrize("variant", METHOD_VARIANTS + EXTRA_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("variant", TOKEN_LEVEL_VARIANTS + EXTRA_VARIANTS, ids=variant_id)
 def test_mirror_matches_the_table(variant):
     cfg = config(variant)
     log_ratio, adv, old_logp = fp32_tokens(cfg)
@@ -44,7 +46,7 @@ def test_mirror_matches_the_table(variant):
     torch.testing.assert_close(loss, want.loss, rtol=2e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("variant", TOKEN_LEVEL_VARIANTS, ids=variant_id)
 def test_nan_ratio_gives_nan_loss_in_table_and_mirror(variant):
     cfg = config(variant)
     log_ratio = torch.tensor([float("nan")] * 2)
@@ -67,23 +69,25 @@ def test_kernel_params_are_the_bounds_rounded_once():
     assert params[3] == torch.tensor(1 + 2.0, dtype=torch.float32)
 
 
-def test_vespo_weight_beyond_float32_is_trls_zero_in_table_and_mirror():
-    """k = 10, lambda = 0 (floored at 1e-4) and a summed log-ratio of 10: the gamma weight e^97.8 = 3e42 overflows
-    float32; TRL's get_gamma_weights maps it to 0 (nan_to_num(posinf=0)), so do the table and the mirror (before:
-    inf, and a NaN loss). Each sign's parameters, and a log-ratio whose weight stays finite beside them."""
-    GRPOTrainer = pytest.importorskip("trl").GRPOTrainer  # noqa: N806
+def test_the_mirror_holds_exactly_the_per_token_methods():
+    """Every method the row kernels' epilogue can be handed (``MethodSpec.token_local``) has a MethodId, every
+    MethodId is some such method's, and a method evaluated by the torch objective has none: no dead branch."""
+    from dgpo_ops.kernels.interface import MethodId
 
-    cfg = dgpo_ops.method_config("vespo", k_pos=10.0, lambda_pos=0.0, k_neg=10.0, lambda_neg=0.0)
-    log_ratio = torch.tensor([10.0, 10.0, 5.0, 5.0])
-    adv = torch.tensor([1.3, -0.7, 1.3, -0.7])
-    old_logp = torch.full_like(log_ratio, math.log(0.3))
-    trl_phi = GRPOTrainer.get_gamma_weights(adv[:, None], log_ratio[:, None], torch.ones(4, 1), None, k_pos=10.0,
-                                            lambda_pos=0.0, k_neg=10.0, lambda_neg=0.0)[:, 0]
-    assert torch.equal(trl_phi[:2], torch.zeros(2)) and trl_phi[2:].isfinite().all() and (trl_phi[2:] > 1e20).all()
-    want = table_terms(cfg, log_ratio, adv, old_logp)
-    loss, psi, _, _, dloss = mirror(cfg, log_ratio, adv, old_logp, with_gradient=True)
-    for got in (want.psi, psi):
-        torch.testing.assert_close(got, trl_phi, rtol=2e-6, atol=0)
-    for got in (want.loss, loss):
-        torch.testing.assert_close(got, -adv * trl_phi * (log_ratio + old_logp), rtol=2e-6, atol=0)
-    torch.testing.assert_close(dloss, -adv * trl_phi, rtol=2e-6, atol=0)
+    per_token = {name for name, spec in dgpo_ops.METHODS.items() if spec.token_local}
+    assert {name for name, spec in dgpo_ops.METHODS.items() if spec.config.method_id is not None} == per_token
+    assert {dgpo_ops.METHODS[name].config.method_id for name in per_token} == set(MethodId)
+    assert {"vespo", "topr", "fipo", "geo_mean", "clip_cov", "kl_cov"} <= set(dgpo_ops.METHODS) - per_token
+    with pytest.raises(ValueError, match="vespo has no Triton branch"):
+        dgpo_ops.method_config("vespo").kernel_params()
+
+
+def test_a_spec_whose_kernel_id_disagrees_with_its_locality_is_refused():
+    from dgpo_ops.methods.base import MethodSpec
+    from dgpo_ops.methods.table import METHODS
+
+    grpo, vespo = METHODS["grpo"], METHODS["vespo"]
+    with pytest.raises(TypeError, match="grpo: a per-token method names a MethodId.*this one is not per-token"):
+        MethodSpec(grpo.config, grpo.token_fn, "s", "p", token_selection=lambda *a: None)
+    with pytest.raises(TypeError, match="vespo: .*this one is per-token and its method_id is None"):
+        MethodSpec(vespo.config, vespo.token_fn, "s", "p")

@@ -234,3 +234,21 @@ def test_on_policy_gives_ratio_one_and_the_plain_policy_gradient(variant):
     # geo_mean's mean divides by |o_i| + 1e-8, as verl's: a relative 1e-8 / |o_i| off the plain gradient
     rtol = 1e-8 if name == "geo_mean" else 1e-10
     torch.testing.assert_close(grad, expected, rtol=rtol, atol=1e-12)
+
+
+def test_vespo_weight_beyond_float32_is_trls_zero():
+    """k = 10, lambda = 0 (floored at 1e-4) and a summed log-ratio of 10: the gamma weight e^97.8 = 3e42 overflows
+    float32; TRL's get_gamma_weights maps it to 0 (nan_to_num(posinf=0)), so does the table (not inf, and a NaN
+    loss). Each sign's parameters, and a log-ratio whose weight stays finite beside them."""
+    GRPOTrainer = pytest.importorskip("trl").GRPOTrainer  # noqa: N806
+
+    cfg = dgpo_ops.method_config("vespo", k_pos=10.0, lambda_pos=0.0, k_neg=10.0, lambda_neg=0.0)
+    log_ratio = torch.tensor([10.0, 10.0, 5.0, 5.0])
+    adv = torch.tensor([1.3, -0.7, 1.3, -0.7])
+    old_logp = torch.full_like(log_ratio, math.log(0.3))
+    trl_phi = GRPOTrainer.get_gamma_weights(adv[:, None], log_ratio[:, None], torch.ones(4, 1), None, k_pos=10.0,
+                                            lambda_pos=0.0, k_neg=10.0, lambda_neg=0.0)[:, 0]
+    assert torch.equal(trl_phi[:2], torch.zeros(2)) and trl_phi[2:].isfinite().all() and (trl_phi[2:] > 1e20).all()
+    want = token_terms(cfg, log_ratio, adv, old_logp)
+    torch.testing.assert_close(want.psi, trl_phi, rtol=2e-6, atol=0)
+    torch.testing.assert_close(want.loss, -adv * trl_phi * (log_ratio + old_logp), rtol=2e-6, atol=0)

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dgpo_ops.trainer.method_fields import END, START
-from helpers import by_name, logits_batch
+from helpers import by_name, docs_tool, logits_batch
 
 import dgpo_ops
 from dgpo_ops.methods.table import ALIASES, METHODS
@@ -19,7 +18,8 @@ README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def readme_names() -> list[str]:
-    table = README[README.index(START):README.index(END)]
+    (section,) = [s for s in docs_tool().SECTIONS if s.page == "README.md"]
+    table = README[README.index(section.start):README.index(section.end)]
     return re.findall(r"^\| `([a-z0-9_]+)` \|", table, re.M)
 
 

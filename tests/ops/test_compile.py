@@ -1,5 +1,5 @@
-"""torch.compile(fullgraph=True) of the fused ops and the reference gives the eager results
-(issue 13, item 2); the custom ops pass torch.library.opcheck."""
+"""torch.compile(fullgraph=True) of the fused ops and the reference gives the eager results;
+the custom ops pass torch.library.opcheck."""
 
 from __future__ import annotations
 
@@ -183,8 +183,8 @@ def test_opcheck_every_custom_op():
         assert set(results.values()) == {"SUCCESS"}, (op, results)
 
 
-# Each float option changed between two compiled calls (issue 24, item 1): dynamo makes a float that changed
-# dynamic, and the options are a trace-time constant, so the new value must recompile, not fail.
+# Each float option changed between two compiled calls (a trainer's schedule does): dynamo makes a float that
+# changed dynamic, and the options are a trace-time constant, so the new value must recompile, not fail.
 CHANGED_FLOATS = [("temperature", 0.9, 0.7), ("beta", 0.02, 0.05), ("entropy_coef", 0.01, 0.03),
                   ("loss_normalizer", 5.0, 7.0), ("eps_high", 0.2, 0.28)]
 

@@ -78,7 +78,7 @@ def test_low_precision_products_equal_the_models_logits(backend, autocast):
     # reference on those logits. Gradients are fp32-accumulated from bf16 operands and come back in
     # each input's dtype. On chip the operands are rounded to bf16 as they are loaded (no copy of fp32
     # master weights) and the fp32 product is rounded to bf16 in registers: the same logits as the tiles
-    # (issue 24, item 7: before, on chip kept the fp32 product, and its log-probs differed by up to 1e-2).
+    # (an fp32 product kept on chip gives log-probs up to 1e-2 away from the tiles').
     on_chip = backend == "on_chip"
     (hidden, weight, bias), inputs = linear_case(dtype=torch.float32 if autocast else torch.bfloat16)
     operands = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
@@ -259,7 +259,7 @@ def test_dtensor_weights_replicated_are_used_sharded_are_refused(tmp_path):
 def test_non_finite_hidden_on_masked_tokens_is_ignored(path):
     """A padded position's hidden state may hold anything (NaN, inf): as the logits op ignores non-finite
     logits on masked tokens, the linear op gives the answer of the same call with those rows zeroed, and
-    finite gradients (issue 24, item 6). ``chunked``: the packed path (``cu_seqlens``)."""
+    finite gradients. ``chunked``: the packed path (``cu_seqlens``)."""
     (hidden, weight, bias), inputs = linear_case()
     masked = ~inputs["mask"] | (inputs["target_ids"] == -100)
     assert masked.any()
@@ -290,7 +290,7 @@ def test_non_finite_hidden_on_masked_tokens_is_ignored(path):
 def test_on_chip_and_tiles_score_the_same_logits_under_autocast():
     """Under bf16 autocast over fp32 weights both paths round the product to bf16 as the model's lm_head
     does, so their log-probs agree to fp32 rounding (old log-probs from one path give ratios of 1 on the
-    other); with the fp32 product on chip they differed by about 1e-2 nats (issue 24, item 7)."""
+    other); with the fp32 product on chip they would differ by about 1e-2 nats."""
     (hidden, weight, bias), inputs = linear_case(dtype=torch.float32)
     hidden = hidden * 4  # logits of a few units, where bf16's rounding shows
     outs = []

@@ -1,4 +1,5 @@
-"""No host-device synchronisation and a small op budget per forward + backward (issue 12).
+"""No host-device synchronisation and a small op budget per forward + backward, so a
+training step never waits on the device for the loss.
 
 Every aten op the fused ops dispatch is recorded by a ``TorchDispatchMode``. An op that reads a
 device value on the host (``_local_scalar_dense``: ``.item()``, ``float()``, ``tolist()``;
@@ -189,7 +190,7 @@ CORRECTIONS = {
     "trl_sequence_mask": corrections.TrlCorrection("sequence_mask", 0.5, 3.0),
     "verl_is_rs": corrections.VerlCorrection(rollout_is="sequence", rollout_is_batch_normalize=True,
                                              rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.5_2.0,1.0"),
-    "openrlhf_seq_mask_tis": corrections.OpenRLHFCorrection("seq-mask-tis", (0.5, 2.0)),
+    "openrlhf_seq_mask_tis": corrections.OpenRLHFCorrection("seq", "mask", is_correction_threshold=(0.5, 2.0)),
     "nemo_rl_seq_mask_tis": corrections.NemoRLCorrection("seq-mask-tis", 2.0, 0.5),
     "swift_sequence_truncate": corrections.SwiftCorrection("sequence_truncate"),
     "skyrl": corrections.SkyRLCorrection("sequence", sequence_mask_metric="geometric", geo_mask_low=0.5,

@@ -1,4 +1,5 @@
-"""Error messages name what the user passed and why it is refused (issue 39's probes as a user would)."""
+"""Error messages name what the user passed and why it is refused, probed through
+the public functions as a user calls them."""
 
 from __future__ import annotations
 

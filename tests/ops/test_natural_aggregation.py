@@ -1,5 +1,5 @@
-"""A method whose authors or framework fix its aggregation (issue 41.1.5) aggregates by it wherever the caller
-names none: fused_dgpo_loss (both kernel sets), fused_linear_dgpo_loss, reference_loss, DGPOLoss and DGPOConfig;
+"""A method whose authors or framework fix its aggregation (``MethodSpec.aggregation``) aggregates by it
+wherever the caller names none: fused_dgpo_loss (both kernel sets), fused_linear_dgpo_loss, reference_loss, DGPOLoss and DGPOConfig;
 an explicit aggregation still wins. Before, the loss functions took token_mean for every method: geo_mean gave
 -0.069460 where verl's geo_mean (a mean over responses, whatever loss_agg_mode says) gives -0.223223."""
 

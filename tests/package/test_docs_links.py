@@ -4,8 +4,8 @@ README stays short; the trainer's sources and the tests' module docstrings cite 
 and the generated parts of the docs pages are what their generators write now (the
 benchmark tables of docs/benchmarks.md, the compile report's markers in docs/aot_report.md).
 
-The README's method table and docs/integrations.md's verl table have their own tests
-(tests/methods/test_method_recipe.py, tests/integrations/test_verl_params.py)."""
+The README's method table, docs/integrations.md's verl table and docs/design.md's table of method files have
+their own test (tests/package/test_generated_docs.py)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_readme_is_short():
 
 def test_design_doc_describes_every_part_of_the_layout():
     """tests/package/test_imports.py enforces the layout; docs/design.md's "Layout" section describes it."""
-    from test_imports import LAYERS
+    from test_imports import LAYERS, part_folder
 
     text = (REPO / "docs" / "design.md").read_text()
     assert "layout" in anchors(REPO / "docs" / "design.md")
@@ -141,7 +141,7 @@ def test_design_doc_describes_every_part_of_the_layout():
     end = layout.find("\n## ", 1)
     layout = layout if end < 0 else layout[:end]
     for part in LAYERS:
-        folder = f"`{part}/" if part in ("kernels", "trainer") else f"`dgpo_ops/{part}"
+        folder = f"`{part_folder(part).relative_to(REPO).as_posix()}"
         assert folder in layout, f"docs/design.md, Layout: no {folder}`"
 
 

@@ -5,12 +5,13 @@ architecture to a higher one.
 The checkout's three parts are the folders ``kernels/`` (installed as ``dgpo_ops.kernels``), ``dgpo_ops/``
 and ``trainer/`` (installed as ``dgpo_ops.trainer``). Their layers, lowest first (docs/design.md, "Layout"):
 
-    kernels -> methods -> core -> layouts -> ops -> distributed -> api -> integrations | trainer
+    kernels -> methods -> core -> layouts -> ops -> distributed -> api -> integrations | trainer -> app
 
 ``dgpo_ops.kernels`` imports nothing else of the package; ``dgpo_ops.api`` and the package's own
-``__init__`` are the public front; ``integrations`` and ``trainer`` sit side by side on top of it and do
-not import each other. The ``dgpo-ops`` command (``trainer/command.py``) is the trainer's, the one part that
-may import all the others.
+``__init__`` are the public front; ``integrations`` and ``trainer`` (the library: ``DGPOTrainer``,
+``DGPOConfig``) sit side by side on top of it and do not import each other. The ``dgpo-ops`` command and its
+``train`` app (``trainer/app/``, installed as ``dgpo_ops.trainer.app``) are the top, the one part that may
+import all the others; the trainer library imports nothing of it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ PACKAGE = REPO / "dgpo_ops"
 # Each folder of the checkout and the package it installs as (pyproject.toml's package-dir).
 PARTS = {REPO / "kernels": "dgpo_ops.kernels", PACKAGE: "dgpo_ops", REPO / "trainer": "dgpo_ops.trainer"}
 LAYERS = {"kernels": 0, "methods": 1, "corrections": 1.5, "core": 2, "layouts": 3, "ops": 4, "distributed": 5, "api": 6,
-          "integrations": 7, "trainer": 7}
+          "integrations": 7, "trainer": 7, "app": 8}
+APP = "dgpo_ops.trainer.app"
+# The folder of each layer outside dgpo_ops/ (the others are dgpo_ops/<layer>)
+FOLDERS = {"kernels": REPO / "kernels", "trainer": REPO / "trainer", "app": REPO / "trainer" / "app"}
+
+
+def part_folder(part: str) -> pathlib.Path:
+    return FOLDERS.get(part, PACKAGE / part)
 
 
 def module_name(path: pathlib.Path, folder: pathlib.Path) -> str:
@@ -76,6 +84,8 @@ def layer_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1 or parts[1] == "api":
         return "api"
+    if module == APP or module.startswith(APP + "."):
+        return "app"
     return parts[1]
 
 
@@ -115,7 +125,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_function_local_imports():
     # The check is only as good as the parser: a local import must count as an edge.
     graph = import_graph()
-    assert "dgpo_ops.trainer.cli" in graph["dgpo_ops.trainer.command"]  # imported inside main()
+    assert "dgpo_ops.trainer.app.cli" in graph["dgpo_ops.trainer.app.command"]  # imported inside main()
+    assert "dgpo_ops.trainer.vllm_cpu" in graph["dgpo_ops.trainer.trainer"]  # inside DGPOTrainer.__init__
     assert "dgpo_ops.kernels.interface" in graph["dgpo_ops.core.validation"]
 
 
@@ -139,10 +150,25 @@ def test_imports_run_down_the_layers():
     assert upward == []
 
 
+def test_the_trainer_library_imports_nothing_of_the_app():
+    """``DGPOTrainer`` and ``DGPOConfig`` work without the ``dgpo-ops train`` app: no module of ``trainer/``
+    outside ``trainer/app/`` imports one inside it (function-local imports included)."""
+    graph = import_graph()
+    assert APP in graph and any(module.startswith(APP + ".") for module in graph)
+    library = [module for module in graph if module.startswith("dgpo_ops.trainer") and layer_of(module) == "trainer"]
+    assert "dgpo_ops.trainer.trainer" in library and "dgpo_ops.trainer.config" in library
+    assert sorted(f"{module} -> {target}" for module in library for target in graph[module]
+                  if layer_of(target) == "app") == []
+
+
+def test_the_layer_check_refuses_a_library_import_of_the_app():
+    assert LAYERS[layer_of("dgpo_ops.trainer.app.cli")] > LAYERS[layer_of("dgpo_ops.trainer.trainer")]
+    assert layer_of(APP) == "app" and layer_of("dgpo_ops.trainer.apparatus") == "trainer"
+
+
 @pytest.mark.parametrize("part", sorted(set(LAYERS) - {"api"}))
 def test_every_part_is_a_folder(part):
-    folder = REPO / part if part in ("kernels", "trainer") else PACKAGE / part
-    assert (folder / "__init__.py").is_file()
+    assert (part_folder(part) / "__init__.py").is_file()
 
 
 def test_no_module_outside_a_part():

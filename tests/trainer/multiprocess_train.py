@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from dgpo_ops.trainer import DGPOConfig, DGPOTrainer  # noqa: E402
-from dgpo_ops.trainer.cli import exit_process  # noqa: E402
+from dgpo_ops.trainer.app.cli import exit_process  # noqa: E402
 from trainer_fixtures import build_tokenizer, length_reward, prompt_dataset  # noqa: E402
 
 model_dir, out = sys.argv[1], pathlib.Path(sys.argv[2])

@@ -1,4 +1,5 @@
-"""DGPOConfig checks every field when it is made, not at the first training step (issue 13, item 5)."""
+"""DGPOConfig checks every field when it is made, not at the first training step, so
+a bad setting fails before the model is loaded."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_the_chosen_method_names_policy_loss_and_trl_fields(tmp_path):
 @pytest.mark.parametrize("name", POLICY_LOSSES)
 def test_unset_fields_give_every_method_its_table_defaults(tmp_path, name):
     """Every parameter of every method and alias is the table's default (the alias's preset) when no field
-    is set (issue 24, item 5: dcpo's eps_low is 0.16, not TRL's epsilon 0.2); a parameter without a default
+    is set (dcpo's eps_low is 0.16, not TRL's epsilon 0.2); a parameter without a default
     (dro's dro_beta, as verl's) is refused unset, naming its field."""
     method, presets = resolve(name)
     required = required_params(name)
@@ -121,7 +122,7 @@ def test_every_method_and_alias_gives_loss_options_that_run_it(tmp_path, name):
                                                                         config.importance_sampling_level)
 
 
-# ---- which objective trains: policy_loss and TRL's loss_type (issue 33)
+# ---- which objective trains: policy_loss and TRL's loss_type
 
 
 @pytest.mark.parametrize("fields, method, loss_type, aggregation", [

@@ -1,4 +1,4 @@
-"""DGPOTrainer is GRPOTrainer, fused (issue 33): every field of TRL's GRPOConfig either gives GRPOTrainer's
+"""DGPOTrainer is GRPOTrainer, fused: every field of TRL's GRPOConfig either gives GRPOTrainer's
 first update -- loss, gradients, gradient norm and logged metrics on the same weights and batch, the old
 log-probs off-policy so that the check depends on the weights -- or is refused when DGPOConfig is made, with a
 message that says what to use instead.
@@ -326,6 +326,21 @@ def test_dgpo_trainer_overrides_only_the_loss():
                   if hasattr(GRPOTrainer, name) and (callable(value) or isinstance(value, property))
                   and (not name.startswith("__") or name == "__init__")}
     assert overridden == set(OVERRIDES)
+
+
+def test_no_two_mixins_override_one_method():
+    """Each method DGPOTrainer changes has one definition among its mixins: their order in the class list decides
+    nothing (a second override would run or not by that order, through ``super()``)."""
+    from dgpo_ops.trainer import DGPOTrainer
+    from trl import GRPOTrainer
+
+    mro = DGPOTrainer.__mro__
+    definers = {}
+    for cls in mro[:mro.index(GRPOTrainer)]:
+        for name, value in vars(cls).items():
+            if callable(value) and not name.startswith("__"):
+                definers.setdefault(name, []).append(cls.__name__)
+    assert {name: classes for name, classes in definers.items() if len(classes) > 1} == {}
 
 
 # ----------------------------------------------------------------------------- first updates

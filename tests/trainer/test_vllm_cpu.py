@@ -218,7 +218,7 @@ def test_train_command_generates_with_vllm_on_cpu(tmp_path):
             "--eval-size", "4", "--train-size", "16", "--hidden-size", "64", "--layers", "1", "--heads", "2",
             "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "8",
             "--per_device_train_batch_size", "8"]
-    result = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.command", "train", *args], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.app.command", "train", *args], capture_output=True, text=True,
                             timeout=600, cwd=tmp_path, env=env, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     run = json.loads((tmp_path / "run" / "run.json").read_text())["runs"][0]

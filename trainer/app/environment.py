@@ -1,5 +1,6 @@
 """Where a result was measured: the code's commit and the software and machine it ran on. One
-description for the benchmarks (``bench/``) and for ``dgpo-ops train``'s ``run.json``."""
+description for the benchmarks (``bench/``) and for ``dgpo-ops train``'s ``run.json``: the app's, since it reads
+the checkout's git metadata, which the library never does (``tests/package/test_no_checkout_paths.py``)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import platform
 import sys
 import time
 
-from dgpo_ops.core.environment import code_commit
-from dgpo_ops.methods.styles import style
+from dgpo_ops.trainer.app.environment import code_commit
+from dgpo_ops.trainer.app.styles import style
 
 REGION_KEYS = {"ln": "clip_ratio/low_mean", "hp": "clip_ratio/high_mean", "lp": "clip_ratio/lp_mean",
                "hn": "clip_ratio/hn_mean"}
@@ -148,7 +148,7 @@ def _band(per_seed: list[dict[int, float]]):
 
 def plot_runs(result: dict, path) -> pathlib.Path:
     """Held-out accuracy, the training curves (mean over seeds, min-max band), per-seed before ->
-    after, and the final numbers; one colour and dash per method (``dgpo_ops.methods.styles``)."""
+    after, and the final numbers; one colour and dash per method (``dgpo_ops.trainer.app.styles``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -295,13 +295,13 @@ def merge_results(results: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dgpo_ops.trainer.report run.json [more.json ...] [--out curves.png] [--merged all.json]``:
+    """``python -m dgpo_ops.trainer.app.report run.json [more.json ...] [--out curves.png] [--merged all.json]``:
     the figure and the final numbers of a committed run, from its JSON alone; several JSONs of the same
     command on other seeds are merged first."""
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m dgpo_ops.trainer.report", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dgpo_ops.trainer.app.report", description=main.__doc__)
     parser.add_argument("run_json", nargs="+")
     parser.add_argument("--out", default=None, help="figure path (default: next to the (merged) JSON, .png)")
     parser.add_argument("--merged", default=None, help="write the merge of several JSONs here")

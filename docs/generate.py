@@ -1,0 +1,141 @@
+"""The docs' generated tables, written from the code so that they cannot drift from it:
+
+    python docs/generate.py            # rewrite every table below in place
+    python docs/generate.py --check    # exit 1 and name each stale table (tests/package/test_generated_docs.py)
+
+* README.md, between ``<!-- methods:start -->`` and ``<!-- methods:end -->``: every method and alias, its
+  parameters and the ``DGPOConfig`` field each is read from (``trainer/method_fields.py``);
+* docs/integrations.md, between ``<!-- verl-methods:start -->`` and ``<!-- verl-methods:end -->``: verl's loss
+  names and the verl field each parameter is read from (``dgpo_ops/integrations/verl_params.py``); between
+  ``<!-- skyrl-methods:start -->`` and ``<!-- skyrl-methods:end -->``: SkyRL's, and the field of its algorithm config
+  each parameter is read from (``dgpo_ops/integrations/skyrl_params.py``);
+* docs/design.md, between ``<!-- method-files:start -->`` and ``<!-- method-files:end -->``: each method's file,
+  its Triton branch (``MethodId``) and the stage that evaluates it (``method_files_markdown`` below);
+* docs/normalization.md, between ``<!-- framework-aggregations:start -->`` and ``<!-- framework-aggregations:end
+  -->``: every framework's aggregation row (``dgpo_ops.FRAMEWORK_AGGREGATIONS``), what it divides by.
+
+A tool of the checkout, not of the package: the library and the trainer hand back markdown and never read a
+checkout path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Section(NamedTuple):
+    page: str  # relative to the checkout
+    start: str
+    end: str
+    body: Callable[[], str]
+
+
+def method_files_markdown() -> str:
+    """docs/design.md's table: where each method lives and what evaluates it."""
+    from dgpo_ops.methods.table import METHODS
+
+    lines = ["| method | file | Triton branch | evaluated |", "|---|---|---|---|"]
+    for name, spec in METHODS.items():
+        path = f"`dgpo_ops/methods/{spec.config.__module__.rpartition('.')[2]}.py`"
+        if spec.token_local:
+            branch, stage = f"`MethodId.{spec.config.method_id.name}`", "per token: the row kernels' epilogue"
+        elif spec.sequence_statistic is not None:
+            branch, stage = "-", f"the torch objective, at its sequence statistic `{spec.sequence_statistic.__name__}`"
+        elif spec.token_selection is not None:
+            branch, stage = "-", f"the torch objective, then its token selection `{spec.token_selection.__name__}`"
+        else:
+            branch, stage = "-", "the torch objective (it reads each response's score)"
+        lines.append(f"| `{name}` | {path} | {branch} | {stage} |")
+    return "\n".join(lines) + "\n"
+
+
+def framework_aggregations_markdown() -> str:
+    """docs/normalization.md's table: each framework's aggregation mode, what one call divides by, what a whole
+    step passes as ``loss_normalizer``, and the framework's source."""
+    from dgpo_ops.core.aggregation import FRAMEWORK_AGGREGATIONS
+    from dgpo_ops.kernels.interface import Denominator
+
+    words = {Denominator.TOKENS: "scored tokens", Denominator.RESPONSES: "responses (every row)",
+             Denominator.GRID: "responses x T", Denominator.ONE: "1",
+             Denominator.SCORED_RESPONSES: "responses with a scored token", Denominator.HORIZON: "T"}
+    lines = ["| aggregation | each token weighs | divided by (one call) | over a whole step | source |",
+             "|---|---|---|---|---|"]
+    for name, row in FRAMEWORK_AGGREGATIONS.items():
+        weight = "1 / its response length" if row.per_response else "1"
+        lines.append(f"| `{name}` | {weight} | {words[row.denominator]} | {row.global_normalizer} | {row.source} |")
+    return "\n".join(lines) + "\n"
+
+
+def _readme_methods() -> str:
+    from dgpo_ops.trainer.method_fields import method_table_markdown
+
+    return method_table_markdown()
+
+
+def _verl_methods() -> str:
+    from dgpo_ops.integrations.verl_params import verl_table_markdown
+
+    return verl_table_markdown()
+
+
+def _skyrl_methods() -> str:
+    from dgpo_ops.integrations.skyrl_params import skyrl_table_markdown
+
+    return skyrl_table_markdown()
+
+
+SECTIONS = (
+    Section("README.md", "<!-- methods:start -->", "<!-- methods:end -->", _readme_methods),
+    Section("docs/integrations.md", "<!-- verl-methods:start -->", "<!-- verl-methods:end -->", _verl_methods),
+    Section("docs/integrations.md", "<!-- skyrl-methods:start -->", "<!-- skyrl-methods:end -->", _skyrl_methods),
+    Section("docs/design.md", "<!-- method-files:start -->", "<!-- method-files:end -->", method_files_markdown),
+    Section("docs/normalization.md", "<!-- framework-aggregations:start -->", "<!-- framework-aggregations:end -->",
+            framework_aggregations_markdown),
+)
+
+
+def with_section(text: str, start: str, end: str, body: str) -> str:
+    """``text`` with the part between the markers ``start`` and ``end`` replaced by ``body``."""
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if len(pattern.findall(text)) != 1:
+        raise ValueError(f"expected one {start} ... {end} section")
+    return pattern.sub(lambda _: f"{start}\n{body}{end}", text)
+
+
+def stale_sections(root: Path = REPO) -> list[str]:
+    """The sections whose text is not what the code writes now (``page: start``)."""
+    stale = []
+    for section in SECTIONS:
+        text = (root / section.page).read_text()
+        if with_section(text, section.start, section.end, section.body()) != text:
+            stale.append(f"{section.page}: {section.start}")
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python docs/generate.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_sections()
+        for name in stale:
+            print(f"stale: {name} (run python docs/generate.py)", file=sys.stderr)
+        return 1 if stale else 0
+    for section in SECTIONS:
+        page = REPO / section.page
+        page.write_text(with_section(page.read_text(), section.start, section.end, section.body()))
+        print(f"wrote {section.page}: {section.start}")
+    return 0
+
+
+if __name__ == "__main__":
+    if str(REPO) not in sys.path:  # `python docs/generate.py` from anywhere imports the checkout's package
+        sys.path.insert(0, str(REPO))
+    sys.exit(main())

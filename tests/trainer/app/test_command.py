@@ -1,0 +1,87 @@
+"""The ``dgpo-ops`` command: its help, ``table`` and ``plot``, and ``train`` on an install without the "train"
+extra."""
+
+import importlib.metadata
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from dgpo_ops.methods.table import GATES, METHODS
+from dgpo_ops.trainer.app import command as cli
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+def test_table_lists_every_method_for_both_signs(capsys):
+    assert cli.main(["table"]) == 0
+    out = capsys.readouterr().out
+    for name in [m for m in METHODS if m != "sapo"] + [f"sapo {gate}" for gate in GATES]:
+        assert f"\n{name} " in out
+    assert out.count("\ndgpo ") == 2
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "atlas.png"
+    assert cli.main(["plot", "--out", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def test_help_opens_with_what_the_command_does_for_a_user(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    opening = out[:out.index("positional arguments")].split("\n\n", 1)[1]  # what follows the usage line
+    assert opening.split()[0] == "Train" and "held-out accuracy" in opening
+    for command in ("train", "table", "plot"):
+        assert f"dgpo-ops {command} " in opening
+    for internal in (".py", "``", "import", "TRL", "module", "dgpo_ops"):  # the package's inside, not the user's
+        assert internal not in opening, internal
+
+
+def test_version_names_the_installed_package(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.split() == ["dgpo-ops", importlib.metadata.version("dgpo-ops")]
+
+
+# `dgpo-ops train` where the library was installed without the "train" extra: trl cannot be imported.
+WITHOUT_TRL = """
+import sys
+
+class NoTRL:
+    def find_spec(self, name, path=None, target=None):
+        if name == "trl" or name.startswith("trl."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTRL())
+from dgpo_ops.trainer.app.command import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("args", [["train"], ["train", "--help"], ["train", "--method", "grpo"]])
+def test_train_without_trl_names_the_extra_to_install(args):
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRL, *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [(
+        "dgpo-ops train: error: training needs the packages of dgpo-ops' \"train\" extra, and trl is not installed: "
+        'pip install "dgpo-ops[train]"')]
+    assert result.stdout == ""
+
+
+def test_the_other_commands_run_without_trl():
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRL, "table"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0 and "psi(r)" in result.stdout, result.stderr
+
+
+def test_only_the_extras_missing_packages_are_reported_as_such():
+    assert "dgpo-ops[train]" in cli.missing_train_extra(ModuleNotFoundError(name="transformers.models"))
+    assert cli.missing_train_extra(ModuleNotFoundError(name="trlx")) is None
+    assert cli.missing_train_extra(ImportError("cannot import name 'x'")) is None
