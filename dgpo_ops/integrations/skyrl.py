@@ -35,6 +35,7 @@ from skyrl.train.config import TrainerConfig as SkyRLTrainerConfig
 from dgpo_ops.corrections.core import CorrectionInputs, weight_metrics
 from dgpo_ops.integrations.config_fields import check_method_params
 from dgpo_ops.integrations.skyrl_params import (
+    CORRECTION,
     LOSS_TYPES,
     METHOD_PARAMS,
     NEEDS_ROLLOUT_LOGPROBS,
@@ -113,6 +114,11 @@ def skyrl_policy_loss(policy_loss_type: str, log_probs, old_log_probs, advantage
         raise ValueError(f"the policy loss {policy_loss_type} takes its ratio against rollout_logprobs (the inference "
                          "engine's log-probs), which SkyRL did not pass: enable them in the generator")
     correction = correction_from_skyrl(config)
+    if correction is not None:  # the options SkyRL's numbers need (SkyRLCorrection.check_options: GSPO-token)
+        try:
+            correction.check_options(options)
+        except ValueError as error:
+            raise ValueError(f"{CORRECTION}: {error}") from None
     off_policy, kept = None, mask
     weights = ("off_policy_correction weights", None)
     if correction is not None and rollout_logprobs is not None:  # SkyRL corrects only where it has them

@@ -167,7 +167,7 @@ SAME_LOSSES = {
 }
 # SkyRL's clip_cov and kl_cov apply no off-policy correction (ours do: docs/integrations.md); GSPO at sequence level
 # differentiates the sequence ratio, which is SkyRL's GSPO-token gradient unless the correction's weights vary within
-# a response (token TIS, the per-token mask): test_gspo_differs_only_where_weights_vary_within_a_response.
+# a response (token TIS, the per-token mask): that is refused (test_gspo_with_per_token_weights_is_refused).
 UNCORRECTED = {"clip_cov", "kl_cov"}
 PER_TOKEN_WEIGHTS = {"token_tis", "masks"}
 CASES = [(loss, reduction, correction) for loss in SAME_LOSSES for reduction in REDUCTIONS for correction in CORRECTIONS
@@ -203,17 +203,14 @@ def test_skyrls_own_losses(loss, reduction, correction):
 
 
 @pytest.mark.parametrize("correction", sorted(PER_TOKEN_WEIGHTS))
-def test_gspo_differs_only_where_weights_vary_within_a_response(correction):
-    """With per-token weights GSPO-token (SkyRL's) and the differentiated sequence ratio (ours) give the same loss
-    and the same gradient summed over each response, not per token: docs/integrations.md says so."""
+def test_gspo_with_per_token_weights_is_refused(correction):
+    """SkyRL's gspo is GSPO-token: a per-token weight (token TIS, the per-token mask) scales each token's own
+    gradient, which GSPO's differentiated sequence ratio would spread over the response; dgpo-ops refuses the
+    combination (SkyRLCorrection.check_options), naming the correction and the option."""
     logp, old, roll, advantages, mask = rollout(seed=2)
-    scaled = skyrl_advantages(advantages, mask, "sequence_mean")
-    theirs, their_config, ours, our_config = configs("gspo", "sequence_mean", correction)
-    their_losses, their_grad, _ = through_registry(theirs, their_config, logp, old, scaled, mask, roll)
-    our_losses, our_grad, _ = through_registry(ours, our_config, logp, old, scaled, mask, roll)
-    torch.testing.assert_close(our_losses, their_losses, rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(our_grad.sum(-1), their_grad.sum(-1), rtol=1e-5, atol=1e-8)
-    assert not torch.allclose(our_grad, their_grad, rtol=1e-5, atol=1e-8)
+    _, _, ours, our_config = configs("gspo", "sequence_mean", correction)
+    message = value_error_message(lambda: through_registry(ours, our_config, logp, old, advantages, mask, roll))
+    assert "trainer.algorithm.off_policy_correction" in message and "importance_sampling_level" in message
 
 
 @pytest.mark.parametrize("dppo_type,ours", [("binary_tv", "dgpo_ops.dppo_tv"), ("binary_kl", "dgpo_ops.dppo_kl")])
@@ -344,18 +341,25 @@ def test_main_is_skyrls_with_this_config(monkeypatch):
                          "trainer.algorithm.policy_loss_type=dgpo_ops.nope"])
 
 
-@pytest.mark.parametrize("name,level", [("geo_mean", "token"), ("vespo", "token"), ("grpo", "sequence")])
-def test_a_rejection_drops_the_tokens_term_and_leaves_the_sequence_statistic(name, level):
-    """SkyRL's rejections (here its outlier, per-token and product masks, no TIS) take a token's term out of the sum
-    after the loss: a method evaluated at a statistic of its response's log-ratios keeps the token in that statistic.
-    The oracle: the objective without a correction, summed over SkyRL's own corrected loss_mask."""
+RESPONSE_MASKS = {"outlier_token_is_threshold_high": 1.6, "sequence_mask_metric": "product", "product_mask_low": 0.5,
+                  "product_mask_high": 2.0}  # rejects whole responses only
+
+
+@pytest.mark.parametrize("name,level,correction", [("geo_mean", "token", CORRECTIONS["masks"]),
+                                                   ("vespo", "token", CORRECTIONS["masks"]),
+                                                   ("grpo", "sequence", RESPONSE_MASKS)])
+def test_a_rejection_drops_the_tokens_term_and_leaves_the_sequence_statistic(name, level, correction):
+    """SkyRL's rejections (its outlier, per-token and product masks, no TIS; GSPO's ratio takes per-response ones
+    only) take a token's term out of the sum after the loss: a method evaluated at a statistic of its response's
+    log-ratios keeps the token in that statistic. The oracle: the objective without a correction, summed over SkyRL's
+    own corrected loss_mask."""
     from dgpo_ops.integrations.skyrl_params import loss_options
     from dgpo_ops.integrations.token_grid import grid_objective
 
     logp, old, roll, advantages, mask = rollout(seed=2)
     scaled = skyrl_advantages(advantages, mask, "sequence_mean")
     config = dgpo_skyrl.AlgorithmConfig(policy_loss_type=f"dgpo_ops.{name}", importance_sampling_level=level,
-                                        off_policy_correction=OffPolicyCorrectionConfig(**CORRECTIONS["masks"]))
+                                        off_policy_correction=OffPolicyCorrectionConfig(**correction))
     losses, grad, _ = through_registry(f"dgpo_ops.{name}", config, logp, old, scaled, mask, roll)
     _, _, corrected_mask = compute_off_policy_correction(old, roll, mask, config.off_policy_correction)
     assert ((corrected_mask == 0) & (mask > 0)).any()
