@@ -98,7 +98,7 @@ def derived(kind: str, spec, method: str | None) -> dict:
     ``tl.load``/``tl.store``: inside the ``for`` over vocabulary tiles with an ``offsets`` address it is
     row traffic (the pointer's element size per vocabulary entry), otherwise one scalar per token. The
     element size comes from the pointer's type in the AOT signature. The method's parameter words are
-    loaded by ``method_table.token_terms`` (``param_words``), called with ``method_params_ptr``. A helper of
+    loaded by ``method_table.kernel_token_terms`` (``param_words``), called with ``method_params_ptr``. A helper of
     the kernel's own module called as a statement (``finish_row``) is walked as part of the kernel."""
     import triton
 

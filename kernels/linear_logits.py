@@ -298,8 +298,8 @@ def vocabulary_splits(n_tokens: int, vocab: int, shape: GemmShape) -> tuple[int,
     return cdiv(vocab, split_width), split_width
 
 
-def linear_logprob_entropy(hidden, weight, bias, batch, workspace, projection: OnChipProjection, epilogue=None) -> None:
-    """The forward planes of every token of ``batch`` (a ``TokenInputs``; ``hidden`` is ``(N, H)`` in
+def on_chip_forward_planes(hidden, weight, bias, batch, workspace, projection: OnChipProjection, epilogue=None) -> None:
+    """The forward planes of every token of ``batch`` (a ``RowInputs``; ``hidden`` is ``(N, H)`` in
     its token order) into ``workspace``, as ``logprob_entropy`` writes them from logits."""
     n_tokens, hidden_dim = hidden.shape
     vocab = weight.shape[0]

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import codes
 from .interface import next_power_of_2
-from .method_table import token_terms
+from .method_table import kernel_token_terms
 from .tokens import read_targets
 
 
@@ -179,7 +179,7 @@ def finish_row(per_token_ptr, token, n_tokens, b, t, valid, row_max, sum_exp, su
                                other=0.0).to(tl.float32)
         else:
             old_logp = logp
-        loss, dloss_dlogp, psi, region, ratio_used = token_terms(logp - old_logp, adv, old_logp, logp,
+        loss, dloss_dlogp, psi, region, ratio_used = kernel_token_terms(logp - old_logp, adv, old_logp, logp,
                                                                  method_params_ptr, METHOD, GATE)
         if HAS_ROLLOUT_WEIGHTS:
             weight = tl.load(rollout_weights_ptr + b * rw_stride_b + t * rw_stride_t, mask=valid,
@@ -240,7 +240,7 @@ def logits_rows(logits):
 def logprob_entropy(logits, batch, workspace, inv_temperature: float, epilogue=None, token_offset: int = 0,
                     block_v=None, vocab_split=None) -> None:
     """Launch the forward kernel on ``(B, T, V)`` or ``(N, V)`` logits (any strides); its rows are
-    tokens ``token_offset ...`` of ``batch`` (a ``TokenInputs``). Writes ``workspace.per_token``.
+    tokens ``token_offset ...`` of ``batch`` (a ``RowInputs``). Writes ``workspace.per_token``.
 
     With ``epilogue`` (an ``EpilogueInputs``) the method's per-token terms are computed in the same
     program. Also writes ``workspace.target_index`` (the target id, or -1 for a token not scored).

@@ -1,7 +1,7 @@
 """Triton mirror of the per-token rows of the method table (``dgpo_ops/methods/``) for the kernels' epilogue.
 
 Only the methods the row kernels evaluate have a row here: those with a ``MethodId`` (each token's terms from
-that token's inputs alone, ``MethodSpec.token_local``). ``token_terms`` takes one token's scalars and the fp32
+that token's inputs alone, ``MethodSpec.token_local``). ``kernel_token_terms`` takes one token's scalars and the fp32
 parameter vector a ``MethodConfig`` lowers to (``kernel_params``), and returns ``(L, dL/dl, psi, region, r)``.
 The method is a constexpr switch that names every ``MethodId`` and fails to compile on any other value
 (``tl.static_assert``), so a method without a Triton branch is a compile error, never another method's
@@ -216,7 +216,7 @@ def _dppo_terms(log_ratio, r, adv, old_logp, logp, params_ptr, BINARY_KL: tl.con
 
 @triton.jit
 def _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, SYMMETRIC: tl.constexpr):
-    # -A adv_tau r on the kept tokens; token_terms adds the penalty (as dro's)
+    # -A adv_tau r on the kept tokens; kernel_token_terms adds the penalty (as dro's)
     delta_low = tl.load(params_ptr + codes.PARAM_THRESHOLD_LOW)
     delta_high = tl.load(params_ptr + codes.PARAM_THRESHOLD_HIGH)
     moved = tl.exp(logp) - tl.exp(old_logp)
@@ -235,7 +235,7 @@ def _prime_terms(log_ratio, r, adv, old_logp, logp, params_ptr, SYMMETRIC: tl.co
 
 
 @triton.jit
-def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
+def kernel_token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr, GATE: tl.constexpr):
     """(L, dL/dl, psi, region, r) of one token: ``r`` is the ratio psi was evaluated at (exp of the clamped
     log ratio); dL/dl is -A psi plus a penalty's slope where the method has one (dro). ``logp`` is the token's
     own log-prob (cispo's value uses it). A switch over the method ids that fails to compile on any other."""
@@ -270,7 +270,7 @@ def token_terms(log_ratio, adv, old_logp, logp, params_ptr, METHOD: tl.constexpr
     elif METHOD == codes.METHOD_BANDED_IS:
         loss, psi, region = _banded_is_terms(log_ratio, r, adv, old_logp, logp, params_ptr)
     else:
-        tl.static_assert(False, "token_terms: unknown METHOD id (add the method's function and branch here)")
+        tl.static_assert(False, "kernel_token_terms: unknown METHOD id (add the method's function and branch here)")
     dloss_dlogp = -adv * psi
     # (beta / 2) (l - l_old)^2: a slope not proportional to A (dro's; prime-rl's kl_tau term with beta = 2 kl_tau)
     if (METHOD == codes.METHOD_DRO) or (METHOD == codes.METHOD_PRIME_DPPO) or (METHOD == codes.METHOD_PRIME_IPO):

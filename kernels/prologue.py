@@ -202,7 +202,7 @@ def prologue_warps(finalizes: bool) -> int:
 
 def token_prologue(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes, normalizer,
                    finalize=None) -> None:
-    """Launch the prologue over a ``TokenInputs`` batch (``dgpo_ops.kernels.row_io``).
+    """Launch the prologue over a ``RowInputs`` batch (``dgpo_ops.kernels.row_io``).
 
     ``status`` must hold zeros (its arrival counter); ``aggregation_codes`` is
     ``(per_response, Denominator)``; ``normalizer`` a ``(Normalizer, float, tensor or None)``.

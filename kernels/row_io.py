@@ -25,7 +25,7 @@ def on_token_grid(value: torch.Tensor, flat: bool, grid: tuple[int, int]) -> tor
 
 
 @dataclass
-class TokenInputs:
+class RowInputs:
     """The per-token inputs of one call on its ``(B, T)`` grid, as the caller passed them.
 
     Nothing is converted or copied: the kernels read each tensor with its own dtype and strides.

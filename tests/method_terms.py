@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 import dgpo_ops
-from dgpo_ops.kernels.method_table import token_terms as mirror_token_terms
+from dgpo_ops.kernels.method_table import kernel_token_terms as mirror_token_terms
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from dgpo_ops.core.aggregation import (
 )
 from dgpo_ops.core.validation import MESSAGES
 from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
-from dgpo_ops.kernels.row_io import TokenInputs, compute_dtype, on_token_grid
+from dgpo_ops.kernels.row_io import RowInputs, compute_dtype, on_token_grid
 from dgpo_ops.methods.table import METHODS
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -114,7 +114,7 @@ def _check_float_input(name, value, grid_shape, device, allow_per_response):
 
 
 def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregation="token_mean",
-                 sequence_reason: str | None = None) -> TokenInputs:
+                 sequence_reason: str | None = None) -> RowInputs:
     """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``. ``sequence_reason``:
     why the call needs each response's tokens together (``LossOptions.sequence_reason``), None where it does
     not."""
@@ -158,7 +158,7 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregati
         for name, value in ((name, getattr(batch, name)) for name in PER_TOKEN_FLOATS)
     }
     scores = _check_float_input("scores", batch.scores, token_shape, device, allow_per_response=not flat)
-    return TokenInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
+    return RowInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
                        mask=None if mask is None else mask.detach(), scores=scores, **floats)
 
 
@@ -178,7 +178,7 @@ def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.T
     return Normalizer.VALUE, float(loss_normalizer), None
 
 
-def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=torch.float32) -> None:
+def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torch.float32) -> None:
     """Check the values now (host reads: a sync on CUDA tensors), with the errors the prologue
     kernel would report later. Per-token floats must be finite in the per-token compute ``dtype``
     (fp32, or fp64 for fp64 logits): an fp64 1e39 would be inf where the loss is computed."""
@@ -207,7 +207,7 @@ def check_values(inputs: TokenInputs, vocab: int, loss_normalizer=None, dtype=to
         check_normalizer_value(float(tensor))
 
 
-def canonical_batch(inputs: TokenInputs, scored: torch.Tensor, scale: torch.Tensor, dtype) -> TokenBatch:
+def canonical_batch(inputs: RowInputs, scored: torch.Tensor, scale: torch.Tensor, dtype) -> TokenBatch:
     """The objective's layout from the inputs, the scored-token mask ``(B, T)`` and the scales ``(B, T)``."""
     B, T = inputs.grid
 

@@ -38,7 +38,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def check_kl_inputs(batch, options: LossOptions) -> None:
     """The inputs the added terms read: ``ref_logps`` for the KL, ``scores`` for the positive-example NLL.
-    ``batch``: anything with both (a ``TokenBatch`` or the kernels' ``TokenInputs``)."""
+    ``batch``: anything with both (a ``TokenBatch`` or the kernels' ``RowInputs``)."""
     if options.beta != 0.0 and batch.ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps")
     if options.positive_nll_coef != 0.0 and batch.scores is None:

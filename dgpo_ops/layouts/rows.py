@@ -20,7 +20,7 @@ import torch
 import torch.distributed
 
 from dgpo_ops.core.inputs import LossBatch
-from dgpo_ops.kernels.row_io import RowWorkspace, TokenInputs
+from dgpo_ops.kernels.row_io import RowWorkspace, RowInputs
 from dgpo_ops.layouts.packed import PackedLayout
 from dgpo_ops.layouts.vocab import VocabShard, merge_row_partials, vocab_shard
 
@@ -90,12 +90,12 @@ class RowLayout:
         """The per-token inputs on the objective's grid (packed ones padded, O(tokens))."""
         return batch if self.packed is None else self.packed.padded_batch(batch)
 
-    def row_inputs(self, batch: LossBatch, grid_inputs: TokenInputs) -> TokenInputs:
+    def row_inputs(self, batch: LossBatch, grid_inputs: RowInputs) -> RowInputs:
         """What the row forward reads per row: the grid's inputs, or for packed rows the caller's flat target ids
         and mask in packed order (its other inputs are not read: a packed call has no epilogue)."""
         if self.packed is None:
             return grid_inputs
-        return TokenInputs((1, self.packed.n_tokens), True, batch.target_ids.detach(), grid_inputs.advantages,
+        return RowInputs((1, self.packed.n_tokens), True, batch.target_ids.detach(), grid_inputs.advantages,
                            None if batch.mask is None else batch.mask.detach())
 
     def merge(self, workspace: RowWorkspace) -> None:

@@ -24,7 +24,7 @@ from dgpo_ops.core.inputs import canonical_batch
 from dgpo_ops.core.objective import policy_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.kernels.interface import Plane
-from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, TokenInputs, on_token_grid
+from dgpo_ops.kernels.row_io import EpilogueInputs, RowWorkspace, RowInputs, on_token_grid
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.ops.inner_autograd import autograd_on_vectors
 
@@ -51,23 +51,23 @@ def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
     )
 
 
-def flat_token_inputs(inputs: TokenInputs) -> TokenInputs:
+def flat_token_inputs(inputs: RowInputs) -> RowInputs:
     """The per-token inputs as flat ``(B T,)`` tensors in the rows' order (a view where the layout allows)."""
     grid = inputs.grid
 
     def flat(value):
         return None if value is None else on_token_grid(value, inputs.flat, grid).reshape(-1)
 
-    return TokenInputs((1, grid[0] * grid[1]), True, flat(inputs.target_ids), flat(inputs.advantages),
+    return RowInputs((1, grid[0] * grid[1]), True, flat(inputs.target_ids), flat(inputs.advantages),
                        flat(inputs.mask), flat(inputs.old_logps), flat(inputs.ref_logps), flat(inputs.rollout_weights))
 
 
-def rows_of(inputs: TokenInputs, at: slice) -> TokenInputs:
+def rows_of(inputs: RowInputs, at: slice) -> RowInputs:
     """The tokens ``at`` of flat per-token inputs."""
     def take(value):
         return None if value is None else value[at]
 
-    return TokenInputs((1, at.stop - at.start), True, inputs.target_ids[at], inputs.advantages[at], take(inputs.mask),
+    return RowInputs((1, at.stop - at.start), True, inputs.target_ids[at], inputs.advantages[at], take(inputs.mask),
                        take(inputs.old_logps), take(inputs.ref_logps), take(inputs.rollout_weights))
 
 

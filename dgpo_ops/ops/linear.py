@@ -277,7 +277,7 @@ def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_
     then one gradient kernel that recomputes each tile and multiplies its gradient into the fp32
     accumulators. GSPO: the torch objective between the two, as on the tile path."""
     from dgpo_ops.kernels.linear_grad import linear_grads
-    from dgpo_ops.kernels.linear_logits import OnChipProjection, linear_logprob_entropy
+    from dgpo_ops.kernels.linear_logits import OnChipProjection, on_chip_forward_planes
 
     call, options = plan.call, plan.call.options
     softcap, logit_scale = plan.projection.softcap, plan.projection.logit_scale
@@ -290,7 +290,7 @@ def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_
         epilogue = epilogue_inputs(options, hidden.device) if call.uses_epilogue else None
 
         def sweep(_row_forward):  # the on-chip kernels make the logits and reduce the rows themselves
-            linear_logprob_entropy(hidden, weight, bias, call.inputs, workspace, projection, epilogue)
+            on_chip_forward_planes(hidden, weight, bias, call.inputs, workspace, projection, epilogue)
 
         result = forward_rows(call, workspace, sweep, "fused_linear_dgpo_loss", prologue_first=True)
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if wanted else None

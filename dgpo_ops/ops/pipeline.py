@@ -39,7 +39,7 @@ from dgpo_ops.core.objective import check_kl_inputs, entropy_weight_term, policy
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode, running_per_token_function
 from dgpo_ops.kernels.interface import Plane, Status
-from dgpo_ops.kernels.row_io import RowWorkspace, TokenInputs, compute_dtype
+from dgpo_ops.kernels.row_io import RowWorkspace, RowInputs, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
 from dgpo_ops.ops.backends import RowKernels, select_kernels
 from dgpo_ops.ops.inner_autograd import autograd_on_vectors
@@ -47,7 +47,7 @@ from dgpo_ops.ops.inner_autograd import autograd_on_vectors
 
 @dataclass
 class CallPlan:
-    inputs: TokenInputs  # on the objective's grid: what the prologue and the objective read
+    inputs: RowInputs  # on the objective's grid: what the prologue and the objective read
     options: LossOptions
     kernels: RowKernels
     vocab: int  # the whole vocabulary
@@ -55,7 +55,7 @@ class CallPlan:
     deferred: bool  # input values are checked on the device (dgpo_ops.core.validation)
     needs_grad: bool
     rows: RowLayout
-    row_inputs: TokenInputs  # what the row forward reads per row (``inputs`` unless the rows are packed)
+    row_inputs: RowInputs  # what the row forward reads per row (``inputs`` unless the rows are packed)
     generator: torch.Generator | None = None  # what a random token selection draws from (LossBatch.generator)
     entropy_weights: torch.Tensor | None = None  # (n_rows,) LossBatch.entropy_weights in the rows' order
     # Inputs that need the row forward's log-probs and entropies first (a trainer's masks): the plan the objective

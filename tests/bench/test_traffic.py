@@ -36,7 +36,7 @@ def test_the_forward_planes_and_parameters_are_counted_where_the_helper_stores_t
     assert plain["row_read_units"] == dgpo["row_read_units"] == 1.0  # one read of the row
     assert plain["side_writes"]["per token"] == 4 * 4  # max, log S, log p, entropy
     assert dgpo["side_writes"]["per token"] == 4 * NUM_PLANES  # every plane, the epilogue's too
-    assert plain["param_bytes"] == 0 and dgpo["param_bytes"] > 0  # token_terms only behind HAS_EPILOGUE
+    assert plain["param_bytes"] == 0 and dgpo["param_bytes"] > 0  # kernel_token_terms only behind HAS_EPILOGUE
     assert dgpo["side_reads"]["old logps"] == 4 and "old logps" not in plain["side_reads"]
 
 

@@ -260,7 +260,7 @@ def test_long_completions_launch_on_grid_axis_zero(monkeypatch):
 
 
 def test_an_unknown_method_id_does_not_compile():
-    # token_terms names every MethodId and static_asserts otherwise: no silent fall-through to a method.
+    # kernel_token_terms names every MethodId and static_asserts otherwise: no silent fall-through to a method.
     # The compile report's specialisations (bench/aot.py) build the kernel source.
     from bench import aot
 
