@@ -72,8 +72,22 @@ class SkyRLCorrection(RolloutCorrection):
                              "applies its per-token mask only with both set and silently ignores one alone")
 
     def check_options(self, options) -> None:
-        # SkyRL's gspo is GSPO-token: each token's ratio carries its own log-prob's gradient, so a per-token weight
-        # scales that token's gradient alone; GSPO's differentiated sequence ratio would spread it over the response
+        self.check_gspo_token(options)
+        rejects = (self.sequence_mask_metric is not None or self.token_mask_is_threshold_low is not None
+                   or self.outlier_token_is_threshold_low is not None
+                   or self.outlier_token_is_threshold_high is not None)
+        if rejects and options.folds_rollout_weights:
+            # the stage hands a rejection to the routes as a weight 0 the normaliser still counts; folded into the
+            # method's sequence statistic (its log) it would change the whole response's term, where SkyRL drops
+            # the token's term alone (dgpo_ops.integrations.skyrl drops it after the loss)
+            raise ValueError(f"{options.method.name} folds the rollout weights into its sequence statistic, where "
+                             "SkyRL's rejections (the outlier, token and sequence masks) would change the whole "
+                             "response's term; SkyRL has no such method: use its TIS alone (tis_ratio_type) with it")
+
+    def check_gspo_token(self, options) -> None:
+        """SkyRL's gspo is GSPO-token: each token's ratio carries its own log-prob's gradient, so a per-token
+        weight scales that token's gradient alone, where GSPO's differentiated sequence ratio would spread it
+        over the response."""
         per_token = self.tis_ratio_type == "token" or self.token_mask_is_threshold_low is not None
         if per_token and options.importance_sampling_level == "sequence":
             raise ValueError("SkyRL's gspo is GSPO-token, where a per-token weight (tis_ratio_type='token' or the "

@@ -114,9 +114,9 @@ def skyrl_policy_loss(policy_loss_type: str, log_probs, old_log_probs, advantage
         raise ValueError(f"the policy loss {policy_loss_type} takes its ratio against rollout_logprobs (the inference "
                          "engine's log-probs), which SkyRL did not pass: enable them in the generator")
     correction = correction_from_skyrl(config)
-    if correction is not None:  # the options SkyRL's numbers need (SkyRLCorrection.check_options: GSPO-token)
+    if correction is not None:  # the options SkyRL's numbers need (GSPO-token; rejections are dropped below)
         try:
-            correction.check_options(options)
+            correction.check_gspo_token(options)
         except ValueError as error:
             raise ValueError(f"{CORRECTION}: {error}") from None
     off_policy, kept = None, mask

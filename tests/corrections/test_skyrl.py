@@ -129,3 +129,16 @@ def test_rejections_keep_every_aggregations_normaliser(aggregation):
     assert_same_as_weights(SkyRLCorrection(**CASES[-1]), batch, tis * corrected, batch["mask"],
                            ("reference", "torch", "triton", "packed"), method="grpo", aggregation=aggregation,
                            loss_normalizer=None)
+
+
+@pytest.mark.parametrize("method", ["geo_mean", "vespo"])
+def test_rejections_are_refused_where_the_weights_fold_into_a_statistic(method):
+    """A SkyRL rejection is a weight 0 that the normaliser still counts; geo_mean and vespo fold the weights into
+    their sequence statistic, where it would change the whole response: refused (SkyRL has neither method);
+    TIS alone folds as any rollout weight does."""
+    batch = mismatch_batch(1.0, seed=44)
+    with pytest.raises(ValueError, match=f"{method} folds the rollout weights"):
+        dgpo_ops.reference_loss(**batch, method=method,
+                                rollout_correction=SkyRLCorrection(outlier_token_is_threshold_high=5.0))
+    out = dgpo_ops.reference_loss(**batch, method=method, rollout_correction=SkyRLCorrection(tis_ratio_type="token"))
+    assert torch.isfinite(out.loss)
