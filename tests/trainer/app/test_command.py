@@ -87,8 +87,8 @@ def test_only_the_extras_missing_packages_are_reported_as_such():
     assert cli.missing_train_extra(ImportError("cannot import name 'x'")) is None
 
 
-@pytest.mark.parametrize("preset", [None, "active"])
-def test_the_train_program_runs_itself_again_with_passive_openmp_threads(tmp_path, preset):
+@pytest.mark.parametrize(("preset", "entry"), [(None, "module"), (None, "script"), ("active", "module")])
+def test_the_train_program_runs_itself_again_with_passive_openmp_threads(tmp_path, preset, entry):
     """``dgpo-ops train`` restarts once with OMP_WAIT_POLICY=passive (read by libgomp when torch loads), unless
     the environment names a policy: every interpreter start is recorded by a sitecustomize."""
     import os
@@ -107,7 +107,13 @@ def test_the_train_program_runs_itself_again_with_passive_openmp_threads(tmp_pat
         env["OMP_WAIT_POLICY"] = preset
     checkout = str(pathlib.Path(dgpo_ops.__file__).parents[1])
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), checkout, *filter(None, [env.get("PYTHONPATH")])])
-    result = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.app.command", "train", "--no-such-option"],
+    program = ["-m", "dgpo_ops.trainer.app.command"]
+    if entry == "script":  # as pip writes the console script
+        (tmp_path / "bin").mkdir()
+        script = tmp_path / "bin" / "dgpo-ops"
+        script.write_text("import sys\nfrom dgpo_ops.trainer.app.command import main\nsys.exit(main())\n")
+        program = [str(script)]
+    result = subprocess.run([sys.executable, *program, "train", "--no-such-option"],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 2 and "unrecognized arguments: --no-such-option" in result.stderr
     assert starts.read_text().split() == (["None", "passive"] if preset is None else [preset])
