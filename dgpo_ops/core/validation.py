@@ -37,7 +37,11 @@ def float32_magnitude_ok(value: float) -> bool:
 
 MESSAGES = {
     InputError.TARGET_IDS: "target_ids must be in [0, {vocab}) or {ignore}; found {bad_target}",
-    InputError.MASK: "mask must hold only 0 and 1 (or be boolean)",
+    # Log-probs passed positionally after advantages land here: the message says where they belong.
+    InputError.MASK: "mask must hold only 0 and 1 (or be boolean). mask is the positional argument after "
+                     "advantages (the 4th of fused_dgpo_loss, reference_loss and DGPOLoss, the 5th of "
+                     "fused_linear_dgpo_loss) and old_logps the one after mask: pass log-probs by keyword, "
+                     "old_logps=...",
     InputError.ADVANTAGES: "advantages has non-finite values on unmasked tokens",
     InputError.OLD_LOGPS: "old_logps has non-finite values on unmasked tokens",
     InputError.REF_LOGPS: "ref_logps has non-finite values on unmasked tokens",

@@ -50,6 +50,13 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for family in FAMILIES for spe
 ALIASES: dict[str, MethodAlias] = {alias.name: alias for family in FAMILIES for alias in getattr(family, "ALIASES", ())}
 GATES = sapo.GATES
 
+# Names people reach for that are an option of every method here, not a method: the refusal says which option.
+NOT_METHODS = {
+    "gspo": "GSPO's sequence ratio is an option of every method, not a method: pass method=\"grpo\" (or any other) "
+            "with importance_sampling_level=\"sequence\" (as TRL's GRPOConfig does; docs/math.md, "
+            "'Sequence-level ratio (GSPO)')",
+}
+
 
 def resolve(name: str) -> tuple[str, dict]:
     """The method a name stands for and the parameters its alias presets (none for a method); an unknown name
@@ -58,7 +65,8 @@ def resolve(name: str) -> tuple[str, dict]:
         return name, {}
     if name in ALIASES:
         return ALIASES[name].method, dict(ALIASES[name].params)
-    raise ValueError(f"unknown method {name!r}; known methods: {', '.join([*METHODS, *ALIASES])}")
+    hint = f" {NOT_METHODS[name]};" if name in NOT_METHODS else ""
+    raise ValueError(f"unknown method {name!r};{hint} known methods: {', '.join([*METHODS, *ALIASES])}")
 
 
 def method_config(method: str | MethodConfig, **params) -> MethodConfig:

@@ -61,7 +61,8 @@ def test_readme_test_command_is_what_ci_runs():
     import re
 
     readme = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)\n```", readme.split("## The main job")[0], re.DOTALL)
+    setup = readme.split("## Set up on a fresh machine\n")[1].split("\n## ")[0]
+    blocks = re.findall(r"```bash\n(.*?)\n```", setup, re.DOTALL)
     assert len(blocks) == 2 and blocks[0].startswith("python -m pip install") and "dgpo-ops train" in blocks[0]
     ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("python -m pip")]
     assert ci == [blocks[1]]

@@ -85,3 +85,46 @@ def test_only_the_extras_missing_packages_are_reported_as_such():
     assert "dgpo-ops[train]" in cli.missing_train_extra(ModuleNotFoundError(name="transformers.models"))
     assert cli.missing_train_extra(ModuleNotFoundError(name="trlx")) is None
     assert cli.missing_train_extra(ImportError("cannot import name 'x'")) is None
+
+
+@pytest.mark.parametrize(("preset", "entry"), [(None, "module"), (None, "script"), ("active", "module")])
+def test_the_train_program_runs_itself_again_with_passive_openmp_threads(tmp_path, preset, entry):
+    """``dgpo-ops train`` restarts once with OMP_WAIT_POLICY=passive (read by libgomp when torch loads), unless
+    the environment names a policy: every interpreter start is recorded by a sitecustomize."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    import dgpo_ops
+
+    starts = tmp_path / "starts.txt"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        f"open({str(starts)!r}, 'a').write(str(os.environ.get('OMP_WAIT_POLICY')) + '\\n')\n")
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    checkout = str(pathlib.Path(dgpo_ops.__file__).parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), checkout, *filter(None, [env.get("PYTHONPATH")])])
+    program = ["-m", "dgpo_ops.trainer.app.command"]
+    if entry == "script":  # as pip writes the console script
+        (tmp_path / "bin").mkdir()
+        script = tmp_path / "bin" / "dgpo-ops"
+        script.write_text("import sys\nfrom dgpo_ops.trainer.app.command import main\nsys.exit(main())\n")
+        program = [str(script)]
+    result = subprocess.run([sys.executable, *program, "train", "--no-such-option"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "unrecognized arguments: --no-such-option" in result.stderr
+    assert starts.read_text().split() == (["None", "passive"] if preset is None else [preset])
+
+
+def test_a_caller_of_the_train_main_is_never_replaced(monkeypatch):
+    import os
+
+    from dgpo_ops.trainer.app import cli as train_cli
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "execv", lambda *args: pytest.fail(f"execv{args}"))
+    train_cli.wait_passively()  # here __main__ is pytest's, not the program
+    assert "OMP_WAIT_POLICY" not in os.environ
