@@ -27,7 +27,6 @@ AGGREGATIONS: dict[str, tuple[bool, Denominator]] = {
 }
 
 
-
 class FrameworkAggregation(NamedTuple):
     """A framework's aggregation mode as its trainer applies it to one call's tokens: the within-response weight,
     what the token sum is divided by, what a step over several processes or accumulated micro-batches passes as
@@ -40,8 +39,9 @@ class FrameworkAggregation(NamedTuple):
 
 
 _TRL = "trl 1.16.0 trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss L3153-3184"
-_VERL = ("verl 0.9.1 verl/trainer/ppo/core_algos.py agg_loss (global_batch_info from "
-         "verl/workers/actor/dp_actor.py)")
+_VERL = ("verl 0.9.1 verl/trainer/ppo/core_algos.py agg_loss L1170-1202; global_batch_info from "
+         "verl/workers/engine/fsdp/transformer_impl.py L724-735, verl/workers/utils/losses.py L64-68; the row count "
+         "from verl/trainer/ppo/ray_trainer.py L1352-1362")
 _ROLL = ("alibaba/ROLL 8eb27cc roll/utils/functionals.py agg_loss L229-282; roll/distributed/strategy/strategy.py "
          "_get_batch_num_tokens / _get_global_valid_samples L355-431; loss_scale = micro-batches x dp "
          "(apply_loss_scale, roll/configs/worker_config.py L230)")
