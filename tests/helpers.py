@@ -68,6 +68,32 @@ def docs_tool():
     return module
 
 
+def method_route(name: str) -> tuple:
+    """The route a method's terms take through the ops, from its row of the method table (``MethodSpec``): its own
+    sequence statistic (None: per token) and whether the rollout weights enter it, its batch-level token selection
+    (None: none) and whether it reads the responses' scores. Methods with none of these take the token-local route
+    (``LossOptions.token_local``: the row kernels' epilogue). A layout (packed rows, the fused-linear op, a vocabulary
+    split across processes) reaches a method's math only through its route: the math itself is checked per method
+    (the parity against the reference, the kernel mirror, the golden values)."""
+    spec = dgpo_ops.METHODS[name]
+    statistic = spec.sequence_statistic
+    return (statistic, statistic is not None and spec.statistic_folds_rollout_weights, spec.token_selection,
+            spec.reads_scores)
+
+
+def route_representatives(variants) -> list:
+    """The first of ``variants`` (in table order) on each route of ``method_route``: a new route gets one as soon
+    as the table has a method on it."""
+    first = {}
+    for variant in variants:
+        first.setdefault(method_route(variant[0]), variant)
+    return list(first.values())
+
+
+# One method variant per route: what the layout grids run, each with all of its option sets
+ROUTE_VARIANTS = route_representatives(METHOD_VARIANTS)
+
+
 required_params = catalog.required_params  # what a call by name alone must add (dro's dro_beta)
 
 

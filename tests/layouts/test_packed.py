@@ -1,14 +1,15 @@
 """Packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)`` hidden states with
-``cu_seqlens`` give exactly what the padded ``(B, max_seqlen)`` layout gives, for every method variant,
-aggregation, per-response and per-token advantages, KL, entropy bonus, temperature and GSPO, on both kernel
-sets (the Triton kernels in the interpreter, and their torch twins); bad input under deferred validation gives
-what it gives on the padded layout: a NaN loss and gradient, then an error naming the argument."""
+``cu_seqlens`` give exactly what the padded ``(B, max_seqlen)`` layout gives, for a method of every route
+(helpers.ROUTE_VARIANTS: the layout reaches a method's math only through its route) under each aggregation,
+per-response and per-token advantages, KL, entropy bonus, temperature and GSPO, on both kernel sets (the Triton
+kernels in the interpreter, and their torch twins); bad input under deferred validation gives what it gives on the
+padded layout: a NaN loss and gradient, then an error naming the argument."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import METHOD_VARIANTS, for_method, logits_batch, variant_id
+from helpers import ROUTE_VARIANTS, for_method, logits_batch, variant_id
 
 import dgpo_ops
 
@@ -59,7 +60,7 @@ def compare(got, want, got_grad, want_grad, rtol=1e-5, atol=1e-6, grad_tolerance
 
 
 @pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
-@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=[variant_id(v) for v in METHOD_VARIANTS])
+@pytest.mark.parametrize("variant", ROUTE_VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("loss_fn", ["fused-torch", "fused-triton", "reference"])
 def test_packed_logits_equal_the_padded_layout(variant, options, loss_fn):
     name, params = variant

@@ -2,9 +2,10 @@
 kernel sets (the Triton kernels in the interpreter, and their torch twins):
 ``fused_dgpo_loss(shard, ..., vocab_parallel_group=group)`` gives the loss, log-probs, entropies and
 metrics of ``reference_loss`` over the whole vocabulary, and each process the gradient of its columns,
-for every method variant, aggregation, KL, entropy bonus, temperature, GSPO, flat logits and bf16; the
-entropy as accurately as one process gives it (large and peaked logits); bad values under deferred
-validation as on one process: a NaN loss and gradient on every process, then the error naming them."""
+for a method of every route (helpers.ROUTE_VARIANTS: the split reaches a method's math only through its route),
+aggregation, KL, entropy bonus, temperature, GSPO, flat logits and bf16; the entropy as accurately as one process
+gives it (large and peaked logits); bad values under deferred validation as on one process: a NaN loss and gradient
+on every process, then the error naming them."""
 
 from __future__ import annotations
 

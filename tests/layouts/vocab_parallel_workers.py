@@ -8,7 +8,7 @@ import os
 import traceback
 
 import torch
-from helpers import METHOD_VARIANTS, for_method, logits_batch, value_error_message
+from helpers import ROUTE_VARIANTS, for_method, logits_batch, value_error_message
 
 from dgpo_ops.corrections import ArealCorrection, TrlCorrection, VerlCorrection
 
@@ -42,7 +42,7 @@ EXTRA_JOBS = {  # name -> (method, params, options, per-token advantages, dtype,
 def jobs() -> dict:
     """name -> (method, params, options, per-token advantages, dtype, flat)"""
     every = {}
-    for name, params in METHOD_VARIANTS:
+    for name, params in ROUTE_VARIANTS:  # the split reaches a method's math only through its route
         for option_name, options in OPTION_SETS.items():
             label = name + "".join(f"-{k}={v}" for k, v in params.items())
             every[f"{label}/{option_name}"] = (name, params, options, False, torch.float32, False)

@@ -1,11 +1,12 @@
-"""fused_linear_dgpo_loss against reference_loss on the materialised logits: every method, token
-and sequence level, bias, logit_scale, softcap, temperature, KL, entropy and entropy weights; both backends."""
+"""fused_linear_dgpo_loss against reference_loss on the materialised logits: a method of every route
+(helpers.ROUTE_VARIANTS: the projection reaches a method's math only through its route), token and sequence level,
+bias, logit_scale, softcap, temperature, KL, entropy and entropy weights; both backends."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (METHOD_VARIANTS, for_method, largest_allocations, linear_case, logits_batch, make_logits,
+from helpers import (ROUTE_VARIANTS, for_method, largest_allocations, linear_case, logits_batch, make_logits,
                      variant_id)
 
 import dgpo_ops
@@ -46,7 +47,7 @@ PATHS = ["triton", "torch", "on_chip"]
 
 
 @pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
-@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("variant", ROUTE_VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("backend", PATHS)
 def test_linear_matches_reference(backend, variant, options):
     case = dict(logit_scale=1.3, softcap=4.0) if options == "kl_entropy_temperature_nll" else {}

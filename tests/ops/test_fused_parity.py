@@ -1,17 +1,18 @@
-"""fused_dgpo_loss against reference_loss: every method x aggregation x dtype, with and without
-old/ref log-probs, entropy bonus and entropy weights, temperature, rollout weights and GSPO, on both backends."""
+"""fused_dgpo_loss against reference_loss: every method under an aggregation, a method of every route under every
+aggregation and dtype, with and without old/ref log-probs, entropy bonus and entropy weights, temperature, rollout
+weights and GSPO, on both backends."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import METHOD_VARIANTS, for_method, logits_batch, requires_cuda, variant_id
+from helpers import METHOD_VARIANTS, ROUTE_VARIANTS, for_method, logits_batch, requires_cuda, variant_id
 
 import dgpo_ops
 
 AGGREGATIONS = list(dgpo_ops.AGGREGATIONS)
 
-# Option bundles: each method x aggregation x dtype runs all of them.
+# Option bundles: each case of the grid runs all of them.
 FEATURE_BUNDLES = {
     "on_policy": dict(old_logps=None),
     "kl_entropy_nll": dict(beta=0.05, entropy_coef=0.01, positive_nll_coef=0.1),
@@ -84,15 +85,29 @@ def assert_parity(ref, out, ref_grad, grad, dtype, aggregation="token_mean"):
                                    msg=key)
 
 
-# fp32 runs every method under every aggregation. bf16 differs from it only where the kernels (and their
-# twins) load the logits and store the gradient, both computed in fp32 in between, while an aggregation only
-# scales the tokens, in fp32: so bf16 runs every method once, with the aggregations in turn (each runs in bf16
-# with several methods), instead of the whole grid a second time.
-PARITY_CASES = [pytest.param(variant, aggregation, torch.float32, id=f"{variant_id(variant)}-{aggregation}-fp32")
-                for variant in METHOD_VARIANTS for aggregation in AGGREGATIONS]
-PARITY_CASES += [pytest.param(variant, AGGREGATIONS[index % len(AGGREGATIONS)], torch.bfloat16,
-                              id=f"{variant_id(variant)}-{AGGREGATIONS[index % len(AGGREGATIONS)]}-bf16")
-                 for index, variant in enumerate(METHOD_VARIANTS)]
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def parity_cases(dtypes) -> list:
+    """(variant, aggregation, dtype) of the parity grid. Every method variant runs every option bundle in fp32, under
+    one aggregation (the aggregations in turn, each with several methods): the per-method math. An aggregation only
+    weighs the tokens' terms once a route has evaluated them (the token-local epilogue, a sequence statistic, a
+    token selection, the scores), so each route's representative (helpers.ROUTE_VARIANTS) runs every aggregation.
+    Low precision differs from fp32 only where the kernels (and their twins) load the logits and store the gradient,
+    both computed in fp32 in between: the representatives run it, again with the aggregations in turn."""
+    def turn(index):
+        return AGGREGATIONS[index % len(AGGREGATIONS)]
+
+    cases = [(variant, turn(index), torch.float32) for index, variant in enumerate(METHOD_VARIANTS)]
+    cases += [(variant, aggregation, torch.float32) for variant in ROUTE_VARIANTS for aggregation in AGGREGATIONS]
+    cases += [(variant, turn(index), dtype) for dtype in dtypes if dtype != torch.float32
+              for index, variant in enumerate(ROUTE_VARIANTS)]
+    unique = {(variant_id(variant), aggregation, dtype): (variant, aggregation, dtype)
+              for variant, aggregation, dtype in cases}
+    return [pytest.param(*case, id=f"{key[0]}-{key[1]}-{DTYPE_IDS[key[2]]}") for key, case in unique.items()]
+
+
+PARITY_CASES = parity_cases([torch.float32, torch.bfloat16])
 
 
 @pytest.mark.parametrize("variant, aggregation, dtype", PARITY_CASES)
@@ -103,12 +118,11 @@ def test_fused_matches_reference(backend, variant, aggregation, dtype):
         assert_parity(ref, out, ref_grad, grad, dtype, aggregation)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-@pytest.mark.parametrize("variant", METHOD_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("variant, aggregation, dtype", parity_cases([torch.float32, torch.bfloat16, torch.float16]))
 @requires_cuda
 def test_fused_matches_reference_on_cuda(variant, aggregation, dtype):
-    # The Triton kernels compiled for the GPU (not the interpreter), bf16 rounded to nearest there.
+    # The Triton kernels compiled for the GPU (not the interpreter), bf16 rounded to nearest there; the grid of
+    # the CPU's, with fp16 besides.
     for index, bundle in enumerate(FEATURE_BUNDLES):
         ref, out, ref_grad, grad = run_case(variant, aggregation, dtype, bundle, "triton", seed=index, device="cuda")
         assert_parity(ref, out, ref_grad, grad, dtype, aggregation)
