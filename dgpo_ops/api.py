@@ -111,8 +111,6 @@ def fused_dgpo_loss(
     loss_normalizer: float | torch.Tensor | None = None,
     beta: float = 0.0,
     entropy_coef: float = 0.0,
-    kl_ratio_correction: bool = False,
-    positive_nll_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
@@ -130,7 +128,6 @@ def fused_dgpo_loss(
 ) -> PolicyLossOutput:
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
-        kl_ratio_correction=kl_ratio_correction, positive_nll_coef=positive_nll_coef,
         importance_sampling_level=importance_sampling_level, inplace=inplace, backend=backend,
         validation=validation, rollout_correction=rollout_correction, **method_params,
     )
@@ -182,8 +179,6 @@ def fused_linear_dgpo_loss(
     loss_normalizer: float | torch.Tensor | None = None,
     beta: float = 0.0,
     entropy_coef: float = 0.0,
-    kl_ratio_correction: bool = False,
-    positive_nll_coef: float = 0.0,
     importance_sampling_level: str = "token",
     rollout_weights: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
@@ -202,7 +197,6 @@ def fused_linear_dgpo_loss(
 ) -> PolicyLossOutput:
     options = LossOptions.build(
         method, temperature=temperature, aggregation=aggregation, beta=beta, entropy_coef=entropy_coef,
-        kl_ratio_correction=kl_ratio_correction, positive_nll_coef=positive_nll_coef,
         importance_sampling_level=importance_sampling_level, backend=backend, validation=validation,
         rollout_correction=rollout_correction, **method_params,
     )

@@ -144,7 +144,8 @@ def token_prologue_kernel(
             bad_values = tl.load(sequence_stats_ptr + codes.SEQ_FIRST_BAD_TARGET * n_seqs + seqs, mask=in_batch,
                                  other=0, cache_modifier=".cg")
             total += tl.sum(counts, axis=0)
-            scored_responses += tl.sum((counts > 0).to(tl.int64), axis=0)
+            if DENOMINATOR == codes.DENOMINATOR_SCORED_RESPONSES:  # only where it divides: no work for the others
+                scored_responses += tl.sum((counts > 0).to(tl.int64), axis=0)
             all_errors = all_errors | tl.reduce(seq_errors, 0, _bitwise_or)
             has_bad = (seq_errors & codes.ERR_TARGET_IDS) != 0
             first = tl.min(tl.where(has_bad, seqs, codes.NO_TOKEN), axis=0)

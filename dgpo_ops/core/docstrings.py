@@ -37,7 +37,7 @@ ARGUMENTS = {
     "method": "a method of ``dgpo_ops.METHODS`` (or a ``MethodConfig``); its parameters are keywords "
               "(``method_params``).",
     "method_params": "the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README: method "
-                     "table); unknown names raise ``ValueError``. Every loss option has its own keyword above.",
+                     "table); unknown names raise ``ValueError``.",
     "temperature": "the logits are divided by it before the log-softmax.",
     "logit_scale": "the logits are ``logit_scale * (hidden @ weight.T + bias)``.",
     "softcap": "``softcap * tanh(logits / softcap)`` after the scale, as Gemma's final softcap; None: off.",
@@ -52,10 +52,6 @@ ARGUMENTS = {
                        "tokens of every micro-batch of the step); None: this call's scored tokens.",
     "beta": "weight of the k3 KL to ``ref_logps``.",
     "entropy_coef": "weight of the entropy bonus (the loss subtracts ``entropy_coef * H``).",
-    "kl_ratio_correction": "multiply the k3 KL term by the importance ratio (TRL's ``use_bias_correction_kl``).",
-    "positive_nll_coef": "VAPO's positive-example NLL (NeMo-RL's ``positive_example_nll_weight``): the loss adds "
-                         "``coef`` times the mean ``-log p`` over the scored tokens of the responses whose score "
-                         "is > 0 (needs ``scores``).",
     "importance_sampling_level": "``token`` or ``sequence`` (GSPO: the ratio is the geometric mean over the "
                                  "response).",
     "rollout_weights": "per-token weights on the policy term (truncated importance sampling), or None; vespo "
