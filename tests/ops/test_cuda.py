@@ -99,8 +99,8 @@ def rounded_like_the_model(logits, dtype):
 @pytest.mark.parametrize("setting", ["autocast_fp32_params", "bf16_params", "fp32"])
 @pytest.mark.parametrize("method", ["dgpo", "grpo", "sapo"])
 def test_linear_op_matches_the_models_logits(setting, method, on_chip):
-    # tiles: the logits tile is the model's own (rounded to bf16 under bf16 products); on_chip: the
-    # fp32 accumulator is never rounded (the logits exist only in registers).
+    # Both paths score the model's own logits: under bf16 products the fp32 accumulator is rounded once to
+    # bf16, in the logits tile (tiles) or in registers (on_chip), as the model's lm_head hands them over.
     g = torch.Generator().manual_seed(2)
     B, T, H, V = 2, 16, 64, 3000
     hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
@@ -112,7 +112,7 @@ def test_linear_op_matches_the_models_logits(setting, method, on_chip):
     operands = [t.to(torch.bfloat16 if low else torch.float32) for t in (hidden, weight)]
     ref_leaves = [t.double().requires_grad_(True) for t in operands]
     ref_logits = ref_leaves[0] @ ref_leaves[1].T
-    if low and not on_chip:
+    if low:
         ref_logits = rounded_like_the_model(ref_logits, torch.bfloat16)
     ref = dgpo_ops.reference_loss(ref_logits, **inputs, method=method, beta=0.02)
     ref_grads = torch.autograd.grad(ref.loss, ref_leaves)

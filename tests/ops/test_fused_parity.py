@@ -53,8 +53,9 @@ def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=3
     common = dict(method=name, aggregation=aggregation, **params, **options)
     ref = dgpo_ops.reference_loss(ref_logits, **inputs, **common)
     if device != "cpu":
+        # every tensor travels, the method's own ones (dgpo's scores) among them
         fused_logits = fused_logits.detach().to(device).requires_grad_(True)
-        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        inputs, common = ({k: v.to(device) if torch.is_tensor(v) else v for k, v in d.items()} for d in (inputs, common))
     out = dgpo_ops.fused_dgpo_loss(fused_logits, **inputs, **common, backend=backend)
     ref.loss.backward()
     out.loss.backward()
