@@ -161,7 +161,8 @@ def count_case(path: str, method: str, option: str, model_name: str = "tiny", de
                 "loss_finite": bool(torch.isfinite(loss.detach()).item()), "distinct_calls": counter.calls}
 
 
-def designed_passes(path: str, method: str, option: str, prompt_length: int, completion_length: int) -> float:
+def designed_passes(path: str, method: str, option: str, prompt_length: int, completion_length: int,
+                    device: str = "cpu") -> float:
     """The passes each path is built to pay for one case (the same on CUDA and on the CPU).
 
     ``dgpo_linear``: three (logits tile, d hidden, d weight) when every token's coefficients are known where its
@@ -170,10 +171,10 @@ def designed_passes(path: str, method: str, option: str, prompt_length: int, com
     entropies, for the masks and the sequence statistics) and the full sweep. ``dgpo_logits``: the model's
     ``lm_head`` and its backward, three over the completion positions and the one after the last (the loss reads
     the logits, not the weight). ``trl``: TRL's chunked head, four (its forward, then the recomputed logits, d hidden
-    and d weight) over every position but the last, the prompt's included: not ours to change, its count is here to
-    compare with."""
+    and d weight): on a Triton device (CUDA) over the labelled positions alone (its ``compact`` branch), elsewhere
+    over every position but the last, the prompt's included. Not ours to change: its count is here to compare with."""
     if path == "trl":
-        return 4 * (prompt_length + completion_length - 1) / completion_length
+        return 4.0 if device == "cuda" else 4 * (prompt_length + completion_length - 1) / completion_length
     if path == "dgpo_logits":
         return 3 * (completion_length + 1) / completion_length
     first_sweep = method != "grpo" or any(key in OPTIONS[option] for key in MASK_FIELDS)
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
             for path in paths:
                 started = time.perf_counter()
                 row = count_case(path, method, option, args.model, device)
-                row["designed_passes"] = designed_passes(path, method, option, prompt_length, completion_length)
+                row["designed_passes"] = designed_passes(path, method, option, prompt_length, completion_length, device)
                 row["seconds"] = round(time.perf_counter() - started, 2)
                 doc["rows"].append(row)
                 out.write_text(json.dumps(doc, indent=1) + "\n")  # after every case: a cut-short run keeps them
