@@ -1,7 +1,8 @@
 """dgpo-ops: fused, exact RL policy losses for LLM reasoning."""
 
-from dgpo_ops.api import DGPOLoss, fused_dgpo_loss, fused_linear_dgpo_loss, fused_linear_logprobs
+from dgpo_ops.api import DGPOLoss, fused_dgpo_loss, fused_linear_dgpo_loss, fused_linear_logprobs, policy_loss
 from dgpo_ops.core.aggregation import AGGREGATIONS, FRAMEWORK_AGGREGATIONS, token_scales
+from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
@@ -36,6 +37,7 @@ __all__ = [
     "FRAMEWORK_AGGREGATIONS",
     "METHODS",
     "DGPOLoss",
+    "LossInputs",
     "LossMetrics",
     "LossOptions",
     "MethodConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "fused_linear_logprobs",
     "linear_logprob_entropy",
     "method_config",
+    "policy_loss",
     "raise_deferred_errors",
     "reference_loss",
     "token_scales",

@@ -41,7 +41,7 @@ class RowInputs:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     rollout_weights: torch.Tensor | None = None
-    scores: torch.Tensor | None = None  # read by the torch objective only (LossBatch.scores)
+    scores: torch.Tensor | None = None  # read by the torch objective only (LossInputs.scores)
 
     def strides(self, tensor: torch.Tensor) -> tuple[int, int]:
         """(response stride, time stride) of a per-token or per-response tensor on the grid."""

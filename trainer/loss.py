@@ -20,7 +20,7 @@ import dataclasses
 import torch
 from trl import GRPOTrainer
 
-from dgpo_ops.core.inputs import LossBatch
+from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.objective import entropy_weight_term
 
 from .advantages import per_token_advantages
@@ -106,10 +106,10 @@ class FusedLoss:
         weights = self._rollout_weights(inputs, mask)
         if weights is not None:
             weights = weights.expand(mask.shape)
-        batch = LossBatch(targets, advantages, scored, old_logps, ref_logps, weights, normalizer,
+        batch = LossInputs(targets, advantages, scored, old_logps, ref_logps, weights, normalizer,
                           scores=inputs.get("scores"))  # ResponseScores' (None where the loss reads none)
 
-        def complete(current_logps=None, entropies=None) -> LossBatch:
+        def complete(current_logps=None, entropies=None) -> LossInputs:
             """The loss call's batch with TRL's masks on the current log-probs and entropies (from the call's own
             first sweep, where a mask needs them) and TRL's entropy bonus as entropy weights."""
             # TRL multiplies the policy term of each token by its masks. Every method's term is A times a weight,

@@ -10,6 +10,7 @@ the old-policy and reference log-probs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -17,13 +18,13 @@ import torch
 from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 
-from dgpo_ops.api import fused_linear_logprobs, linear_loss_from_options, loss_from_options
-from dgpo_ops.core.inputs import LossBatch
+from dgpo_ops.api import policy_loss
+from dgpo_ops.core.call import PROJECTION_OPTIONS
+from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.distributed.head import add_hidden_state_output, fused_linear_on_model
 from dgpo_ops.ops.backends import select_kernels
-from dgpo_ops.ops.linear import ProjectionOptions
 
 # The keyword arguments after compute_aux_loss of GRPOTrainer._get_per_token_logps_and_entropies: the multimodal
 # inputs TRL forwards to the model (pixel_values, image_grid_thw, token_type_ids, ...), whatever this TRL has.
@@ -77,32 +78,29 @@ class Head:
         with torch.autocast(self.hidden.device.type, enabled=False):
             yield self.hidden.float(), self.weight.float(), None if self.bias is None else self.bias.float()
 
-    def loss(self, batch: LossBatch, options: LossOptions, complete_batch=None) -> PolicyLossOutput:
+    def loss(self, batch: LossInputs, options: LossOptions, complete_batch=None) -> PolicyLossOutput:
         """The loss of ``batch``; ``complete_batch(logps, entropies)`` (``dgpo_ops.ops.linear.CompleteBatch``): the
         batch from the current log-probs and entropies, which the fused-linear op makes in its own first sweep
         (the logits path reads them off the logits, a forward of the row kernels only)."""
         if self.logits is not None:
             if complete_batch is not None:
                 batch = complete_batch(*self.logprobs(batch.target_ids))
-            return loss_from_options(self.logits, batch, options)
+            return policy_loss(batch, options, logits=self.logits)
         with self._precision() as (hidden, weight, bias):
-            return linear_loss_from_options(hidden, weight, bias, batch, options, self.trainer.projection_options,
-                                            complete_batch=complete_batch)
+            return policy_loss(batch, options, hidden=hidden, weight=weight, bias=bias, complete_batch=complete_batch)
 
     @torch.no_grad()
     def logprobs(self, targets) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (log p, entropy) of ``targets``, forward only (one GEMM pass on the linear path)."""
+        """Per-token (log p, entropy) of ``targets``, forward only (one GEMM pass on the linear path): the loss
+        call's own options with grpo's objective, which the log-probs do not read."""
+        batch = LossInputs(targets, torch.zeros(targets.shape, device=targets.device))
+        options = self.trainer.logprob_options
         if self.logits is not None:
-            options = LossOptions.build("grpo", temperature=self.trainer.temperature)
-            out = loss_from_options(self.logits.detach(), LossBatch(targets, torch.zeros(
-                targets.shape, device=targets.device)), options)
+            out = policy_loss(batch, options, logits=self.logits.detach())
             return out.logps, out.entropy
-        projection = self.trainer.projection_options
         with self._precision() as (hidden, weight, bias):
-            return fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=self.trainer.temperature,
-                                         logit_scale=projection.logit_scale, softcap=projection.softcap,
-                                         memory_budget=projection.memory_budget,
-                                         logits_on_chip=projection.logits_on_chip)
+            out = policy_loss(batch, options, hidden=hidden, weight=weight, bias=bias)
+        return out.logps, out.entropy
 
 
 class FusedModelCall:
@@ -142,10 +140,10 @@ class FusedModelCalls:
     """``DGPOTrainer``'s model calls (a mixin of ``GRPOTrainer``): the old-policy and reference log-probs
     through ``FusedModelCall``, and what such a call needs of the trainer."""
 
-    def _init_model_calls(self, backend: str) -> None:
-        """After ``GRPOTrainer.__init__``: the hidden-state outputs and the backbone hook on the models, and the
-        projection of ``fused="linear"``; ``backend``: the loss options' kernels (``fused_logits_on_chip`` needs
-        Triton ones)."""
+    def _init_model_calls(self, options: LossOptions) -> LossOptions:
+        """After ``GRPOTrainer.__init__``: the hidden-state outputs and the backbone hook on the models; returns the
+        loss ``options`` with the projection of ``fused="linear"`` (the model's logit scale and softcap, the
+        config's memory budget and on-chip choice), and sets the options of the log-prob calls."""
         base = self._policy_base()
         add_hidden_state_output(base)
         if self.ref_model is not None:
@@ -153,16 +151,22 @@ class FusedModelCalls:
         # The backbone's outputs of the current call, for the MoE router's load-balancing loss.
         self._captured_backbone: list | None = None
         base.base_model.register_forward_hook(self._capture_backbone_output)
-        logit_scale, softcap = logit_transform(base.config) if self.args.fused == "linear" else (1.0, None)
-        self.projection_options = ProjectionOptions(logit_scale=logit_scale, softcap=softcap,
-                                                    memory_budget=self.args.fused_memory_budget,
-                                                    logits_on_chip=self.args.fused_logits_on_chip)
+        if self.args.fused == "linear":
+            logit_scale, softcap = logit_transform(base.config)
+            options = dataclasses.replace(options, logit_scale=logit_scale, softcap=softcap,
+                                          memory_budget=self.args.fused_memory_budget,
+                                          logits_on_chip=self.args.fused_logits_on_chip)
+        # the log-probs read no objective: grpo's, plain, on the loss call's projection, kernels and checks
+        self.logprob_options = LossOptions.build(
+            "grpo", temperature=options.temperature, backend=options.backend, validation=options.validation,
+            **{name: getattr(options, name) for name in PROJECTION_OPTIONS})
         if self.args.fused_logits_on_chip:  # fail now, not at the first training step
             probe = torch.empty(0, device=self.accelerator.device)
-            if select_kernels(backend, probe).name != "triton":
+            if select_kernels(options.backend, probe).name != "triton":
                 raise ValueError(f"fused_logits_on_chip=True runs Triton kernels, which this run on "
                                  f"{self.accelerator.device} does not use (CUDA, or TRITON_INTERPRET=1 with "
                                  "backend='triton' on the CPU)")
+        return options
 
     def _policy_base(self):
         """The policy's transformers model (under a PEFT wrapper, its base model)."""

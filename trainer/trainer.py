@@ -68,7 +68,7 @@ class DGPOTrainer(FusedLoss, TRLMetrics, FusedModelCalls, NonfiniteGradientGuard
             from .vllm_cpu import install_cpu_weight_sync
             install_cpu_weight_sync(self)  # colocated vLLM on CPU: TRL's weight sync can't load into vLLM-CPU
         self._init_loss()  # self.loss_options: the other parts are passed what they read of it
-        self._init_model_calls(self.loss_options.backend)
+        self.loss_options = self._init_model_calls(self.loss_options)  # with the model's projection
         self._init_scores(loss_reads_scores=self.loss_options.needs_scores,
                           smooth_advantages=self.args.advantage_estimator == "dcpo")
         self._init_gradient_guard()

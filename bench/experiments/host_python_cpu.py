@@ -60,7 +60,7 @@ def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
     stage runs everything before it too, so the differences are what a stage adds."""
     from dgpo_ops.kernels.row_io import RowWorkspace
 
-    from dgpo_ops.core.inputs import LossBatch
+    from dgpo_ops.core.inputs import LossInputs
     from dgpo_ops.core.options import LossOptions
     from dgpo_ops.ops.logits import FusedPolicyLossFunction, logits_plan
 
@@ -68,7 +68,7 @@ def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
         return LossOptions.build("dgpo", backend="triton", validation="deferred")
 
     def batch():
-        return options(), LossBatch(target, adv, mask, old, None, None, None)
+        return options(), LossInputs(target, adv, mask, old, None, None, None)
 
     def plan():
         opts, b = batch()

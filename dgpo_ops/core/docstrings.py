@@ -52,6 +52,10 @@ ARGUMENTS = {
                        "tokens of every micro-batch of the step); None: this call's scored tokens.",
     "beta": "weight of the k3 KL to ``ref_logps``.",
     "entropy_coef": "weight of the entropy bonus (the loss subtracts ``entropy_coef * H``).",
+    "kl_ratio_correction": "multiply the KL term by the importance ratio (TRL's ``use_bias_correction_kl``), a bool.",
+    "positive_nll_coef": "VAPO's positive-example NLL (NeMo-RL's ``positive_example_nll_weight``): the loss adds "
+                         "``coef`` times the mean negative log-prob over the scored tokens of the responses whose "
+                         "score is > 0 (needs ``scores``); 0: off.",
     "importance_sampling_level": "``token`` or ``sequence`` (GSPO: the ratio is the geometric mean over the "
                                  "response).",
     "rollout_weights": "per-token weights on the policy term (truncated importance sampling), or None; vespo "
@@ -98,9 +102,9 @@ RETURNS = ("``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token
            "read lazily). Gradients come back in each input's dtype.")
 
 
-def documented(summary: str):
+def documented(summary: str, returns: str | None = None):
     """Give a function the docstring ``summary`` + its arguments (from ``ARGUMENTS``, in signature order) +
-    ``RETURNS``. A parameter without an entry is an error at import."""
+    ``returns`` (default ``RETURNS``). A parameter without an entry is an error at import."""
 
     def decorate(fn):
         lines = [summary.strip(), "", "Arguments:"]
@@ -108,7 +112,7 @@ def documented(summary: str):
             if name not in ARGUMENTS:
                 raise AssertionError(f"{fn.__name__}: no description of {name!r} in dgpo_ops.core.docstrings.ARGUMENTS")
             lines.append(f"* ``{name}``: {ARGUMENTS[name]}")
-        lines += ["", f"Returns {RETURNS}"]
+        lines += ["", f"Returns {RETURNS if returns is None else returns}"]
         fn.__doc__ = "\n".join(lines)
         return fn
 

@@ -33,10 +33,12 @@ LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
 
 
-class LossBatch(NamedTuple):
-    """One call's loss inputs as the caller passed them: the public functions take them as keywords,
-    everything below them takes this one object (a tuple: made on every call, it must cost nothing).
-    ``token_inputs`` checks their structure, ``check_values`` (or the prologue kernel) their values."""
+class LossInputs(NamedTuple):
+    """One call's tensors as the caller passed them (its options are ``LossOptions``): the public functions take
+    them as arguments, ``dgpo_ops.policy_loss`` and everything below it this one object (a tuple: made on every
+    call, it must cost nothing). Each field is described once, in ``dgpo_ops.core.docstrings.ARGUMENTS`` (the
+    public functions' docstrings). ``token_inputs`` checks their structure, ``check_values`` (or the prologue
+    kernel) their values."""
 
     target_ids: torch.Tensor
     advantages: torch.Tensor
@@ -54,6 +56,9 @@ class LossBatch(NamedTuple):
     # w_t of an entropy term outside the aggregation, loss -= sum over scored t of w_t H_t (TRL's entropy bonus,
     # with its own tokens and normaliser); fused ops on padded or flat tokens, eager (dgpo_ops.ops.pipeline)
     entropy_weights: torch.Tensor | None = None
+    # packed (padding-free) sequences: their boundaries, and the longest (None: read from cu_seqlens)
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
 
     def tensors(self) -> tuple:
         """The tensors in the order the custom ops of ``dgpo_ops.ops.compiled`` take them (the normaliser apart)."""
@@ -75,7 +80,7 @@ class TokenBatch:
     rollout_weights: torch.Tensor | None
     scale: torch.Tensor  # s_t, 0 on tokens not scored
     flat: bool  # the caller passed (N, V) logits: outputs are (N,)
-    scores: torch.Tensor | None = None  # each response's score on its tokens (LossBatch.scores)
+    scores: torch.Tensor | None = None  # each response's score on its tokens (LossInputs.scores)
 
     def unflatten(self, per_token: torch.Tensor) -> torch.Tensor:
         return per_token.reshape(-1) if self.flat else per_token.reshape(self.mask.shape)
@@ -113,7 +118,7 @@ def _check_float_input(name, value, grid_shape, device, allow_per_response):
     return value.detach()
 
 
-def token_inputs(logits_shape, logits_dtype, device, batch: LossBatch, aggregation="token_mean",
+def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregation="token_mean",
                  sequence_reason: str | None = None) -> RowInputs:
     """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``. ``sequence_reason``:
     why the call needs each response's tokens together (``LossOptions.sequence_reason``), None where it does
@@ -231,7 +236,7 @@ def canonical_batch(inputs: RowInputs, scored: torch.Tensor, scale: torch.Tensor
     )
 
 
-def prepare_batch(logits_shape, logits_dtype, device, batch: LossBatch, aggregation, sequence_reason,
+def prepare_batch(logits_shape, logits_dtype, device, batch: LossInputs, aggregation, sequence_reason,
                   check: bool = True) -> TokenBatch:
     """Structure, values (checked now unless ``check`` is False: the compiled reference checks them
     in a custom op) and the canonical layout, with torch's aggregation scales: the reference's path,

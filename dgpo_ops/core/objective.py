@@ -100,7 +100,7 @@ def policy_objective(
 
 
 def entropy_weight_term(entropy: torch.Tensor, weights: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """``-sum w_t H_t`` over the scored tokens: ``LossBatch.entropy_weights``' term, added to the loss as it is
+    """``-sum w_t H_t`` over the scored tokens: ``LossInputs.entropy_weights``' term, added to the loss as it is
     (outside the aggregation). Every route adds it with this function (the fused ops on detached entropies)."""
     return -torch.where(scored, weights * entropy, 0.0).sum()
 

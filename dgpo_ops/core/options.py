@@ -1,4 +1,7 @@
-"""``LossOptions``: every non-tensor option of a loss call, in one validated dataclass."""
+"""``LossOptions``: every non-tensor option of a loss call, in one validated dataclass (its tensors travel in
+``dgpo_ops.core.inputs.LossInputs``). The public functions' keywords are these fields; the fused-linear op's
+projection (``logit_scale``, ``softcap``, ``memory_budget``, ``logits_on_chip``) and the vocabulary split
+(``vocab_parallel_group``) are fields too, so that one object carries a call's options through every route."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dgpo_ops.core.aggregation import check_aggregation
-from dgpo_ops.core.validation import FLOAT32_MAX, VALIDATION_MODES, float32_magnitude_ok
+from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, VALIDATION_MODES, float32_magnitude_ok
 from dgpo_ops.corrections.core import RolloutCorrection
 from dgpo_ops.methods import gspo
 from dgpo_ops.methods.base import MethodConfig
@@ -20,6 +23,8 @@ from dgpo_ops.methods.table import METHODS, method_config
 BACKENDS = ("auto", "triton", "torch")  # which kernels run (dgpo_ops.ops.backends)
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of the fused-linear op's logits and gradient tiles
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,16 @@ class LossOptions:
     # the stage that turns rollout_logps into rollout weights and rejections (dgpo_ops.corrections), run before
     # every route: the ops themselves never see it
     rollout_correction: RolloutCorrection | None = None
+    # the fused-linear op's projection: logits = softcap * tanh(logit_scale * y / softcap) (or logit_scale * y),
+    # y = hidden @ weight^T + bias, then / temperature
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    memory_budget: int = DEFAULT_MEMORY_BUDGET  # bytes of logits and gradient tiles alive at once
+    # True: the Triton kernels of kernels/linear_logits.py and linear_grad.py, the logits only in registers (no tile
+    # buffers, no weight copy in the compute dtype; one more pass of products)
+    logits_on_chip: bool = False
+    # the process group over which the vocabulary is split (tensor parallelism); None: one process's whole vocabulary
+    vocab_parallel_group: object = None
 
     def __post_init__(self):
         if not isinstance(self.method, MethodConfig):
@@ -77,6 +92,7 @@ class LossOptions:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.validation not in VALIDATION_MODES:
             raise ValueError(f"validation must be one of {VALIDATION_MODES}, got {self.validation!r}")
+        self._check_projection()
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
             raise ValueError("rollout_correction must be a dgpo_ops.corrections.RolloutCorrection (e.g. "
                              f"TrlCorrection('token_truncate')) or None, got {self.rollout_correction!r}")
@@ -85,6 +101,22 @@ class LossOptions:
         if METHODS[self.method.name].sequence_statistic is not None and self.importance_sampling_level != "token":
             raise ValueError(f"{self.method.name} is evaluated at its own sequence statistic of each response's "
                              "log-ratios: leave importance_sampling_level at 'token'")
+
+    def _check_projection(self):
+        # float32 numbers in the kernels: a normal float32, so that neither it nor its inverse is 0 or inf
+        if isinstance(self.logit_scale, bool) or not isinstance(self.logit_scale, (int, float)) or not math.isfinite(
+                self.logit_scale) or not FLOAT32_TINY <= self.logit_scale <= FLOAT32_MAX:
+            raise ValueError(f"logit_scale must be a finite number > 0 in float32's normal range, got "
+                             f"{self.logit_scale!r}")
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                                         or not math.isfinite(self.softcap)
+                                         or not FLOAT32_TINY <= self.softcap <= FLOAT32_MAX):
+            raise ValueError(f"softcap must be None or a finite number > 0 in float32's normal range, got "
+                             f"{self.softcap!r}")
+        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive integer number of bytes, got {self.memory_budget!r}")
+        if not isinstance(self.logits_on_chip, bool):
+            raise ValueError(f"logits_on_chip must be True or False, got {self.logits_on_chip!r}")
 
     @property
     def sequence_statistic(self):
@@ -115,7 +147,7 @@ class LossOptions:
 
     @property
     def needs_scores(self) -> bool:
-        """The call reads each response's score (``LossBatch.scores``): the method splits by it (topr), or the
+        """The call reads each response's score (``LossInputs.scores``): the method splits by it (topr), or the
         positive-example NLL picks its responses by it."""
         return METHODS[self.method.name].reads_scores or self.positive_nll_coef != 0.0
 

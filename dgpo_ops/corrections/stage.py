@@ -25,7 +25,7 @@ def _flat_tokens(name: str, value, token_shape, device) -> torch.Tensor:
 
 
 def correction_inputs(batch, cu_seqlens=None) -> CorrectionInputs:
-    """The stage's view of ``batch`` (a ``LossBatch``): target ids ``(B, T)`` (each row a response), ``(N,)``
+    """The stage's view of ``batch`` (a ``LossInputs``): target ids ``(B, T)`` (each row a response), ``(N,)``
     packed with ``cu_seqlens``, or ``(N,)`` flat (no responses)."""
     target_ids = batch.target_ids
     if not torch.is_tensor(target_ids) or target_ids.dim() not in (1, 2):

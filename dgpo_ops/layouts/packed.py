@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.core.inputs import PER_TOKEN_FLOATS, LossBatch
+from dgpo_ops.core.inputs import PER_TOKEN_FLOATS, LossInputs
 from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError
 
 
@@ -99,7 +99,7 @@ class PackedLayout:
                 f"advantage per sequence, or advantages[None] (shape (1, {self.n_tokens})) for one per token")
         return advantages.shape == (self.n_seqs,)
 
-    def padded_batch(self, batch: LossBatch) -> LossBatch:
+    def padded_batch(self, batch: LossInputs) -> LossInputs:
         """The per-token inputs on the padded grid: target ids -100 and the mask 0 where there is no
         token. Per-sequence advantages (``advantages_per_sequence``) stay ``(B,)``; per-token ones may
         also be ``(1, n_tokens)``, the spelling that is never ambiguous."""
@@ -126,4 +126,4 @@ class PackedLayout:
                     value = value.reshape(self.n_tokens)
             check_token_shape(name, value, per_sequence=name in ("advantages", "scores"))
             padded[name] = self.pad(value.detach(), 0.0)
-        return batch._replace(**padded)
+        return batch._replace(**padded, cu_seqlens=None, max_seqlen=None)  # padded: no longer packed

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed
 
-from dgpo_ops.core.inputs import LossBatch
+from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.kernels.row_io import RowWorkspace, RowInputs
 from dgpo_ops.layouts.packed import PackedLayout
 from dgpo_ops.layouts.vocab import VocabShard, merge_row_partials, vocab_shard
@@ -86,11 +86,11 @@ class RowLayout:
         tokens = self.token_shape if self.packed is None else self.packed.grid
         return torch.Size((*tokens, self.vocab))
 
-    def grid_batch(self, batch: LossBatch) -> LossBatch:
+    def grid_batch(self, batch: LossInputs) -> LossInputs:
         """The per-token inputs on the objective's grid (packed ones padded, O(tokens))."""
         return batch if self.packed is None else self.packed.padded_batch(batch)
 
-    def row_inputs(self, batch: LossBatch, grid_inputs: RowInputs) -> RowInputs:
+    def row_inputs(self, batch: LossInputs, grid_inputs: RowInputs) -> RowInputs:
         """What the row forward reads per row: the grid's inputs, or for packed rows the caller's flat target ids
         and mask in packed order (its other inputs are not read: a packed call has no epilogue)."""
         if self.packed is None:

@@ -106,7 +106,7 @@ class TokenInputs(NamedTuple):
     advantage: torch.Tensor
     logp: torch.Tensor  # l = log_ratio + old_logp; differentiable
     old_logp: torch.Tensor
-    score: torch.Tensor | None = None  # the response's score (LossBatch.scores), where the caller passed one
+    score: torch.Tensor | None = None  # the response's score (LossInputs.scores), where the caller passed one
 
 
 class SequenceInputs(NamedTuple):

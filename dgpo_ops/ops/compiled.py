@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from dgpo_ops.core.inputs import LossBatch, check_values, token_inputs
+from dgpo_ops.core.inputs import LossInputs, check_values, token_inputs
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
@@ -33,7 +33,7 @@ from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.methods.table import method_config
 from dgpo_ops.ops.backends import select_kernels
-from dgpo_ops.ops.linear import Precision, ProjectionOptions, autocast_dtype, linear_forward_pass, linear_plan
+from dgpo_ops.ops.linear import Precision, autocast_dtype, linear_forward_pass, linear_plan
 from dgpo_ops.ops.logits import backward_pass, forward_pass, logits_plan
 
 OptionalTensor = torch.Tensor | None
@@ -42,36 +42,22 @@ OptionalTensor = torch.Tensor | None
 # ----------------------------------------------------------------------------- options across the boundary
 
 
-def options_spec(options: LossOptions, projection=None) -> str:
-    """``options`` (and the linear op's ``ProjectionOptions``) as a JSON string; a trace-time constant.
-
-    The projection options reach the constant function as their field values, read in the trace: an object
-    made while dynamo traces is only a shell outside it (the fields it set are the trace's, so the constant
-    function would read the class defaults: softcap None, logit scale 1)."""
-    fields = None if projection is None else tuple(
-        (f.name, getattr(projection, f.name)) for f in dataclasses.fields(projection))
-    return _options_spec(options, fields)
-
-
 @torch.compiler.assume_constant_result
-def _options_spec(options: LossOptions, projection_fields) -> str:
-    # the rollout correction runs before the op (dgpo_ops.corrections.stage): the op never reads it
+def options_spec(options: LossOptions) -> str:
+    """``options`` as a JSON string; a trace-time constant (the options themselves are one: ``LossOptions.build``).
+    The rollout correction runs before the op (``dgpo_ops.corrections.stage``) and the compiled ops take no
+    process group, so neither is in it."""
     spec = {name: getattr(options, name) for name in LossOptions.__dataclass_fields__
-            if name not in ("method", "rollout_correction")}
+            if name not in ("method", "rollout_correction", "vocab_parallel_group")}
     spec["method"] = {"name": options.method.name, "params": dataclasses.asdict(options.method)}
-    if projection_fields is not None:
-        spec["projection"] = dict(projection_fields)
     return json.dumps(spec, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=256)
-def options_from_spec(spec: str) -> tuple[LossOptions, object]:
-
+def options_from_spec(spec: str) -> LossOptions:
     values = json.loads(spec)
     method = values.pop("method")
-    projection = values.pop("projection", None)
-    options = LossOptions(method=method_config(method["name"], **method["params"]), **values)
-    return options, None if projection is None else ProjectionOptions(**projection)
+    return LossOptions(method=method_config(method["name"], **method["params"]), **values)
 
 
 def _normalizer(tensor: OptionalTensor, value: float | None):
@@ -90,15 +76,15 @@ def split_normalizer(loss_normalizer) -> tuple[OptionalTensor, float | None]:
 
 
 def _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
-           normalizer_value) -> LossBatch:
+           normalizer_value) -> LossInputs:
     """The op's flat arguments as the eager path's one object."""
-    return LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
+    return LossInputs(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
                      _normalizer(normalizer, normalizer_value), scores=scores)
 
 
-def _logits_plan(logits, batch: LossBatch, spec, needs_grad, checked: bool):
+def _logits_plan(logits, batch: LossInputs, spec, needs_grad, checked: bool):
 
-    options, _ = options_from_spec(spec)
+    options = options_from_spec(spec)
     return logits_plan(logits, batch, options, needs_grad, checked)
 
 
@@ -143,7 +129,7 @@ def fused_policy_loss_backward_op(
     spec: str,
 ) -> torch.Tensor:
 
-    options, _ = options_from_spec(spec)
+    options = options_from_spec(spec)
     kernels = select_kernels(options.backend, logits)
     uses_epilogue = options.token_local  # both kernel sets evaluate it in the row forward
     workspace = RowWorkspace(per_token, target_index, sequence_stats, seq_scale, status,
@@ -172,7 +158,7 @@ def _logits_backward(ctx, grad_loss, *_grads_of_non_differentiable_outputs):
 fused_policy_loss_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
 
 
-def compiled_fused_loss(logits, batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
+def compiled_fused_loss(logits, batch: LossInputs, options: LossOptions) -> PolicyLossOutput:
     if options.inplace:
         raise ValueError("inplace=True is not supported under torch.compile (a compiled graph owns its buffers): "
                          "pass inplace=False")
@@ -186,11 +172,10 @@ def compiled_fused_loss(logits, batch: LossBatch, options: LossOptions) -> Polic
 # ----------------------------------------------------------------------------- the linear op
 
 
-def _linear_plan(weight, batch: LossBatch, spec, needs_grad, checked: bool):
+def _linear_plan(weight, batch: LossInputs, spec, needs_grad, checked: bool):
 
-    options, projection = options_from_spec(spec)
     logits_shape = torch.Size((*batch.target_ids.shape, weight.shape[0]))  # the token grid of the call, then V
-    return linear_plan(logits_shape, weight, batch, options, projection, needs_grad, checked)
+    return linear_plan(logits_shape, weight, batch, options_from_spec(spec), needs_grad, checked)
 
 
 def _dtype(name: str) -> torch.dtype | None:
@@ -223,8 +208,8 @@ def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, 
     batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
                    normalizer_value)
     plan = _linear_plan(weight, batch, spec, any(wants), checked=False)
-    precision = Precision.resolve(weight, plan.projection.softcap, _dtype(autocast))
-    call = plan.call
+    precision = Precision.resolve(weight, plan.options.softcap, _dtype(autocast))
+    call = plan
     token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
     workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
                                       compute_dtype(precision.tile))
@@ -249,15 +234,14 @@ def _linear_backward(ctx, grad_loss, *_grads_of_other_outputs):
 fused_linear_policy_loss_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
 
-def compiled_fused_linear_loss(flat_hidden, weight, bias, batch: LossBatch, options: LossOptions,
-                               projection) -> PolicyLossOutput:
+def compiled_fused_linear_loss(flat_hidden, weight, bias, batch: LossInputs, options: LossOptions) -> PolicyLossOutput:
 
     grad_on = torch.is_grad_enabled()
     wants = [grad_on and t is not None and t.requires_grad for t in (flat_hidden, weight, bias)]
     cast = autocast_dtype(flat_hidden.device)
     loss, per_token, stats, *_ = fused_linear_policy_loss_op(
         flat_hidden, weight, bias, *batch.tensors(), *split_normalizer(batch.loss_normalizer),
-        options_spec(options, projection), wants, "" if cast is None else str(cast).split(".")[-1])
+        options_spec(options), wants, "" if cast is None else str(cast).split(".")[-1])
     loss = loss.to(compute_dtype(weight.dtype))
     per_token, stats = per_token.detach(), stats.detach()
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))
@@ -272,7 +256,7 @@ def checked_inputs_op(
     ref_logps: OptionalTensor, rollout_weights: OptionalTensor, scores: OptionalTensor, normalizer: OptionalTensor,
     normalizer_value: float | None, logits_shape: list[int], logits_dtype: torch.dtype, spec: str,
 ) -> torch.Tensor:
-    options, _ = options_from_spec(spec)
+    options = options_from_spec(spec)
     device = target_ids.device
     batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
                    normalizer_value)

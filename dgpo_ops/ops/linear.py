@@ -32,17 +32,16 @@ dtype as they are loaded (no weight copy), one more pass of products, gradients 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from dgpo_ops.core.inputs import LossBatch
+from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, refuse_double_backward
+from dgpo_ops.core.validation import refuse_double_backward
 from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout
@@ -55,40 +54,9 @@ from dgpo_ops.ops.pipeline import (
     plan_call,
 )
 
-DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of logits and gradient tiles
 # cuBLAS writes an fp32 product of bf16/fp16 operands directly (torch >= 2.8, CUDA).
 _HAS_FP32_OUT_MM = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class ProjectionOptions:
-    """How logits are made from the projection ``y = hidden @ weight^T + bias``:
-    ``logits = softcap * tanh(logit_scale * y / softcap)`` (or ``logit_scale * y``), then / temperature."""
-
-    logit_scale: float = 1.0
-    softcap: float | None = None
-    memory_budget: int = DEFAULT_MEMORY_BUDGET
-    # True: the Triton kernels of kernels/linear_logits.py and linear_grad.py, where the logits exist
-    # only in registers (no tile buffers, no copy of the weight in the compute dtype; one more pass of
-    # products). Not yet measured against the tile path on a GPU, so not the default.
-    logits_on_chip: bool = False
-
-    def __post_init__(self):
-        # float32 numbers in the kernels: a normal float32, so that neither it nor its inverse is 0 or inf
-        if isinstance(self.logit_scale, bool) or not isinstance(self.logit_scale, (int, float)) or not math.isfinite(
-                self.logit_scale) or not FLOAT32_TINY <= self.logit_scale <= FLOAT32_MAX:
-            raise ValueError(f"logit_scale must be a finite number > 0 in float32's normal range, got "
-                             f"{self.logit_scale!r}")
-        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
-                                         or not math.isfinite(self.softcap)
-                                         or not FLOAT32_TINY <= self.softcap <= FLOAT32_MAX):
-            raise ValueError(f"softcap must be None or a finite number > 0 in float32's normal range, got "
-                             f"{self.softcap!r}")
-        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1:
-            raise ValueError(f"memory_budget must be a positive integer number of bytes, got {self.memory_budget!r}")
-        if not isinstance(self.logits_on_chip, bool):
-            raise ValueError(f"logits_on_chip must be True or False, got {self.logits_on_chip!r}")
 
 
 @dataclass(frozen=True)
@@ -167,21 +135,20 @@ class TileProjection:
 class Tiles:
     """The tile buffers, and the scale the row kernels apply to what they read."""
 
-    def __init__(self, n_tokens, vocab, precision: Precision, device, projection_options: ProjectionOptions,
-                 temperature: float):
-        self.softcap = projection_options.softcap
-        self.logit_scale = projection_options.logit_scale
+    def __init__(self, n_tokens, vocab, precision: Precision, device, options: LossOptions):
+        self.softcap = options.softcap
+        self.logit_scale = options.logit_scale
         separate_grad = self.softcap is not None or precision.grad != precision.tile
         tile_bytes = torch.finfo(precision.tile).bits // 8
         grad_bytes = torch.finfo(precision.grad).bits // 8 if separate_grad else 0
-        rows = max(1, min(n_tokens, projection_options.memory_budget // (vocab * (tile_bytes + grad_bytes))))
+        rows = max(1, min(n_tokens, options.memory_budget // (vocab * (tile_bytes + grad_bytes))))
         self.rows = rows if rows < 16 else rows - rows % 16
         self.logits = torch.empty((self.rows, vocab), dtype=precision.tile, device=device)
         self.grad = self.logits
         if separate_grad:
             self.grad = torch.empty((self.rows, vocab), dtype=precision.grad, device=device)
         # With softcap the buffer holds t = tanh(logit_scale y / softcap) and the logits are softcap t.
-        self.kernel_scale = (self.softcap if self.softcap is not None else self.logit_scale) / temperature
+        self.kernel_scale = (self.softcap if self.softcap is not None else self.logit_scale) / options.temperature
 
     def transform(self, tile):
         if self.softcap is not None:
@@ -228,19 +195,13 @@ class TileGradients:
                                          scored=self.workspace.target_index[start:stop] >= 0)
 
 
-@dataclass
-class LinearPlan:
-    call: CallPlan
-    projection: ProjectionOptions
-
-
-# (log-probs, entropies) -> LossBatch: a call's inputs that need the current log-probs and entropies (a trainer's
+# (log-probs, entropies) -> LossInputs: a call's inputs that need the current log-probs and entropies (a trainer's
 # masks, the tokens its entropy bonus acts on), from the call's own first sweep (detached, shaped like the target
 # ids); the batch keeps the first one's target ids, mask and normaliser (the prologue's counts and scales).
-CompleteBatch = Callable[[torch.Tensor, torch.Tensor], LossBatch]
+CompleteBatch = Callable[[torch.Tensor, torch.Tensor], LossInputs]
 
 
-def completing(complete_batch: CompleteBatch, batch: LossBatch, replan: Callable[[LossBatch], CallPlan]):
+def completing(complete_batch: CompleteBatch, batch: LossInputs, replan: Callable[[LossInputs], CallPlan]):
     """``CallPlan.complete`` from ``complete_batch``: the plan of the batch it makes from the first sweep."""
     def complete(call: CallPlan, workspace: RowWorkspace) -> CallPlan:
         planes = workspace.per_token.detach()
@@ -270,7 +231,7 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_autocast: torch.dtype | None,
+def on_chip_forward_pass(hidden, weight, bias, call: CallPlan, wants, compute_autocast: torch.dtype | None,
                          zero_planes: bool = False):
     """``linear_forward_pass`` with ``logits_on_chip``: the logits only ever in the kernels' registers.
     A token-level method: partials + rows kernels (the epilogue in the latter), the prologue's scales,
@@ -279,8 +240,8 @@ def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_
     from dgpo_ops.kernels.linear_grad import linear_grads
     from dgpo_ops.kernels.linear_logits import OnChipProjection, on_chip_forward_planes
 
-    call, options = plan.call, plan.call.options
-    softcap, logit_scale = plan.projection.softcap, plan.projection.logit_scale
+    options = call.options
+    softcap, logit_scale = options.softcap, options.logit_scale
     operand = compute_autocast if compute_autocast in LOW_PRECISION else weight.dtype
     projection = OnChipProjection(operand, (softcap if softcap is not None else logit_scale) / options.temperature,
                                   logit_scale / softcap if softcap is not None else 1.0, softcap is not None)
@@ -302,20 +263,19 @@ def on_chip_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_
     return result.loss, workspace.per_token, result.stats, *grads
 
 
-def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_autocast: torch.dtype | None,
+def linear_forward_pass(hidden, weight, bias, call: CallPlan, wants, compute_autocast: torch.dtype | None,
                         zero_planes: bool = False):
     """The sweep of one call: ``(loss, per_token, stats, grad_hidden, grad_weight, grad_bias)``, the
     gradients fp32 (fp64) accumulators of the inputs ``wants`` names (None for the others).
     ``compute_autocast`` is the autocast dtype the call was made under (None: none)."""
-    if plan.projection.logits_on_chip:
-        return on_chip_forward_pass(hidden, weight, bias, plan, wants, compute_autocast, zero_planes)
-    call = plan.call
     options = call.options
+    if options.logits_on_chip:
+        return on_chip_forward_pass(hidden, weight, bias, call, wants, compute_autocast, zero_planes)
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
-    precision = Precision.resolve(weight, plan.projection.softcap, compute_autocast)
+    precision = Precision.resolve(weight, options.softcap, compute_autocast)
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
         projection = TileProjection(weight, bias, precision)
-        tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, options.temperature)
+        tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, options)
         workspace = RowWorkspace.allocate(call.rows.token_shape, call.inputs.grid[0], hidden.device,
                                           compute_dtype(precision.tile), zero_planes)
         accumulate = precision.accumulate
@@ -347,10 +307,10 @@ def linear_forward_pass(hidden, weight, bias, plan: LinearPlan, wants, compute_a
 
 class FusedLinearPolicyLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, plan: LinearPlan):
+    def forward(ctx, hidden, weight, bias, plan: CallPlan):
         """``hidden`` is ``(n_tokens, H)``, in the token order of the call's grid."""
         ctx.set_materialize_grads(False)
-        wants = [plan.call.needs_grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+        wants = [plan.needs_grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         loss, per_token, stats, *grads = linear_forward_pass(hidden, weight, bias, plan, wants,
                                                              autocast_dtype(hidden.device))
         ctx.save_for_backward(*grads)
@@ -400,36 +360,34 @@ def flatten_tokens(hidden, weight, bias):
     return hidden.reshape(-1, hidden.shape[-1]), logits_shape
 
 
-def linear_plan(logits_shape, weight, batch: LossBatch, options: LossOptions, projection_options: ProjectionOptions,
-                needs_grad: bool, checked: bool = True, layout: CallLayout = CallLayout(),
-                complete_batch: CompleteBatch | None = None) -> LinearPlan:
+def linear_plan(logits_shape, weight, batch: LossInputs, options: LossOptions, needs_grad: bool, checked: bool = True,
+                layout: CallLayout = CallLayout(), complete_batch: CompleteBatch | None = None) -> CallPlan:
     """The call's plan from metadata; ``checked`` also checks the values (False: the fake
     implementation of the compiled op, which has no values). ``complete_batch``: see ``CompleteBatch``."""
     if complete_batch is not None:
         if not layout.is_default:
             raise ValueError("complete_batch is not supported with vocab_parallel_group or cu_seqlens yet")
-        first = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad, checked, layout)
+        first = linear_plan(logits_shape, weight, batch, options, needs_grad, checked, layout)
         complete = completing(complete_batch, batch, lambda completed: linear_plan(
-            logits_shape, weight, completed, options, projection_options, needs_grad, checked, layout).call)
-        return dataclasses.replace(first, call=dataclasses.replace(first.call, complete=complete))
-    if projection_options.logits_on_chip and not layout.is_default:
+            logits_shape, weight, completed, options, needs_grad, checked, layout))
+        return dataclasses.replace(first, complete=complete)
+    if options.logits_on_chip and not layout.is_default:
         raise ValueError("logits_on_chip=True does not take vocab_parallel_group or cu_seqlens yet: pass "
                          "logits_on_chip=False (the tile path runs every layout)")
     tile_probe = torch.empty(0, dtype=compute_dtype(weight.dtype),
                              device=weight.device)
-    if projection_options.logits_on_chip and weight.dtype == torch.float64:
+    if options.logits_on_chip and weight.dtype == torch.float64:
         raise ValueError("logits_on_chip=True multiplies float32, bfloat16 or float16 weights; float64 weights "
                          "take the tile path (logits_on_chip=False)")
     call = plan_call(logits_shape[:-1], logits_shape[-1], weight.dtype, weight.device, batch, options, tile_probe,
                      needs_grad, layout, checked)
-    if projection_options.logits_on_chip and call.kernels.name != "triton":
+    if options.logits_on_chip and call.kernels.name != "triton":
         raise ValueError("logits_on_chip=True runs Triton kernels: pass CUDA tensors, or backend='triton' with "
                          "TRITON_INTERPRET=1 on the CPU")
-    return LinearPlan(call, projection_options)
+    return call
 
 
-def linear_loss(hidden, weight, bias, batch: LossBatch, options: LossOptions,
-                projection_options: ProjectionOptions, layout: CallLayout = CallLayout(),
+def linear_loss(hidden, weight, bias, batch: LossInputs, options: LossOptions, layout: CallLayout = CallLayout(),
                 complete_batch: CompleteBatch | None = None) -> PolicyLossOutput:
     """The fused-linear op, eager, on every layout: ``weight`` and ``bias`` plain tensors, this process's rows
     with a split vocabulary (``dgpo_ops.api`` routes the head module and compiled calls). ``complete_batch``
@@ -439,8 +397,7 @@ def linear_loss(hidden, weight, bias, batch: LossBatch, options: LossOptions,
     if options.inplace:
         raise ValueError("inplace applies to fused_dgpo_loss; the linear op never holds whole logits")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    plan = linear_plan(logits_shape, weight, batch, options, projection_options, needs_grad, layout=layout,
-                       complete_batch=complete_batch)
+    plan = linear_plan(logits_shape, weight, batch, options, needs_grad, layout=layout, complete_batch=complete_batch)
     loss, per_token, stats = FusedLinearPolicyLossFunction.apply(flat_hidden, weight, bias, plan)
     loss = loss.to(compute_dtype(weight.dtype))
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.core.inputs import LossBatch
+from dgpo_ops.core.inputs import LossInputs
+from dgpo_ops.core.call import CallSignature, public_function
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, refuse_double_backward
 from dgpo_ops.kernels.interface import Plane
@@ -28,9 +29,7 @@ from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
 from dgpo_ops.ops.linear import (
-    DEFAULT_MEMORY_BUDGET,
     Precision,
-    ProjectionOptions,
     TileGradients,
     TileProjection,
     Tiles,
@@ -43,18 +42,18 @@ from dgpo_ops.ops.pipeline import nan_rows_on_error, row_forward, run_prologue
 
 
 class LinearLogProbEntropyFunction(torch.autograd.Function):
-    """``(log p(target), entropy)`` of every token of ``hidden`` ``(n, H)``; ``plan`` is a ``LinearPlan`` of
+    """``(log p(target), entropy)`` of every token of ``hidden`` ``(n, H)``; ``plan`` is a ``CallPlan`` of
     flat ``(n, V)`` logits (its method is not evaluated: only the row kernels and the prologue's checks run)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, plan):
         ctx.set_materialize_grads(False)
-        call = plan.call
+        call = plan
         precision = Precision.resolve(weight, None, autocast_dtype(hidden.device))
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
             projection = TileProjection(weight, bias, precision)
-            tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.projection, call.options.temperature)
+            tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, call.options)
             workspace = RowWorkspace.allocate((n_tokens,), 1, hidden.device, compute_dtype(precision.tile))
             run_prologue(call, workspace)
             forward = row_forward(call, workspace, with_epilogue=False)  # the method is not this op's
@@ -74,8 +73,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         wants = ctx.needs_input_grad[:3]
         if (grad_logp is None and grad_entropy is None) or not any(wants):
             return None, None, None, None
-        workspace, plan, precision = ctx.workspace, ctx.plan, ctx.precision
-        call = plan.call
+        workspace, call, precision = ctx.workspace, ctx.plan, ctx.precision
         dtype = workspace.per_token.dtype
         # No gradient for the entropies (verl without an entropy bonus): the kernel leaves the entropy term out.
         dloss_dlogp = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device) if grad_logp is None \
@@ -85,8 +83,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
                  for t, wanted in zip((hidden, weight, bias), wants)]
         with torch.autocast(hidden.device.type, enabled=False):
             projection = TileProjection(weight, bias, precision)
-            tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, plan.projection,
-                          call.options.temperature)
+            tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, call.options)
             gradients = TileGradients(call, tiles, projection, workspace, hidden, *grads)
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
                 start, stop, tile, 0.0, dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy))
@@ -100,31 +97,17 @@ def _check_targets(hidden, target_ids):
         raise ValueError(f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's tokens), got {shape}")
 
 
-# Not traced by torch.compile yet: it runs eagerly inside a compiled region (a graph break; with
-# fullgraph=True, dynamo's error says so). verl does not compile the model's forward.
-@torch.compiler.disable
-def linear_logprob_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    vocab_parallel_group=None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
-    backend: str = "auto",
-    validation: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token ``(log p(target), entropy)`` of the logits ``(hidden @ weight.T + bias) / temperature``,
-    fp32 (fp64 for fp64 inputs), shaped like ``target_ids``, differentiable in both outputs (for hidden,
-    weight and bias). Under ``torch.autocast`` the products run in the autocast dtype, as the model's own
-    lm_head would. With ``vocab_parallel_group`` ``weight`` and ``bias`` are this process's rows (equal
-    shares in rank order) and ``hidden`` and ``target_ids`` are the same on every process."""
+LOGPROB_ENTROPY_CALL = CallSignature(source=("hidden", "weight"), keyword_source=("bias",), positional=("target_ids",),
+                                     inputs=(), options=("temperature", "vocab_parallel_group", "memory_budget",
+                                                         "backend", "validation"), method=False, default_method="grpo")
+
+
+def _logprob_entropy(source, inputs: LossInputs, options: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
     # The options check temperature, backend and validation as every loss call does; the method is unused.
-    options = LossOptions.build("grpo", temperature=temperature, backend=backend, validation=validation)
-    if vocab_parallel_group is not None:
-        weight, bias = (local_vocab_shard(t, name, vocab_parallel_group) for t, name in ((weight, "weight"),
-                                                                                           (bias, "bias")))
+    hidden, weight, bias = source
+    target_ids, group = inputs.target_ids, options.vocab_parallel_group
+    if group is not None:
+        weight, bias = (local_vocab_shard(t, name, group) for t, name in ((weight, "weight"), (bias, "bias")))
     else:
         weight, bias = check_unsharded(weight, "weight"), check_unsharded(bias, "bias")
     flat_hidden, _ = flatten_tokens(hidden, weight, bias)  # shapes, dtypes and devices of hidden, weight, bias
@@ -132,8 +115,18 @@ def linear_logprob_entropy(
     flat_targets = target_ids.reshape(-1)
     logits_shape = torch.Size((flat_targets.shape[0], weight.shape[0]))
     advantages = torch.zeros(flat_targets.shape, device=hidden.device)
-    plan = linear_plan(logits_shape, weight, LossBatch(flat_targets, advantages), options,
-                       ProjectionOptions(memory_budget=memory_budget), needs_grad=False,
-                       layout=CallLayout(vocab_parallel_group))
+    plan = linear_plan(logits_shape, weight, LossInputs(flat_targets, advantages), options, needs_grad=False,
+                       layout=CallLayout(group))
     logp, entropy = LinearLogProbEntropyFunction.apply(flat_hidden, weight, bias, plan)
     return logp.reshape(target_ids.shape), entropy.reshape(target_ids.shape)
+
+
+# Not traced by torch.compile yet: it runs eagerly inside a compiled region (a graph break; with
+# fullgraph=True, dynamo's error says so). verl does not compile the model's forward.
+linear_logprob_entropy = torch.compiler.disable(public_function("linear_logprob_entropy", """Per-token
+``(log p(target), entropy)`` of the logits ``(hidden @ weight.T + bias) / temperature``, fp32 (fp64 for fp64
+inputs), shaped like ``target_ids``, differentiable in both outputs (for hidden, weight and bias). Under
+``torch.autocast`` the products run in the autocast dtype, as the model's own lm_head would. With
+``vocab_parallel_group`` ``weight`` and ``bias`` are this process's rows (equal shares in rank order) and ``hidden``
+and ``target_ids`` are the same on every process.""", LOGPROB_ENTROPY_CALL, _logprob_entropy,
+    returns="``(logps, entropy)``, two differentiable tensors shaped like ``target_ids``."))

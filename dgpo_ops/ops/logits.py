@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.core.inputs import LossBatch
+from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
@@ -119,7 +119,7 @@ def check_inplace_target(logits: torch.Tensor) -> None:
             "inplace=False, or .contiguous() logits")
 
 
-def logits_plan(logits, batch: LossBatch, options: LossOptions, needs_grad: bool, checked: bool = True,
+def logits_plan(logits, batch: LossInputs, options: LossOptions, needs_grad: bool, checked: bool = True,
                 layout: CallLayout = CallLayout()) -> CallPlan:
     """The call's plan from metadata; ``checked`` also checks the values (False: the fake
     implementation of the compiled op, which has no values)."""
@@ -129,7 +129,7 @@ def logits_plan(logits, batch: LossBatch, options: LossOptions, needs_grad: bool
                      needs_grad, layout, checked)
 
 
-def logits_loss(logits, batch: LossBatch, options: LossOptions, layout: CallLayout = CallLayout()) -> PolicyLossOutput:
+def logits_loss(logits, batch: LossInputs, options: LossOptions, layout: CallLayout = CallLayout()) -> PolicyLossOutput:
     """The logits op, eager, on every layout (``dgpo_ops.api`` routes compiled calls)."""
     if not torch.is_tensor(logits):
         raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")

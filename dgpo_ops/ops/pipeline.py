@@ -12,7 +12,7 @@ order:
 3. the loss and metrics: the finalize kernel after an epilogue, else the torch objective on the
    per-token log-probs and entropies laid on the grid (``objective_route``: every method, GSPO's
    sequence ratio included, with autograd on O(N) vectors only), on inputs that may be made from those
-   log-probs and entropies first (``CallPlan.complete``: a trainer's masks); ``LossBatch.entropy_weights``'
+   log-probs and entropies first (``CallPlan.complete``: a trainer's masks); ``LossInputs.entropy_weights``'
    term added to the loss;
 4. in backward, the gradient kernel (``RowKernels.backward``) with the ``expm1`` form of ``1 - p``.
 
@@ -28,7 +28,7 @@ import torch
 
 from dgpo_ops.core.aggregation import aggregation_codes
 from dgpo_ops.core.inputs import (
-    LossBatch,
+    LossInputs,
     canonical_batch,
     check_values,
     normalizer_spec,
@@ -56,8 +56,8 @@ class CallPlan:
     needs_grad: bool
     rows: RowLayout
     row_inputs: RowInputs  # what the row forward reads per row (``inputs`` unless the rows are packed)
-    generator: torch.Generator | None = None  # what a random token selection draws from (LossBatch.generator)
-    entropy_weights: torch.Tensor | None = None  # (n_rows,) LossBatch.entropy_weights in the rows' order
+    generator: torch.Generator | None = None  # what a random token selection draws from (LossInputs.generator)
+    entropy_weights: torch.Tensor | None = None  # (n_rows,) LossInputs.entropy_weights in the rows' order
     # Inputs that need the row forward's log-probs and entropies first (a trainer's masks): the plan the objective
     # is evaluated with, made from this one and the merged workspace between the row forward and the objective.
     complete: Callable[["CallPlan", RowWorkspace], "CallPlan"] | None = None
@@ -81,7 +81,7 @@ class CallPlan:
         return self.normalizer[2]
 
 
-def plan_call(token_shape, columns: int, dtype, device, batch: LossBatch, options: LossOptions,
+def plan_call(token_shape, columns: int, dtype, device, batch: LossInputs, options: LossOptions,
               kernel_probe: torch.Tensor, needs_grad: bool, layout: CallLayout = CallLayout(),
               checked: bool = True) -> CallPlan:
     """Everything a call decides on the host for rows of ``token_shape`` over ``columns`` vocabulary columns
@@ -108,7 +108,7 @@ def plan_call(token_shape, columns: int, dtype, device, batch: LossBatch, option
 
 
 def row_entropy_weights(weights, token_shape, layout: CallLayout, device) -> torch.Tensor | None:
-    """``LossBatch.entropy_weights`` checked and flattened to the rows' order (the tokens', on the layouts that
+    """``LossInputs.entropy_weights`` checked and flattened to the rows' order (the tokens', on the layouts that
     take them)."""
     if weights is None:
         return None

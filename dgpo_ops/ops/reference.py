@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.core.docstrings import documented
-from dgpo_ops.core.inputs import LossBatch, prepare_batch
+from dgpo_ops.core.call import PROJECTION_OPTIONS, CallSignature, public_function
+from dgpo_ops.core.inputs import LossInputs, prepare_batch
 from dgpo_ops.core.objective import entropy_weight_term, masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
@@ -19,55 +19,27 @@ from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.ops.compiled import checked_inputs_op, options_spec, split_normalizer
 
 
-@documented("""Policy loss of ``method`` from logits by ``log_softmax``, gather, the method table and autograd:
-the ground truth of the fused ops. It materialises ``(N, V)`` fp32 log-probs; not a path to train with.""")
-def reference_loss(
-    logits: torch.Tensor,
-    target_ids: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    old_logps: torch.Tensor | None = None,
-    ref_logps: torch.Tensor | None = None,
-    *,
-    method="dgpo",
-    temperature: float = 1.0,
-    aggregation: str | None = None,
-    loss_normalizer: float | torch.Tensor | None = None,
-    beta: float = 0.0,
-    entropy_coef: float = 0.0,
-    importance_sampling_level: str = "token",
-    rollout_weights: torch.Tensor | None = None,
-    rollout_logps: torch.Tensor | None = None,
-    rollout_correction=None,
-    scores: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    entropy_weights: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    max_seqlen: int | None = None,
-    **method_params,
-) -> PolicyLossOutput:
-    options = LossOptions.build(
-        method,
-        temperature=temperature,
-        aggregation=aggregation,
-        beta=beta,
-        entropy_coef=entropy_coef,
-        importance_sampling_level=importance_sampling_level,
-        rollout_correction=rollout_correction,
-        **method_params,
-    )
-    batch = LossBatch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, loss_normalizer, generator,
-                      rollout_logps, scores, entropy_weights)
+REFERENCE_CALL = CallSignature(source=("logits",), without=(*PROJECTION_OPTIONS, "inplace", "backend", "validation",
+                                                             "vocab_parallel_group"))
+
+
+def _reference(source, batch: LossInputs, options: LossOptions) -> PolicyLossOutput:
+    (logits,) = source
 
     def route(batch):
-        if cu_seqlens is not None or max_seqlen is not None:
-            return packed_reference_loss(logits, batch, options, cu_seqlens, max_seqlen)
+        if batch.cu_seqlens is not None or batch.max_seqlen is not None:
+            return packed_reference_loss(logits, batch, options, batch.cu_seqlens, batch.max_seqlen)
         return reference_loss_from_options(logits, batch, options)
 
-    return with_rollout_correction(batch, options.rollout_correction, cu_seqlens, route)
+    return with_rollout_correction(batch, options.rollout_correction, batch.cu_seqlens, route)
 
 
-def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, cu_seqlens, max_seqlen):
+reference_loss = public_function("reference_loss", """Policy loss of ``method`` from logits by ``log_softmax``,
+gather, the method table and autograd: the ground truth of the fused ops. It materialises ``(N, V)`` fp32 log-probs;
+not a path to train with.""", REFERENCE_CALL, _reference)
+
+
+def packed_reference_loss(logits, loss_batch: LossInputs, options: LossOptions, cu_seqlens, max_seqlen):
     """Packed ``(total_tokens, V)`` logits: the reference on the padded ``(B, max_seqlen, V)`` layout (which
     it materialises), per-token outputs back in packed order."""
     if not torch.is_tensor(logits):
@@ -82,7 +54,7 @@ def packed_reference_loss(logits, loss_batch: LossBatch, options: LossOptions, c
     return out._replace(logps=packed.unpad(out.logps), entropy=packed.unpad(out.entropy))
 
 
-def reference_loss_from_options(logits, loss_batch: LossBatch, options: LossOptions) -> PolicyLossOutput:
+def reference_loss_from_options(logits, loss_batch: LossInputs, options: LossOptions) -> PolicyLossOutput:
     compiling = torch.compiler.is_compiling()
     batch = prepare_batch(logits.shape, logits.dtype, logits.device, loss_batch, options.aggregation,
                           options.sequence_reason, check=not compiling)

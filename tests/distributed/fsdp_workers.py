@@ -99,24 +99,23 @@ def wrap(model, wrapping: str, mesh, mixed_precision: bool):
 def policy_loss(model, batch: dict, method: str, on_chip: bool, backward=None):
     """The loss and the old-policy log-probs as DGPOTrainer computes them (``fused='linear'``); ``model``
     may be wrapped (DDP, FSDP2, a DeepSpeed engine: ``backward`` is then ``engine.backward``)."""
-    from dgpo_ops.api import fused_linear_logprobs, linear_loss_from_options
-    from dgpo_ops.core.inputs import LossBatch
+    from dgpo_ops.api import fused_linear_logprobs, policy_loss
+    from dgpo_ops.core.inputs import LossInputs
     from dgpo_ops.core.options import LossOptions
     from dgpo_ops.core.output import PolicyLossOutput
     from dgpo_ops.distributed.head import add_hidden_state_output, fused_linear_on_model
-    from dgpo_ops.ops.linear import ProjectionOptions
 
     method, _, route = method.partition("@")  # "dgpo@module": fused_linear_dgpo_loss(hidden, model.lm_head, ...)
     inner = getattr(model, "module", model)
     add_hidden_state_output(inner)  # as DGPOTrainer: on the model inside a DDP wrapper
     backend = "triton" if on_chip else "auto"
-    options = LossOptions.build(aggregation="seq_mean_token_mean", backend=backend, **METHODS[method])
-    projection = ProjectionOptions(logits_on_chip=on_chip)
-    loss_batch = LossBatch(batch["targets"], batch["advantages"], batch["mask"], batch["old_logps"],
+    options = LossOptions.build(aggregation="seq_mean_token_mean", backend=backend, logits_on_chip=on_chip,
+                                **METHODS[method])
+    loss_batch = LossInputs(batch["targets"], batch["advantages"], batch["mask"], batch["old_logps"],
                            batch["ref_logps"] if options.beta else None)
 
     def loss_fn(hidden, weight, bias):
-        return linear_loss_from_options(hidden, weight, bias, loss_batch, options, projection).tensors()
+        return policy_loss(loss_batch, options, hidden=hidden, weight=weight, bias=bias).tensors()
 
     def logprobs_fn(hidden, weight, bias):
         return fused_linear_logprobs(hidden, weight, batch["targets"], bias=bias, logits_on_chip=on_chip,

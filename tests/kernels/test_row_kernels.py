@@ -14,7 +14,7 @@ from helpers import TOKEN_LEVEL_VARIANTS, largest_allocations, logits_batch, var
 
 import dgpo_ops
 from dgpo_ops.core.aggregation import AGGREGATIONS
-from dgpo_ops.core.inputs import LossBatch, normalizer_spec, token_inputs
+from dgpo_ops.core.inputs import LossInputs, normalizer_spec, token_inputs
 from dgpo_ops.kernels import finalize as finalize_module
 from dgpo_ops.kernels import logits_grad as grad_module
 from dgpo_ops.kernels import logprob_entropy as forward_module
@@ -25,7 +25,7 @@ from dgpo_ops.kernels.torch_twins import logits_grad_torch, logprob_entropy_torc
 
 import dgpo_ops
 from dgpo_ops.core.aggregation import AGGREGATIONS
-from dgpo_ops.core.inputs import LossBatch, normalizer_spec, token_inputs
+from dgpo_ops.core.inputs import LossInputs, normalizer_spec, token_inputs
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def row_inputs(B, T, V, seed=0, dtype=torch.float32):
 
 def workspace_after_prologue(logits, target, mask, prologue=token_prologue_torch, aggregation="token_mean",
                              loss_normalizer=None, **per_token):
-    loss_batch = LossBatch(target, per_token.pop("advantages", torch.ones(logits.shape[0])), mask, **per_token)
+    loss_batch = LossInputs(target, per_token.pop("advantages", torch.ones(logits.shape[0])), mask, **per_token)
     batch = token_inputs(logits.shape, logits.dtype, logits.device, loss_batch, aggregation=aggregation)
     workspace = RowWorkspace.allocate(logits.shape[:-1], batch.grid[0], logits.device)
     prologue(batch, workspace.sequence_stats, workspace.seq_scale, workspace.status, logits.shape[-1],
@@ -155,7 +155,7 @@ def test_the_twin_epilogue_writes_the_triton_epilogues_planes(variant):
     name, params = variant
     inputs = logits_batch(3, 7, 40, seed=5)
     weights = torch.rand(3, 7, generator=torch.Generator().manual_seed(5)) + 0.5
-    batch = LossBatch(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
+    batch = LossInputs(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
                       inputs["ref_logps"], weights)
     results = []
     for backend in ("triton", "torch"):
@@ -185,7 +185,7 @@ def test_the_finalizing_prologue_equals_the_finalize_kernel(bad):
     inputs = logits_batch(5, 9, 40, seed=11)
     if bad:
         inputs["target_ids"][3, 2] = 40  # out of range: the loss must come out NaN either way
-    batch = LossBatch(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
+    batch = LossInputs(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
                       inputs["ref_logps"])
     options = LossOptions.build("grpo", beta=0.1, dual_clip=3.0, backend="triton", validation="deferred")
     plan = logits_plan(inputs["logits"], batch, options, needs_grad=False)

@@ -15,7 +15,6 @@ from dgpo_ops.ops.compiled import (
     fused_policy_loss_op,
     options_spec,
 )
-from dgpo_ops.ops.linear import ProjectionOptions
 
 ONE_PER_METHOD = list({name: (name, params) for name, params in reversed(METHOD_VARIANTS)}.values())
 B, T, H, V = 2, 4, 8, 24
@@ -163,15 +162,14 @@ def test_opcheck_every_custom_op():
         (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, scores, None, None,
                                 options_spec(LossOptions.build("topr")), True)),
         (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
-                                       None, None, None, options_spec(LossOptions.build("grpo"), ProjectionOptions()),
+                                       None, None, None, options_spec(LossOptions.build("grpo")),
                                        [True, True, False], "")),
         (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
-                                       None, None, None, options_spec(LossOptions.build("grpo", backend="triton"),
-                                                                      ProjectionOptions(logits_on_chip=True)),
+                                       None, None, None, options_spec(LossOptions.build("grpo", backend="triton",
+                                                                                       logits_on_chip=True)),
                                        [True, True, False], "")),
         (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
-                                       scores, None, None, options_spec(LossOptions.build("topr"),
-                                                                        ProjectionOptions()),
+                                       scores, None, None, options_spec(LossOptions.build("topr")),
                                        [True, True, False], "")),
         (checked_inputs_op, (target_ids, advantages, mask, old_logps, None, None, None, None, None, [B, T, V],
                              torch.float32, spec)),

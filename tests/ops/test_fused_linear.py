@@ -323,15 +323,15 @@ def test_a_batch_completed_from_the_first_sweep_equals_it_given_upfront(backend,
     """``complete_batch`` (dgpo_ops.ops.linear.CompleteBatch) sees the log-probs and entropies of the call's own
     first sweep, exactly those ``fused_linear_logprobs`` returns: the loss, gradients, per-token values and metrics
     are those of the completed batch passed to a call of its own."""
-    from dgpo_ops.core.inputs import LossBatch
-    from dgpo_ops.ops.linear import ProjectionOptions, linear_loss
+    from dgpo_ops.core.inputs import LossInputs
+    from dgpo_ops.ops.linear import linear_loss
 
     method, params = ("grpo", dict(importance_sampling_level="sequence")) if method == "gspo" else (method, {})
     (hidden, weight, bias), inputs = linear_case(seed=5)
     on_chip = backend == "on_chip"
-    options = dgpo_ops.LossOptions.build(method, backend="triton" if on_chip else backend, beta=0.02, **params)
-    projection = ProjectionOptions(memory_budget=2 * 70 * 4 * 2, logits_on_chip=on_chip)
-    batch = LossBatch(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
+    options = dgpo_ops.LossOptions.build(method, backend="triton" if on_chip else backend, beta=0.02,
+                                         memory_budget=2 * 70 * 4 * 2, logits_on_chip=on_chip, **params)
+    batch = LossInputs(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
                       inputs["ref_logps"], generator=torch.Generator().manual_seed(0))
     seen = []
 
@@ -343,13 +343,13 @@ def test_a_batch_completed_from_the_first_sweep_equals_it_given_upfront(backend,
         leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
         if batch.generator is not None:
             batch.generator.manual_seed(0)
-        out = linear_loss(leaves[0], leaves[1], leaves[2], batch, options, projection, complete_batch=complete_batch)
+        out = linear_loss(leaves[0], leaves[1], leaves[2], batch, options, complete_batch=complete_batch)
         return out, torch.autograd.grad(out.loss, leaves)
 
     out, grads = run(batch, complete)
     (logps, entropies), = seen
     upfront = dgpo_ops.fused_linear_logprobs(hidden, weight, inputs["target_ids"], inputs["mask"], bias=bias,
-                                             memory_budget=projection.memory_budget, logits_on_chip=on_chip,
+                                             memory_budget=options.memory_budget, logits_on_chip=on_chip,
                                              backend=options.backend)
     assert torch.equal(logps, upfront[0]) and torch.equal(entropies, upfront[1])
     completed = _masked_by_current(batch, *upfront)
@@ -364,14 +364,14 @@ def test_a_batch_completed_from_the_first_sweep_equals_it_given_upfront(backend,
 
 
 def test_complete_batch_must_keep_the_tokens():
-    from dgpo_ops.core.inputs import LossBatch
-    from dgpo_ops.ops.linear import ProjectionOptions, linear_loss
+    from dgpo_ops.core.inputs import LossInputs
+    from dgpo_ops.ops.linear import linear_loss
 
     (hidden, weight, bias), inputs = linear_case()
-    batch = LossBatch(inputs["target_ids"], inputs["advantages"], inputs["mask"])
+    batch = LossInputs(inputs["target_ids"], inputs["advantages"], inputs["mask"])
     options = dgpo_ops.LossOptions.build("grpo")
     with pytest.raises(ValueError, match="must keep the batch's target_ids, mask and loss_normalizer"):
-        linear_loss(hidden, weight, bias, batch, options, ProjectionOptions(),
+        linear_loss(hidden, weight, bias, batch, options,
                     complete_batch=lambda logps, entropies: batch._replace(mask=batch.mask.clone()))
 
 

@@ -1,0 +1,114 @@
+"""The call object: ``LossInputs`` and ``LossOptions``, the public functions' signatures made from their fields
+(``dgpo_ops.core.call``), and ``policy_loss``, the entry every public function goes through."""
+
+import inspect
+
+import pytest
+import torch
+from helpers import logits_batch
+
+import dgpo_ops
+from dgpo_ops.core.call import INPUT_FIELDS, OPTION_FIELDS, PROJECTION_OPTIONS, CallSignature
+
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
+
+
+def keywords(fn) -> set[str]:
+    return {name for name, p in inspect.signature(fn).parameters.items() if p.kind == KEYWORD}
+
+
+def parameters(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_the_loss_functions_take_every_field_of_their_kind():
+    """Each field of the two classes is a parameter of every function that takes its kind: a new field is a
+    keyword there without an edit of any signature."""
+    every_input, every_option = set(INPUT_FIELDS), set(OPTION_FIELDS)
+    for fn, without in ((dgpo_ops.fused_dgpo_loss, set(PROJECTION_OPTIONS)),
+                        (dgpo_ops.fused_linear_dgpo_loss, {"inplace"}),
+                        (dgpo_ops.reference_loss, {*PROJECTION_OPTIONS, "inplace", "backend", "validation",
+                                                   "vocab_parallel_group"})):
+        names = set(parameters(fn))
+        assert every_input <= names, (fn.__name__, every_input - names)
+        assert every_option - without <= names, (fn.__name__, every_option - without - names)
+        assert not names & without, fn.__name__
+        assert {"method", "method_params"} <= names
+    # the loss options that are not a method's parameter are named, not hidden in **method_params
+    assert {"kl_ratio_correction", "positive_nll_coef"} <= keywords(dgpo_ops.fused_dgpo_loss)
+    assert parameters(dgpo_ops.DGPOLoss.forward)[:7] == ["self", "logits", "target_ids", "advantages", "mask",
+                                                         "old_logps", "ref_logps"]
+    assert set(parameters(dgpo_ops.DGPOLoss.forward)) == {"self", "logits", *INPUT_FIELDS}
+
+
+def test_a_signature_lists_only_fields():
+    with pytest.raises(AssertionError, match="not fields of LossInputs or LossOptions"):
+        CallSignature(source=("logits",), options=("temperature", "colour"))
+
+
+def test_arguments_a_function_does_not_take_are_refused_with_the_reason():
+    inputs = logits_batch(2, 3, 11, seed=0)
+    logits = inputs.pop("logits")
+    args = (logits, inputs["target_ids"], inputs["advantages"])
+    with pytest.raises(ValueError, match="unexpected keyword argument 'memory_budget': it applies to the loss from "
+                                         "hidden states"):
+        dgpo_ops.fused_dgpo_loss(*args, memory_budget=1024)
+    with pytest.raises(TypeError, match="multiple values for argument 'mask'"):
+        dgpo_ops.fused_dgpo_loss(*args, inputs["mask"], mask=inputs["mask"])
+    with pytest.raises(TypeError, match="missing required argument"):
+        dgpo_ops.fused_dgpo_loss(logits, inputs["target_ids"])
+    with pytest.raises(TypeError, match="at most 6 positional arguments"):
+        dgpo_ops.fused_dgpo_loss(*args, None, None, None, None)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'beta': an option of the module"):
+        dgpo_ops.DGPOLoss("grpo")(*args, beta=0.1)  # a module's options are its own
+    with pytest.raises(ValueError, match="unexpected keyword argument 'softcap'"):
+        dgpo_ops.DGPOLoss("grpo", softcap=30.0)
+    # an unknown name is not a field: it reaches the method, which names its parameters
+    with pytest.raises(ValueError, match="colour"):
+        dgpo_ops.fused_dgpo_loss(*args, method="grpo", colour=1)
+
+
+def test_every_public_function_is_policy_loss_on_the_same_objects():
+    torch.manual_seed(0)
+    inputs = logits_batch(2, 5, 37, seed=1)
+    logits = inputs.pop("logits")
+    options = dgpo_ops.LossOptions.build("grpo", eps_high=0.28, beta=0.05, kl_ratio_correction=True)
+    batch = dgpo_ops.LossInputs(**inputs)
+    direct = dgpo_ops.policy_loss(batch, options, logits=logits)
+    by_keywords = dgpo_ops.fused_dgpo_loss(logits, **inputs, method="grpo", eps_high=0.28, beta=0.05,
+                                           kl_ratio_correction=True)
+    module = dgpo_ops.DGPOLoss("grpo", eps_high=0.28, beta=0.05, kl_ratio_correction=True)(logits, **inputs)
+    assert module.loss.item() == by_keywords.loss.item() == direct.loss.item()
+    assert dgpo_ops.DGPOLoss("grpo", eps_high=0.28, beta=0.05, kl_ratio_correction=True).options is options
+    reference = dgpo_ops.reference_loss(logits.double(), **inputs, method="grpo", eps_high=0.28, beta=0.05,
+                                        kl_ratio_correction=True)
+    torch.testing.assert_close(direct.loss.double(), reference.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_policy_loss_takes_one_source_and_projection_options_only_from_hidden_states():
+    inputs = logits_batch(1, 4, 9, seed=2)
+    logits = inputs.pop("logits")
+    batch = dgpo_ops.LossInputs(**inputs)
+    with pytest.raises(ValueError, match="not both"):
+        dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo"))
+    with pytest.raises(ValueError, match="not both"):
+        dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo"), logits=logits, hidden=logits)
+    with pytest.raises(ValueError, match="apply to the loss from hidden states"):
+        dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo", logit_scale=2.0), logits=logits)
+    hidden, weight = torch.randn(1, 4, 6), torch.randn(9, 6)
+    scaled = dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo", logit_scale=2.0), hidden=hidden,
+                                  weight=weight)
+    by_logits = dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo"), logits=2.0 * hidden @ weight.T)
+    torch.testing.assert_close(scaled.loss, by_logits.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_the_log_prob_function_takes_its_fields_only():
+    hidden, weight = torch.randn(2, 3, 6), torch.randn(9, 6)
+    targets = torch.randint(0, 9, (2, 3))
+    logps, entropy = dgpo_ops.fused_linear_logprobs(hidden, weight, targets, temperature=0.5)
+    want = torch.log_softmax((hidden @ weight.T) / 0.5, -1)
+    torch.testing.assert_close(logps, want.gather(-1, targets[..., None]).squeeze(-1), rtol=1e-5, atol=1e-5)
+    assert "Returns ``(logps, entropy)``" in dgpo_ops.fused_linear_logprobs.__doc__
+    for name in ("method", "beta", "advantages"):
+        with pytest.raises(ValueError, match=f"unexpected keyword argument '{name}'"):
+            dgpo_ops.fused_linear_logprobs(hidden, weight, targets, **{name: 0.1})
