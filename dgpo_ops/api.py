@@ -50,13 +50,14 @@ def policy_loss(inputs: LossInputs, options: LossOptions, *, logits=None, hidden
                 complete_batch=None) -> PolicyLossOutput:
     """The one entry of every loss call: the policy loss of ``inputs`` under ``options``, from ``logits``, or from
     ``hidden`` states and the lm_head ``weight`` (a tensor or the module) and ``bias``. The public functions,
-    ``DGPOLoss``, ``DGPOTrainer`` and the verl and SkyRL plugins all call it; build the two objects directly
+    ``DGPOLoss`` and ``DGPOTrainer`` call it (the verl and SkyRL plugins get per-token log-probs from their
+    frameworks and run the same objective on them with the same ``LossOptions``); build the two objects directly
     (``LossInputs(target_ids, advantages, ...)``, ``LossOptions.build("grpo", eps_high=0.28)``) to call it
     yourself. ``complete_batch`` (from hidden states, eager): ``dgpo_ops.ops.linear.CompleteBatch``, inputs made
     from the call's own first sweep of log-probs and entropies."""
     layout = CallLayout(options.vocab_parallel_group, inputs.cu_seqlens, inputs.max_seqlen)
     if (logits is None) == (hidden is None and weight is None):
-        raise ValueError("policy_loss takes logits, or hidden and weight (the lm_head), not both")
+        raise ValueError("policy_loss takes one source: logits, or hidden and weight (the lm_head)")
     if logits is not None:
         if not torch.is_tensor(logits):
             raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
