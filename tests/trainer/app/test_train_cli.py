@@ -30,6 +30,18 @@ def _run(args, tmp_path, timeout=300, **env):
                           cwd=tmp_path, env=environment, check=False)
 
 
+def hub_offline(monkeypatch) -> None:
+    """HF_HUB_OFFLINE=1 for the command run in this process. huggingface_hub and datasets read the variable once, at
+    their import (the suite imports them before these tests), so their copies are set too: otherwise a repository
+    that does not exist was asked for over the network, five retries with back-off, about 23 s a request."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
 # ----------------------------------------------------------------------------- the CI run
 
 
@@ -246,7 +258,7 @@ def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch)
 
     if torch.cuda.is_available() and args[0] in ("--use-vllm", "--bf16"):
         pytest.skip("this machine has a GPU")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_offline(monkeypatch)
     monkeypatch.chdir(tmp_path)
     if args[0] in ("--num_generations", "--train-size"):
         args = ["--sft-steps", "0", "--eval-size", "4", "--train-size", "8", "--generator", "builtin",
@@ -342,7 +354,7 @@ def test_dataset_errors_are_one_clear_line(dataset, message, tmp_path, capsys, m
     from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_offline(monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["--model", model, "--dataset", dataset]) == 2
     err = capsys.readouterr().err
@@ -400,7 +412,7 @@ def test_chat_yes_without_a_template_is_one_clear_line(tmp_path, capsys, monkeyp
     from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_offline(monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["--model", model, "--chat", "yes", "--sft-steps", "0"]) == 2
     err = capsys.readouterr().err
