@@ -1,10 +1,15 @@
 import os
 
+import interpreted_triton
 import pytest
 
 # The Triton kernels run on CPU tensors through the interpreter; it is chosen when a kernel is
 # decorated, so it must be set before anything imports dgpo_ops.kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    interpreted_triton.patch_the_language_once_per_launch()
 
 
 @pytest.hookimpl(tryfirst=True)
