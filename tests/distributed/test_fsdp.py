@@ -19,7 +19,7 @@ from dgpo_ops.ops.backends import triton_is_interpreted
 # One spawn per world for the module (runs_of): the tests run on one xdist worker, so each world spawns once and
 # the two spawns one after the other (side by side, their gloo processes on two cores waited on each other).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("fsdp_spawns")]
+              pytest.mark.xdist_group("fsdp_spawns"), pytest.mark.early]
 
 FP32_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if not mixed]
 BF16_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if mixed]

@@ -22,7 +22,7 @@ import dgpo_ops
 # the two spawns one after the other (side by side, five gloo processes on two cores waited on each other
 # longer than they ran).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("vocab_parallel_spawns")]
+              pytest.mark.xdist_group("vocab_parallel_spawns"), pytest.mark.early]
 JOBS = workers.jobs()
 _RUNS: dict[int, list[dict]] = {}
 

@@ -45,6 +45,7 @@ def hub_offline(monkeypatch) -> None:
 # ----------------------------------------------------------------------------- the CI run
 
 
+@pytest.mark.early
 def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
     """`dgpo-ops train` end to end with a tiny configuration: two methods, SFT warm start, RL, evaluation."""
     out = tmp_path / "run"
@@ -103,6 +104,7 @@ def tiny_run_args(out) -> list[str]:
             "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
 
 
+@pytest.mark.early
 def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_path):
     """The off-policy regime for a few steps with two methods: its settings reach the config, every
     region's fraction is logged, and the report command redraws the figure from the JSON alone."""
@@ -132,6 +134,7 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "| grpo |" in report.stdout
 
 
+@pytest.mark.early
 def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
     """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
     completions per held-out problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem
@@ -361,6 +364,7 @@ def test_dataset_errors_are_one_clear_line(dataset, message, tmp_path, capsys, m
     assert f"dgpo-ops train: error: {message}" in err and "Traceback" not in err, err
 
 
+@pytest.mark.early
 def test_local_jsonl_dataset_with_a_local_model(tmp_path):
     """The --model/--dataset path (the GPU run's) on a tiny local model and a .jsonl file."""
     from trainer_fixtures import build_model_dir
@@ -449,6 +453,7 @@ def test_shard_evaluations_merge_back_in_row_order():
     assert merged["length"] == pytest.approx(sum(lengths) / 7)
 
 
+@pytest.mark.early
 def test_two_processes_run_the_command_with_one_warm_start_and_one_output_dir(tmp_path):
     """`torchrun -m dgpo_ops.trainer.app.cli` (what `accelerate launch` does on GPUs) on CPU with gloo."""
     torchrun = shutil.which("torchrun")
