@@ -24,8 +24,13 @@ def _command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "dgpo_ops.trainer.app.command"]
 
 
+# The policy `dgpo-ops train` would start itself again with (cli.wait_passively; test_command.py tests that
+# restart): given here, each run imports torch, transformers and TRL once instead of twice.
+PASSIVE_THREADS = {"OMP_WAIT_POLICY": "passive"}
+
+
 def _run(args, tmp_path, timeout=300, **env):
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **PASSIVE_THREADS, **env}
     return subprocess.run(_command() + ["train", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=tmp_path, env=environment, check=False)
 
@@ -462,7 +467,7 @@ def test_two_processes_run_the_command_with_one_warm_start_and_one_output_dir(tm
             "--eval-size", "5", "--train-size", "32", "--hidden-size", "32", "--layers", "1", "--heads", "2",
             "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "8",
             "--per_device_train_batch_size", "4", "--tokenizer", "chars", "--generator", "builtin"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **PASSIVE_THREADS}
     # --standalone: a free port of its own, not torchrun's fixed 29500, which another run may hold at the same time
     command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "dgpo_ops.trainer.app.cli", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env, check=False)
