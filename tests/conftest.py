@@ -1,10 +1,15 @@
 import os
 
+import interpreted_triton
 import pytest
 
 # The Triton kernels run on CPU tensors through the interpreter; it is chosen when a kernel is
 # decorated, so it must be set before anything imports dgpo_ops.kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    interpreted_triton.patch_the_language_once_per_launch()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -14,6 +19,10 @@ def pytest_cmdline_main(config):
     tests of one ``xdist_group`` run on one worker, in file order: a file whose module fixture starts
     processes, compiles a report or saves models once marks its tests so, and so does test_rewards.py, which
     relies on its order.
+
+    The work goes out in the order of the collection as pytest_collection_modifyitems leaves it (the ``early`` tests
+    first), not sorted by the number of tests in a group as xdist would: that put every group of two tests or more
+    before the long single tests, which then ran alone at the end of the run.
 
     Set here, not in pyproject's addopts, because addopts would reach ``pytest bench/`` too, where
     pytest-benchmark turns itself off under xdist; and the framework venvs of .ci/ run their file with
@@ -28,6 +37,7 @@ def pytest_cmdline_main(config):
     config.option.numprocesses = "auto"
     if config.option.dist == "no":
         config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -44,3 +54,10 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``early`` (each a minute or so of processes or models, or a module of tests sharing such a
+    fixture) run first, the others after them; each keeps its place among its kind. With two workers, a long test
+    that started last ran alone while the other worker had nothing left to do."""
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("early") is None)

@@ -31,6 +31,7 @@ def run_session(tmp_path, *stages, **env):
     return proc, out, work, stages_run
 
 
+@pytest.mark.early
 def test_dry_run_of_every_stage(tmp_path):
     proc, out, work, stages = run_session(tmp_path)
     log = (out / "session.log").read_text()

@@ -29,6 +29,7 @@ def load_bench():
 bench = load_bench()
 
 
+@pytest.mark.early
 def test_tiny_update_step_runs_every_path_and_matches_trl(tmp_path):
     out = tmp_path / "train_step-tiny.json"
     proc = subprocess.run([sys.executable, "bench/train_step.py", "--model", "tiny", "--completions", "16,24",

@@ -2,12 +2,15 @@
 fused-linear op after the model's forward under FSDP2, ``fused_linear_dgpo_loss(hidden, model.lm_head, ...)``
 with ``hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]``, on this process's share of
 one global batch, two steps (``two_steps``); each step's loss, log-probs and whole gradients (or the
-``ValueError`` and where it came) are written to ``<out_dir>/rank<rank>.pt``.
+``ValueError`` and where it came) are written to ``<out_dir>/<case>/rank<rank>.pt``.
 
-Run as a script, one per process (the test starts both and kills them at a deadline, so that a hang fails
-the test instead of stalling it)::
+Run as a script, one per process, for one or more cases (comma-separated) in turn, each case in a gloo world of
+its own (a process group made from ``<init_dir>/<case>.init`` and destroyed after it: nothing of one case's collectives
+reaches the next). Starting the processes (importing torch and transformers) takes longer than a case, so the test
+starts one pair for all cases; it kills the pair when a case runs past its deadline, so that a hang fails that case
+instead of stalling the run, and starts a new pair for the cases after it::
 
-    python tests/distributed/fsdp_head_route_workers.py CASE RANK WORLD INIT_FILE OUT_DIR
+    python tests/distributed/fsdp_head_route_workers.py CASE[,CASE...] RANK WORLD INIT_DIR OUT_DIR
 
 The model, batch and gradient gathering are ``tests/distributed/fsdp_workers.py``'s (a tiny Qwen2 built in-process).
 """
@@ -113,10 +116,10 @@ def one_process_result(tied: bool) -> dict:
 
 
 def run(case: str, rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One case in a gloo world of its own: made from ``init_file``, destroyed at the end."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     result, phase = {}, "wrap"
@@ -137,10 +140,20 @@ def run(case: str, rank: int, world: int, init_file: str, out_dir: str) -> None:
         result = {"value_error": str(error), "phase": phase, "traceback": traceback.format_exc()}
     except Exception:  # noqa: BLE001 -- any other failure is reported to the test with its traceback
         result = {"error": traceback.format_exc(), "phase": phase}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    path = os.path.join(out_dir, case, f"rank{rank}.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(result, path + ".part")
+    os.replace(path + ".part", path)  # whole or absent: the test reads a case's progress from these files
     dist.destroy_process_group()
 
 
+def run_cases(cases: list[str], rank: int, world: int, init_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    for case in cases:
+        print(f"case {case}", flush=True)  # the test's log names the case a hang or crash came in
+        run(case, rank, world, os.path.join(init_dir, f"{case}.init"), out_dir)
+
+
 if __name__ == "__main__":
-    case, rank, world, init_file, out_dir = sys.argv[1:]
-    run(case, int(rank), int(world), init_file, out_dir)
+    cases, rank, world, init_dir, out_dir = sys.argv[1:]
+    run_cases(cases.split(","), int(rank), int(world), init_dir, out_dir)

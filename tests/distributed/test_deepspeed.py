@@ -21,7 +21,7 @@ import fsdp_workers
 
 # The tests read one spawn of every job (zero3_runs): they run on one xdist worker.
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("deepspeed_zero3")]
+              pytest.mark.xdist_group("deepspeed_zero3"), pytest.mark.early]
 
 WORLD = 2
 

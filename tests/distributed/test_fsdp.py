@@ -7,6 +7,8 @@ with the head as one unit 71 % off, with no error; these tests fail on that code
 
 from __future__ import annotations
 
+import functools
+
 import fsdp_workers as workers
 import pytest
 import torch
@@ -17,7 +19,7 @@ from dgpo_ops.ops.backends import triton_is_interpreted
 # One spawn per world for the module (runs_of): the tests run on one xdist worker, so each world spawns once and
 # the two spawns one after the other (side by side, their gloo processes on two cores waited on each other).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("fsdp_spawns")]
+              pytest.mark.xdist_group("fsdp_spawns"), pytest.mark.early]
 
 FP32_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if not mixed]
 BF16_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if mixed]
@@ -71,11 +73,18 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp(min=1e-30))
 
 
+@functools.cache
+def one_process(case: str, method: str) -> dict:
+    """One process's loss, log-probs and gradients over the whole batch: the same for every world size and for
+    the on-chip kernels (a model built and run once per case, not once per test)."""
+    return workers.unsharded_result(case, method)
+
+
 def check_against_one_process(world, results, case, method="dgpo", on_chip=False, tolerance=None):
     """The processes' losses average to one process's loss over the whole batch, their log-probs are
     its rows, and every whole gradient is its gradient (the one-process reference takes the tile path;
     the on-chip kernels agree with it to fp32 rounding)."""
-    reference = workers.unsharded_result(case, method.partition("@")[0])
+    reference = one_process(case, method.partition("@")[0])
     share = workers.GLOBAL_BATCH // world
     job = (case, method, on_chip)
     losses = torch.stack([result[job]["loss"] for result in results])

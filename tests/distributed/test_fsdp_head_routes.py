@@ -1,13 +1,14 @@
 """FSDP2 and the README's route after the model's forward: ``fused_linear_dgpo_loss(hidden, model.lm_head,
-...)`` with ``hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]``, each wrapping on its
-own pair of gloo processes (CPU), against one process on the same global batch.
+...)`` with ``hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]``, each wrapping in a gloo
+world of its own (CPU, two processes), against one process on the same global batch.
 
 Before ``dgpo_ops.distributed.head`` ran the call as the last module of the head's unit's forward, a head sharing its
 unit with the final norm (accelerate's ``[norm, lm_head]`` and ``[norm, embedding, lm_head]``) crashed or
 hung in the backward (FSDP2 took the call for a new, partial forward of the unit and resharded it before
 the norm's backward read its weight), and the tied ``[embedding, lm_head]`` unit's shared weight got no
-gradient at all; these tests fail on that code. Each case runs in its own processes, killed at a deadline,
-so a hang fails its test instead of stalling the run.
+gradient at all; these tests fail on that code. One pair of processes runs the cases one after the other, each
+in a process group of its own (starting the processes takes longer than a case); a case that runs past its deadline
+has the pair killed, fails its test instead of stalling the run, and the cases after it run in a new pair.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import torch
 
 import dgpo_ops
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
+# The module's cases share one pair of processes (cases_run): its tests run on one xdist worker.
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
+              pytest.mark.xdist_group("fsdp_head_route_pairs"), pytest.mark.early]
 
 WORLD = 2
-DEADLINE_S = 120
+DEADLINE_S = 120  # for each case, from the end of the one before (the first: from the processes' start)
 WORKER_SCRIPT = Path(workers.__file__).resolve()
 PACKAGE_ROOT = Path(dgpo_ops.__file__).resolve().parent.parent
 # fsdp_workers imports helpers: the workers need its folder on their path besides their own
@@ -44,33 +47,82 @@ FSDP_REFUSES_OR_EXACT = ["norm_head_tied", "head_alone_tied"]
 REFUSED = ["root_resharding"]
 
 
-def run_case(case: str, tmp_path: Path) -> list[dict]:
-    """Both processes of ``case``, started as scripts and killed at the deadline."""
+def run_pair(cases: list[str], directory: Path) -> tuple[dict[str, list[dict]], str | None, str]:
+    """Both processes, started as scripts, running ``cases`` in turn; killed when a case runs past its deadline.
+    Returns the results of the cases that finished, the first case that did not (None if all did) and why."""
     path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), str(HELPERS_DIR), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")  # dgpo_ops and helpers as this process imports them
+    directory.mkdir()
+
+    def finished(case):
+        return all((directory / case / f"rank{rank}.pt").exists() for rank in range(WORLD))
+
     with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(tmp_path / f"rank{rank}.log", "w+")) for rank in range(WORLD)]
-        processes = [subprocess.Popen([sys.executable, str(WORKER_SCRIPT), case, str(rank), str(WORLD),
-                                       str(tmp_path / "init"), str(tmp_path)], stdout=logs[rank],
+        logs = [stack.enter_context(open(directory / f"rank{rank}.log", "w+")) for rank in range(WORLD)]
+        processes = [subprocess.Popen([sys.executable, str(WORKER_SCRIPT), ",".join(cases), str(rank), str(WORLD),
+                                       str(directory), str(directory)], stdout=logs[rank],
                                       stderr=subprocess.STDOUT, env=env, cwd=WORKER_SCRIPT.parent)
                      for rank in range(WORLD)]
-        deadline = time.monotonic() + DEADLINE_S  # one deadline for both processes
+        done, deadline, hung = 0, time.monotonic() + DEADLINE_S, False
         try:
-            for process in processes:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{case}: the processes did not finish in {DEADLINE_S} s (a hang)\n{tail(logs)}")
+            # until both exit, or one fails (the other may wait on it in a collective), or a case outlasts its deadline
+            while any(process.poll() is None for process in processes) and not any(processes_failed(processes)):
+                while done < len(cases) and finished(cases[done]):
+                    done, deadline = done + 1, time.monotonic() + DEADLINE_S
+                if time.monotonic() > deadline:
+                    hung = True
+                    break
+                time.sleep(0.05)
         finally:
             for process in processes:
                 if process.poll() is None:
                     process.kill()
-                    process.wait()
-        codes = [process.returncode for process in processes]
-        assert codes == [0] * WORLD, f"{case}: the processes exited with {codes}\n{tail(logs)}"
-    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
-    for rank, result in enumerate(results):
+                process.wait()
+        results = {case: [torch.load(directory / case / f"rank{rank}.pt") for rank in range(WORLD)]
+                   for case in cases if finished(case)}
+        stopped = next((case for case in cases if case not in results), None)
+        if stopped is None:
+            return results, None, ""
+        if hung:
+            why = f"{stopped}: the processes did not finish it in {DEADLINE_S} s (a hang)"
+        else:
+            why = f"{stopped}: the processes exited with {[process.returncode for process in processes]}"
+        return results, stopped, f"{why}\n{tail(logs)}"
+
+
+def processes_failed(processes) -> list[bool]:
+    return [process.poll() not in (None, 0) for process in processes]
+
+
+def run_cases(cases: list[str], directory: Path) -> dict[str, list[dict] | str]:
+    """case -> both processes' results, or why it has none; a case that stopped its pair is not run again, the
+    cases after it run in a new pair."""
+    outcomes, left = {}, list(cases)
+    while left:
+        results, stopped, why = run_pair(left, directory / f"pair{len(cases) - len(left)}")
+        outcomes.update(results)
+        if stopped is None:
+            break
+        outcomes[stopped] = why
+        left = left[left.index(stopped) + 1:]
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def cases_run(request, tmp_path_factory) -> dict:
+    """Every case this run selected, all in one pair of processes."""
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
+    return run_cases(list(dict.fromkeys(selected)), tmp_path_factory.mktemp("head_routes"))
+
+
+def results_of(cases_run: dict, case: str) -> list[dict]:
+    outcome = cases_run[case]
+    if isinstance(outcome, str):
+        pytest.fail(outcome)
+    for rank, result in enumerate(outcome):
         assert "error" not in result, f"{case}, rank {rank}, {result['phase']}:\n{result['error']}"
-    return results
+    return outcome
 
 
 def tail(logs) -> str:
@@ -117,13 +169,13 @@ def assert_exact(case: str, results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("case", EXACT)
-def test_the_module_route_gives_the_gradients_of_one_process(case, tmp_path):
-    assert_exact(case, run_case(case, tmp_path))
+def test_the_module_route_gives_the_gradients_of_one_process(case, cases_run):
+    assert_exact(case, results_of(cases_run, case))
 
 
 @pytest.mark.parametrize("case", FSDP_REFUSES_OR_EXACT)
-def test_a_wrapping_fsdp2_refuses_fails_before_the_op(case, tmp_path):
-    results = run_case(case, tmp_path)
+def test_a_wrapping_fsdp2_refuses_fails_before_the_op(case, cases_run):
+    results = results_of(cases_run, case)
     if any("value_error" in result for result in results):
         for result in results:
             # FSDP2's own check at the model's first forward, before the op is called
@@ -135,10 +187,10 @@ def test_a_wrapping_fsdp2_refuses_fails_before_the_op(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_head_weight_no_unit_gathers_is_refused_before_the_backward(case, tmp_path):
+def test_a_head_weight_no_unit_gathers_is_refused_before_the_backward(case, cases_run):
     # The root resharded after the model's forward and the head is no unit of its own: calling the head
     # gathers nothing, so the op refuses the shard, names the in-forward route, and nothing hangs.
-    for result in run_case(case, tmp_path):
+    for result in results_of(cases_run, case):
         message = result.get("value_error")
         assert message is not None, f"{case}: expected a ValueError, got {sorted(result)}"
         assert result["phase"] == "step 1" and "loss_call" in result["traceback"], result["traceback"]

@@ -19,7 +19,7 @@ ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s
 
 
 # The tests read one compile report (bench.aot in a subprocess): they run on one xdist worker.
-pytestmark = pytest.mark.xdist_group("aot_report")
+pytestmark = [pytest.mark.xdist_group("aot_report"), pytest.mark.early]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ on every process, then the error naming them."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -20,7 +22,7 @@ import dgpo_ops
 # the two spawns one after the other (side by side, five gloo processes on two cores waited on each other
 # longer than they ran).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("vocab_parallel_spawns")]
+              pytest.mark.xdist_group("vocab_parallel_spawns"), pytest.mark.early]
 JOBS = workers.jobs()
 _RUNS: dict[int, list[dict]] = {}
 
@@ -65,11 +67,7 @@ def test_split_lm_head_equals_one_process(runs, name, backend):
     # the same hidden states everywhere: the loss and per-token values of one process with the whole
     # weight, each process the gradient of its rows, and every process the whole hidden-state gradient.
     world, results = runs
-    tensors, batch, keywords = workers.linear_inputs(name, backend)
-    leaves = {key: value.requires_grad_(True) for key, value in tensors.items()}
-    want = dgpo_ops.fused_linear_dgpo_loss(leaves["hidden"], leaves["weight"], **batch, bias=leaves["bias"],
-                                           **keywords)
-    want.loss.backward()
+    leaves, want = whole_lm_head(name, backend)
     # float64 on the twins: nothing but summation order; float32 on the Triton kernels
     tolerance = dict(rtol=1e-9, atol=1e-9) if backend == "torch" else dict(rtol=2e-5, atol=2e-5)
     for rank, result in enumerate(results):
@@ -84,10 +82,29 @@ def test_split_lm_head_equals_one_process(runs, name, backend):
         torch.testing.assert_close(got["bias"], leaves["bias"].grad[rows], **tolerance)
 
 
-def entropy_errors(got: torch.Tensor, logits: torch.Tensor, backend: str):
+@functools.cache
+def whole_lm_head(name: str, backend: str) -> tuple[dict, dgpo_ops.PolicyLossOutput]:
+    """The leaves (their gradients filled) and output of one process with the whole weight: the same for every
+    world size, so computed once (on the Triton kernels, in the interpreter)."""
+    tensors, batch, keywords = workers.linear_inputs(name, backend)
+    leaves = {key: value.requires_grad_(True) for key, value in tensors.items()}
+    want = dgpo_ops.fused_linear_dgpo_loss(leaves["hidden"], leaves["weight"], **batch, bias=leaves["bias"],
+                                           **keywords)
+    want.loss.backward()
+    return leaves, want
+
+
+@functools.cache
+def one_process_entropy(case: str, backend: str) -> torch.Tensor:
+    """One process's entropies of an accuracy case, the same for every world size: computed once."""
+    logits = workers.accuracy_logits(case)
+    return dgpo_ops.fused_dgpo_loss(logits, workers.accuracy_targets(), torch.ones(4), backend=backend).entropy
+
+
+def entropy_errors(got: torch.Tensor, case: str, backend: str):
     """(|split - exact|, |one process - exact|, exact) per token, exact in float64."""
-    exact = workers.exact_entropy(logits)
-    one_process = dgpo_ops.fused_dgpo_loss(logits, workers.accuracy_targets(), torch.ones(4), backend=backend).entropy
+    exact = workers.exact_entropy(workers.accuracy_logits(case))
+    one_process = one_process_entropy(case, backend)
     return (got.double() - exact).abs(), (one_process.double() - exact).abs(), exact
 
 
@@ -97,10 +114,9 @@ def test_split_entropy_is_as_accurate_as_one_process(runs, case, backend):
     # Large logits: the error of the old split path grew with their size (3.5e-5 at +100, 1.6e-4 at +500, against
     # 5e-6 and 1.6e-5 on one process); peaked rows: it returned 0 for entropies of 1e-14 to 1e-6.
     world, results = runs
-    logits = workers.accuracy_logits(case)
     for result in results:
         got = result[f"{backend}/accuracy/{case}"]
-        split_error, one_error, exact = entropy_errors(got, logits, backend)
+        split_error, one_error, exact = entropy_errors(got, case, backend)
         assert (got >= 0).all()
         assert split_error.max() <= 2 * one_error.max() + 1e-6, (split_error.max(), one_error.max())
         assert (split_error <= 2 * one_error + 1e-3 * exact + 1e-30).all(), (got, exact)

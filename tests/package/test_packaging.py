@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 IMPORT_CHECK = """
@@ -38,6 +40,7 @@ def test_the_checkout_root_imports_the_installed_parts():
     assert pathlib.Path(kernels).parent == REPO / "kernels" and pathlib.Path(trainer).parent == REPO / "trainer"
 
 
+@pytest.mark.early
 def test_regular_install_in_a_new_venv(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)

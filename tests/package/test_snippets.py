@@ -44,7 +44,7 @@ BLOCKS = [(path.relative_to(ROOT).as_posix(), line, code, reason)
 
 def _param(page, line, code):
     # A trainer run spawns math-verify workers and takes the longest: xdist keeps it on a worker of its own.
-    marks = [pytest.mark.xdist_group("snippet_trainer")] if "DGPOTrainer(" in code else []
+    marks = [pytest.mark.xdist_group("snippet_trainer"), pytest.mark.early] if "DGPOTrainer(" in code else []
     return pytest.param(code, id=f"{page}:{line}", marks=marks)
 
 

@@ -22,7 +22,7 @@ from dgpo_ops.trainer.rewards import (
 )
 
 # The tests run in file order on one xdist worker: the pool starts twice in that order (above).
-pytestmark = pytest.mark.xdist_group("rewards_pool")
+pytestmark = [pytest.mark.xdist_group("rewards_pool"), pytest.mark.early]
 
 needs_math_verify = pytest.mark.skipif(
     importlib.util.find_spec("math_verify") is None, reason="math-verify is not installed (dgpo-ops[trl])"

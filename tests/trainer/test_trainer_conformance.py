@@ -268,7 +268,7 @@ OVERRIDES = {
 
 
 # The tests share the saved models (model_dirs): they run on one xdist worker.
-pytestmark = pytest.mark.xdist_group("trainer_conformance")
+pytestmark = [pytest.mark.xdist_group("trainer_conformance"), pytest.mark.early]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from trainer_fixtures import build_model_dir, build_tokenizer, length_reward, pr
 
 
 # The tests share one saved model (model_dir): they run on one xdist worker.
-pytestmark = pytest.mark.xdist_group("trainer_e2e")
+pytestmark = [pytest.mark.xdist_group("trainer_e2e"), pytest.mark.early]
 
 
 @pytest.fixture(scope="module")

@@ -24,15 +24,33 @@ def _command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "dgpo_ops.trainer.app.command"]
 
 
+# The policy `dgpo-ops train` would start itself again with (cli.wait_passively; test_command.py tests that
+# restart): given here, each run imports torch, transformers and TRL once instead of twice.
+PASSIVE_THREADS = {"OMP_WAIT_POLICY": "passive"}
+
+
 def _run(args, tmp_path, timeout=300, **env):
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **PASSIVE_THREADS, **env}
     return subprocess.run(_command() + ["train", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=tmp_path, env=environment, check=False)
+
+
+def hub_offline(monkeypatch) -> None:
+    """HF_HUB_OFFLINE=1 for the command run in this process. huggingface_hub and datasets read the variable once, at
+    their import (the suite imports them before these tests), so their copies are set too: otherwise a repository
+    that does not exist was asked for over the network, five retries with back-off, about 23 s a request."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
 
 
 # ----------------------------------------------------------------------------- the CI run
 
 
+@pytest.mark.early
 def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
     """`dgpo-ops train` end to end with a tiny configuration: two methods, SFT warm start, RL, evaluation."""
     out = tmp_path / "run"
@@ -91,6 +109,7 @@ def tiny_run_args(out) -> list[str]:
             "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
 
 
+@pytest.mark.early
 def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_path):
     """The off-policy regime for a few steps with two methods: its settings reach the config, every
     region's fraction is logged, and the report command redraws the figure from the JSON alone."""
@@ -120,6 +139,7 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "| grpo |" in report.stdout
 
 
+@pytest.mark.early
 def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
     """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
     completions per held-out problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem
@@ -246,7 +266,7 @@ def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch)
 
     if torch.cuda.is_available() and args[0] in ("--use-vllm", "--bf16"):
         pytest.skip("this machine has a GPU")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_offline(monkeypatch)
     monkeypatch.chdir(tmp_path)
     if args[0] in ("--num_generations", "--train-size"):
         args = ["--sft-steps", "0", "--eval-size", "4", "--train-size", "8", "--generator", "builtin",
@@ -342,13 +362,14 @@ def test_dataset_errors_are_one_clear_line(dataset, message, tmp_path, capsys, m
     from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_offline(monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["--model", model, "--dataset", dataset]) == 2
     err = capsys.readouterr().err
     assert f"dgpo-ops train: error: {message}" in err and "Traceback" not in err, err
 
 
+@pytest.mark.early
 def test_local_jsonl_dataset_with_a_local_model(tmp_path):
     """The --model/--dataset path (the GPU run's) on a tiny local model and a .jsonl file."""
     from trainer_fixtures import build_model_dir
@@ -400,7 +421,7 @@ def test_chat_yes_without_a_template_is_one_clear_line(tmp_path, capsys, monkeyp
     from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_offline(monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["--model", model, "--chat", "yes", "--sft-steps", "0"]) == 2
     err = capsys.readouterr().err
@@ -437,6 +458,7 @@ def test_shard_evaluations_merge_back_in_row_order():
     assert merged["length"] == pytest.approx(sum(lengths) / 7)
 
 
+@pytest.mark.early
 def test_two_processes_run_the_command_with_one_warm_start_and_one_output_dir(tmp_path):
     """`torchrun -m dgpo_ops.trainer.app.cli` (what `accelerate launch` does on GPUs) on CPU with gloo."""
     torchrun = shutil.which("torchrun")
@@ -445,7 +467,7 @@ def test_two_processes_run_the_command_with_one_warm_start_and_one_output_dir(tm
             "--eval-size", "5", "--train-size", "32", "--hidden-size", "32", "--layers", "1", "--heads", "2",
             "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "8",
             "--per_device_train_batch_size", "4", "--tokenizer", "chars", "--generator", "builtin"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **PASSIVE_THREADS}
     # --standalone: a free port of its own, not torchrun's fixed 29500, which another run may hold at the same time
     command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "dgpo_ops.trainer.app.cli", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env, check=False)
