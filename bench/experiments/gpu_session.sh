@@ -28,7 +28,7 @@
 #   trainstep  train_step.py: one update of Qwen2.5-1.5B's architecture at completions of 2k and 8k,
 #              DGPOTrainer(fused="linear") and GRPOTrainer                                        (limit 170 s)
 #   passes     passes.py: the GEMM pass grid of issue 40 on CUDA                                   (limit 120 s)
-# Other stages, by name only (not in the dry run): bench (the benchmark suite), host (host_overhead.py), repro
+# Other stages, by name only (not in the dry run): bench (the benchmark suite, its results JSON as bench.json), host (host_overhead.py), repro
 # (the bf16 cuDNN attention repro), mainjob (20 bf16 runs of the main job), trainfit (the longest completion).
 #
 # $OUT receives at most 8 files (the device tool's limit): stages.tsv (stage, exit code, seconds, note),
@@ -135,7 +135,7 @@ if [ "$DRY" = 1 ]; then
 else
   TESTS=(tests)
   LOGITS_ARGS=(--vocab 151936 32000 --tokens 8192)
-  LINEAR_ARGS=(--competitors ours trl liger gemm_floor --repeats 3)
+  LINEAR_ARGS=(--competitors ours ours_on_chip trl liger gemm_floor --repeats 3)
   TRAINSTEP_ARGS=(--completions 2048,8192 --paths dgpo_linear,trl)
   PASSES_ARGS=()
 fi
@@ -174,7 +174,8 @@ for stage in "${STAGES[@]}"; do
   passes)
     run_stage passes 120 passes.json "$PYTHON" bench/passes.py --output passes.json "${PASSES_ARGS[@]}" ;;
   bench)
-    run_stage bench 600 "" "$PYTHON" -m pytest bench/ --benchmark-only -q -p no:cacheprovider ;;
+    run_stage bench 600 bench.json bash -c "$PYTHON -m pytest bench/ --benchmark-only -q -p no:cacheprovider \
+      --bench-no-report; rc=\$?; cp \$(ls -t bench/results/*.json | head -n 1) bench.json; exit \$rc" ;;
   host)
     run_stage host 300 host_overhead.json "$PYTHON" bench/experiments/host_overhead.py --out . ;;
   repro)
