@@ -5,7 +5,8 @@
   describe (``dgpo_ops.layouts``);
 * the lm_head module instead of its weight: the op runs as the module's own forward, so a sharding
   engine gathers the weight and reduces its gradient (``dgpo_ops.distributed.head``);
-* otherwise the eager op (``dgpo_ops.ops.logits``, ``dgpo_ops.ops.linear``).
+* otherwise the eager op (``dgpo_ops.ops.logits``, ``dgpo_ops.ops.linear``);
+* per-token log-probs a framework computed: the torch objective on them (``dgpo_ops.ops.from_logps``).
 
 Before any of them, the rollout-correction stage (``dgpo_ops.corrections.stage``) turns ``rollout_logps`` into
 rollout weights and a mask, so every route runs one copy of it.
@@ -27,6 +28,7 @@ from dgpo_ops.distributed.head import head_forward
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
 from dgpo_ops.ops.compiled import compiled_fused_linear_loss, compiled_fused_loss
+from dgpo_ops.ops.from_logps import check_logps, logps_loss
 from dgpo_ops.ops.linear import flatten_tokens, linear_loss
 from dgpo_ops.ops.logits import logits_loss
 
@@ -39,38 +41,47 @@ def refuse_under_compile(layout: CallLayout, batch: LossInputs) -> None:
     check_generator(batch.generator, batch.target_ids.device if torch.is_tensor(batch.target_ids) else "cpu")
 
 
-def validates_now(options: LossOptions, batch: LossInputs) -> bool:
+def validates_now(options: LossOptions, device) -> bool:
     """The call's values are checked on the host now (immediate validation), so the rollout-correction stage may
     read its weights too."""
-    device = batch.target_ids.device if torch.is_tensor(batch.target_ids) else torch.device("cpu")
     return resolve_mode(options.validation, device) == "immediate"
 
 
 def policy_loss(inputs: LossInputs, options: LossOptions, *, logits=None, hidden=None, weight=None, bias=None,
-                complete_batch=None) -> PolicyLossOutput:
-    """The one entry of every loss call: the policy loss of ``inputs`` under ``options``, from ``logits``, or from
-    ``hidden`` states and the lm_head ``weight`` (a tensor or the module) and ``bias``. The public functions,
-    ``DGPOLoss`` and ``DGPOTrainer`` call it (the verl and SkyRL plugins get per-token log-probs from their
-    frameworks and run the same objective on them with the same ``LossOptions``); build the two objects directly
-    (``LossInputs(target_ids, advantages, ...)``, ``LossOptions.build("grpo", eps_high=0.28)``) to call it
-    yourself. ``complete_batch`` (from hidden states, eager): ``dgpo_ops.ops.linear.CompleteBatch``, inputs made
-    from the call's own first sweep of log-probs and entropies."""
+                logps=None, token_scales=None, complete_batch=None) -> PolicyLossOutput:
+    """The one entry of every loss call: the policy loss of ``inputs`` under ``options``, from one source:
+    ``logits``; ``hidden`` states and the lm_head ``weight`` (a tensor or the module) and ``bias``; or ``logps``,
+    the sampled tokens' log-probs ``(B, T)`` that a framework computed (``inputs.target_ids`` None; the gradient
+    flows into them; ``dgpo_ops.ops.from_logps``). The public functions, ``DGPOLoss``, ``DGPOTrainer`` and the
+    verl and SkyRL plugins call it; build the two objects directly (``LossInputs(target_ids, advantages, ...)``,
+    ``LossOptions.build("grpo", eps_high=0.28)``) to call it yourself. ``token_scales`` (from ``logps`` only):
+    per-token scales ``s_t`` of ``loss = sum_t s_t L_t`` in place of the aggregation, a framework's own
+    normalisation. ``complete_batch`` (from hidden states, eager): ``dgpo_ops.ops.linear.CompleteBatch``, inputs
+    made from the call's own first sweep of log-probs and entropies."""
     layout = CallLayout(options.vocab_parallel_group, inputs.cu_seqlens, inputs.max_seqlen)
-    if (logits is None) == (hidden is None and weight is None):
-        raise ValueError("policy_loss takes one source: logits, or hidden and weight (the lm_head)")
+    if (logits is not None) + (hidden is not None or weight is not None) + (logps is not None) != 1:
+        raise ValueError("policy_loss takes one source: logits, hidden and weight (the lm_head), or logps")
+    if token_scales is not None and logps is None:
+        raise ValueError("token_scales apply to the loss from log-probs (logps=...); the other sources take the "
+                         "aggregation and loss_normalizer")
+    if complete_batch is not None and hidden is None:
+        raise ValueError("complete_batch applies to the loss from hidden states")
+    if hidden is None and any(getattr(options, name) != LossOptions.__dataclass_fields__[name].default
+                              for name in PROJECTION_OPTIONS):
+        raise ValueError(f"{', '.join(PROJECTION_OPTIONS)} apply to the loss from hidden states")
+    if logps is not None:
+        inputs = inputs._replace(target_ids=check_logps(logps, inputs, options))
+    immediate = validates_now(options, inputs.target_ids.device if torch.is_tensor(inputs.target_ids)
+                              else torch.device("cpu"))
     if logits is not None:
         if not torch.is_tensor(logits):
             raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
-        if complete_batch is not None:
-            raise ValueError("complete_batch applies to the loss from hidden states")
-        if any(getattr(options, name) != LossOptions.__dataclass_fields__[name].default for name in
-               PROJECTION_OPTIONS):
-            raise ValueError(f"{', '.join(PROJECTION_OPTIONS)} apply to the loss from hidden states")
         route = lambda batch: _logits_route(logits, batch, options, layout)  # noqa: E731
+    elif logps is not None:
+        route = lambda batch: logps_loss(logps, batch, options, token_scales, immediate)  # noqa: E731
     else:
         route = lambda batch: _linear_route(hidden, weight, bias, batch, options, layout, complete_batch)  # noqa: E731
-    return with_rollout_correction(inputs, options.rollout_correction, layout.cu_seqlens, route,
-                                   validates_now(options, inputs))
+    return with_rollout_correction(inputs, options.rollout_correction, layout.cu_seqlens, route, immediate)
 
 
 def _logits_route(logits, batch: LossInputs, options: LossOptions, layout: CallLayout) -> PolicyLossOutput:

@@ -101,7 +101,7 @@ def check_generator(generator, device) -> None:
                          "default generator there (seed it with torch.manual_seed)")
 
 
-def _check_float_input(name, value, grid_shape, device, allow_per_response):
+def _check_float_input(name, value, grid_shape, device, allow_per_response, source="logits"):
     if value is None:
         return None
     if not torch.is_tensor(value):
@@ -109,7 +109,7 @@ def _check_float_input(name, value, grid_shape, device, allow_per_response):
     if not value.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
     if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but logits are on {device}")
+        raise ValueError(f"{name} is on {value.device} but {source} are on {device}")
     if allow_per_response and value.shape == grid_shape[:1]:
         return value.detach()
     if value.shape != grid_shape:
@@ -119,15 +119,16 @@ def _check_float_input(name, value, grid_shape, device, allow_per_response):
 
 
 def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregation="token_mean",
-                 sequence_reason: str | None = None) -> RowInputs:
+                 sequence_reason: str | None = None, source: str = "logits") -> RowInputs:
     """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``. ``sequence_reason``:
     why the call needs each response's tokens together (``LossOptions.sequence_reason``), None where it does
-    not."""
+    not; ``source``: what the errors call the tensor the shape is read from (the log-prob route's ``logps``
+    pass as ``(B, T, 1)`` logits)."""
     target_ids, advantages, mask = batch.target_ids, batch.advantages, batch.mask
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits_shape)}")
     if logits_dtype not in LOGITS_DTYPES:
-        raise ValueError(f"logits dtype must be one of float32, bfloat16, float16 (float64 on CPU), got {logits_dtype}")
+        raise ValueError(f"{source} dtype must be one of float32, bfloat16, float16 (float64 on CPU), got {logits_dtype}")
     if logits_shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary axis")
     flat = len(logits_shape) == 2
@@ -146,23 +147,24 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregat
     if target_ids.shape != token_shape:
         raise ValueError(f"target_ids must have shape {tuple(token_shape)}, got {tuple(target_ids.shape)}")
     if target_ids.device != device:
-        raise ValueError(f"target_ids is on {target_ids.device} but logits are on {device}")
+        raise ValueError(f"target_ids is on {target_ids.device} but {source} are on {device}")
     if mask is not None:
         if not torch.is_tensor(mask) or mask.shape != token_shape:
             shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
             raise ValueError(f"mask must have shape {tuple(token_shape)}, got {shape}")
         if mask.device != device:
-            raise ValueError(f"mask is on {mask.device} but logits are on {device}")
+            raise ValueError(f"mask is on {mask.device} but {source} are on {device}")
         if mask.is_complex():
             raise ValueError(f"mask must be boolean, integer or floating point, got {mask.dtype}")
     if advantages is None:
         raise ValueError("advantages are required")
     floats = {
         name: _check_float_input(name, value, token_shape, device,
-                                 allow_per_response=(name == "advantages" and not flat))
+                                 allow_per_response=(name == "advantages" and not flat), source=source)
         for name, value in ((name, getattr(batch, name)) for name in PER_TOKEN_FLOATS)
     }
-    scores = _check_float_input("scores", batch.scores, token_shape, device, allow_per_response=not flat)
+    scores = _check_float_input("scores", batch.scores, token_shape, device, allow_per_response=not flat,
+                                source=source)
     return RowInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
                        mask=None if mask is None else mask.detach(), scores=scores, **floats)
 
@@ -237,11 +239,11 @@ def canonical_batch(inputs: RowInputs, scored: torch.Tensor, scale: torch.Tensor
 
 
 def prepare_batch(logits_shape, logits_dtype, device, batch: LossInputs, aggregation, sequence_reason,
-                  check: bool = True) -> TokenBatch:
+                  check: bool = True, source: str = "logits") -> TokenBatch:
     """Structure, values (checked now unless ``check`` is False: the compiled reference checks them
     in a custom op) and the canonical layout, with torch's aggregation scales: the reference's path,
     and the ground truth for the prologue kernel."""
-    inputs = token_inputs(logits_shape, logits_dtype, device, batch, aggregation, sequence_reason)
+    inputs = token_inputs(logits_shape, logits_dtype, device, batch, aggregation, sequence_reason, source)
     dtype = compute_dtype(logits_dtype)
     loss_normalizer = batch.loss_normalizer
     if check:

@@ -17,8 +17,8 @@ The parameters SkyRL has no field for (DGPO's ``n`` and ``m``, DISPO's four boun
 SkyRL calls a policy loss on padded ``(batch, response_length)`` tensors after its trainer has divided the
 advantages by the ``loss_reduction``'s count over the mini-batch (``apply_loss_reduction_to_advantages_minibatch``);
 the loss sums over ``loss_mask`` (``reduce_loss``), and SkyRL adds its own KL and entropy terms. The loss here is
-the package's torch objective (``objective.policy_objective``) summed the same way, with SkyRL's off-policy
-correction (``SkyRLCorrection``) on the policy term where SkyRL passes ``rollout_logprobs``.
+``dgpo_ops.policy_loss`` on SkyRL's log-probs, summed the same way (``loss_mask`` as its per-token scales), with
+SkyRL's off-policy correction (``SkyRLCorrection``) on the policy term where SkyRL passes ``rollout_logprobs``.
 """
 
 # No ``from __future__ import annotations``: SkyRL builds its config from the fields' types, which must be classes
@@ -32,6 +32,8 @@ from skyrl.train.config import AlgorithmConfig as SkyRLAlgorithmConfig
 from skyrl.train.config import SkyRLTrainConfig as SkyRLBaseTrainConfig
 from skyrl.train.config import TrainerConfig as SkyRLTrainerConfig
 
+from dgpo_ops.api import policy_loss
+from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.corrections.core import CorrectionInputs, weight_metrics
 from dgpo_ops.integrations.config_fields import check_method_params
 from dgpo_ops.integrations.skyrl_params import (
@@ -44,14 +46,7 @@ from dgpo_ops.integrations.skyrl_params import (
     correction_from_skyrl,
     loss_options,
 )
-from dgpo_ops.integrations.token_grid import (
-    grid_log_probs,
-    grid_metrics,
-    grid_objective,
-    grid_tensor,
-    ppo_clip_fraction,
-    to_host,
-)
+from dgpo_ops.integrations.token_grid import OWN_METRICS, grid_log_probs, grid_tensor, to_host
 from dgpo_ops.methods.table import resolve
 
 
@@ -119,8 +114,7 @@ def skyrl_policy_loss(policy_loss_type: str, log_probs, old_log_probs, advantage
             correction.check_gspo_token(options)
         except ValueError as error:
             raise ValueError(f"{CORRECTION}: {error}") from None
-    off_policy, kept = None, mask
-    weights = ("off_policy_correction weights", None)
+    off_policy, kept, weights = None, mask, None
     if correction is not None and rollout_logprobs is not None:  # SkyRL corrects only where it has them
         off_policy = correction_inputs(grid_tensor("old_log_probs", old_log_probs, log_probs), rollout_logprobs, mask)
         result = correction(off_policy)
@@ -132,15 +126,15 @@ def skyrl_policy_loss(policy_loss_type: str, log_probs, old_log_probs, advantage
         # vespo) still sees the token at weight 1 there, as SkyRL's losses see it in theirs.
         rejected = (off_policy_weights == 0).reshape(mask.shape)
         kept = mask & ~rejected
-        weights = ("off_policy_correction weights",
-                   torch.where(rejected, 1.0, off_policy_weights.reshape(mask.shape)))
-    scale = torch.where(kept, token_weights, 0.0)
-    terms, _, batch = grid_objective(options, log_probs, mask, scale, ("advantages", advantages), behaviour, weights)
-    metrics = {"clip_ratio": ppo_clip_fraction(terms, mask),
-               **{f"dgpo_ops/{name}": value for name, value in grid_metrics(terms, batch).items()}}
+        weights = torch.where(rejected, 1.0, off_policy_weights.reshape(mask.shape))
+    inputs = LossInputs(None, grid_tensor("advantages", advantages, log_probs), mask,
+                        grid_tensor(*behaviour, log_probs), rollout_weights=weights)
+    out = policy_loss(inputs, options, logps=log_probs, token_scales=torch.where(kept, token_weights, 0.0))
+    metrics = {"clip_ratio": out.metrics["ln_fraction"] + out.metrics["hp_fraction"],
+               **{f"dgpo_ops/{name}": out.metrics[name] for name in OWN_METRICS}}
     if off_policy is not None:
         metrics.update({f"dgpo_ops/{name}": value for name, value in weight_metrics(off_policy, result).items()})
-    return terms.loss, to_host(metrics)
+    return out.loss, to_host(metrics)
 
 
 def correction_inputs(old_log_probs, rollout_logprobs, mask) -> CorrectionInputs:

@@ -10,9 +10,9 @@ package's ``verl.plugins`` entry point is loaded by ``import verl``. Choose a lo
 with verl", has the command lines).
 
 verl calls a policy loss on padded ``(batch, response_length)`` tensors and adds the entropy bonus and
-the KL term itself (``verl.workers.utils.losses.ppo_loss``); the loss here is the package's torch objective
-(``objective.policy_objective``: the method table, GSPO's sequence ratio, rollout weights) with verl's
-aggregation and normalisation across data-parallel ranks and micro-batches (``verl_token_scales``).
+the KL term itself (``verl.workers.utils.losses.ppo_loss``); the loss here is ``dgpo_ops.policy_loss`` on
+verl's log-probs (the method table, GSPO's sequence ratio, rollout weights), with verl's aggregation and
+normalisation across data-parallel ranks and micro-batches as its per-token scales (``verl_token_scales``).
 
 ``use_fused_kernels()`` (or ``DGPO_OPS_VERL_FUSED_KERNELS=1`` in the workers' environment, read when this
 module is imported) makes verl's Triton fused-kernel path (``use_fused_kernels=True``,
@@ -30,15 +30,9 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_lo
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS
-from dgpo_ops.integrations.token_grid import (
-    grid_log_probs,
-    grid_metrics,
-    grid_objective,
-    grid_tensor,
-    masked_mean,
-    ppo_clip_fraction,
-    to_host,
-)
+from dgpo_ops.api import policy_loss
+from dgpo_ops.core.inputs import LossInputs
+from dgpo_ops.integrations.token_grid import OWN_METRICS, grid_log_probs, grid_tensor, masked_mean, to_host
 from dgpo_ops.integrations.verl_params import (
     LOSS_MODES,
     POLICY_LOSS,
@@ -48,7 +42,6 @@ from dgpo_ops.integrations.verl_params import (
     read_field,
     verl_token_scales,
 )
-from dgpo_ops.kernels.interface import Region
 from dgpo_ops.methods.table import resolve
 from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 
@@ -83,7 +76,8 @@ def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mas
     """The loss ``dgpo_ops.<method>`` with verl's policy-loss signature: ``(loss, metrics)``, the metrics
     verl's three (``actor/pg_clipfrac``: tokens in LN or HP, where PPO's clip zeroes the gradient;
     ``actor/ppo_kl``; ``actor/pg_clipfrac_lower``: the dual clip's) and ours under ``actor/dgpo_ops/``,
-    read to the host in one transfer (verl logs Python floats)."""
+    read to the host in one transfer (verl logs Python floats). ``dgpo_ops.policy_loss`` on verl's log-probs,
+    with verl's normalisation as per-token scales."""
     if config is None:
         raise ValueError(f"the policy loss {mode} needs verl's actor config (config=...)")
     options = loss_options(mode, config)
@@ -91,30 +85,30 @@ def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mas
     mask = grid_tensor("response_mask", response_mask, log_prob).bool()
     loss_agg_mode = aggregation_mode(options.method.name, loss_agg_mode)
     scale = verl_token_scales(mask, loss_agg_mode, read_field(config, "global_batch_info", default=None), dtype)
-    terms, logp, batch = grid_objective(options, log_prob, mask, scale, ("advantages", advantages),
-                                        ("old_log_prob", old_log_prob), ("rollout_is_weights", rollout_is_weights))
-    return terms.loss, _metrics(terms, logp, batch)
-
-
-def _metrics(terms, logp, batch) -> dict[str, float]:
-    mask, region = batch.mask, terms.tokens.region
-    return to_host({
-        "actor/pg_clipfrac": ppo_clip_fraction(terms, mask),
-        "actor/ppo_kl": masked_mean((batch.old_logps - logp).clamp(-20.0, 20.0), mask),  # as verl's (its clamp)
-        "actor/pg_clipfrac_lower": masked_mean(region == Region.DUAL.value, mask),
-        **{f"actor/dgpo_ops/{name}": value for name, value in grid_metrics(terms, batch).items()},
+    inputs = LossInputs(None, grid_tensor("advantages", advantages, log_prob), mask,
+                        grid_tensor("old_log_prob", old_log_prob, log_prob),
+                        rollout_weights=None if rollout_is_weights is None else grid_tensor(
+                            "rollout_is_weights", rollout_is_weights, log_prob))
+    out = policy_loss(inputs, options, logps=log_prob, token_scales=scale)
+    log_ratio = old_log_prob.detach().to(dtype) - log_prob.detach().to(dtype)
+    return out.loss, to_host({
+        "actor/pg_clipfrac": out.metrics["ln_fraction"] + out.metrics["hp_fraction"],
+        # as verl's: the clamped mean of old - new over the scored tokens
+        "actor/ppo_kl": masked_mean(log_ratio.clamp(-20.0, 20.0), mask),
+        "actor/pg_clipfrac_lower": out.metrics["dual_clip_fraction"],
+        **{f"actor/dgpo_ops/{name}": out.metrics[name] for name in OWN_METRICS},
     })
 
 
 def _policy_loss_fn(mode: str):
-    def policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                    rollout_is_weights=None):
+    def registered(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                   rollout_is_weights=None):
         return verl_policy_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                                 rollout_is_weights)
 
-    policy_loss.__name__ = policy_loss.__qualname__ = f"policy_loss_{LOSS_MODES[mode]}"
-    policy_loss.__doc__ = f"verl policy loss {mode}: ``dgpo_ops.integrations.verl.verl_policy_loss``."
-    return policy_loss
+    registered.__name__ = registered.__qualname__ = f"policy_loss_{LOSS_MODES[mode]}"
+    registered.__doc__ = f"verl policy loss {mode}: ``dgpo_ops.integrations.verl.verl_policy_loss``."
+    return registered
 
 
 def register() -> list[str]:

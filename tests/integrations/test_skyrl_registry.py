@@ -33,7 +33,7 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 from skyrl.train.config import AlgorithmConfig as SkyRLAlgorithmConfig
 from skyrl.train.config.config import ClipCovConfig, OffPolicyCorrectionConfig
 
-from dgpo_ops import reference_loss
+from dgpo_ops import LossInputs, policy_loss, reference_loss
 from dgpo_ops.integrations import skyrl as dgpo_skyrl
 from dgpo_ops.integrations.skyrl_params import LOSS_TYPES, params_from_skyrl
 from dgpo_ops.methods.catalog import POLICY_LOSSES, variants
@@ -354,7 +354,6 @@ def test_a_rejection_drops_the_tokens_term_and_leaves_the_sequence_statistic(nam
     log-ratios keeps the token in that statistic. The oracle: the objective without a correction, summed over SkyRL's
     own corrected loss_mask."""
     from dgpo_ops.integrations.skyrl_params import loss_options
-    from dgpo_ops.integrations.token_grid import grid_objective
 
     logp, old, roll, advantages, mask = rollout(seed=2)
     scaled = skyrl_advantages(advantages, mask, "sequence_mean")
@@ -365,8 +364,9 @@ def test_a_rejection_drops_the_tokens_term_and_leaves_the_sequence_statistic(nam
     assert ((corrected_mask == 0) & (mask > 0)).any()
     leaf = logp.clone().requires_grad_(True)
     options = loss_options(f"dgpo_ops.{name}", config)
-    expected = [grid_objective(options, leaf[rows], mask[rows] > 0, corrected_mask[rows], ("advantages", scaled[rows]),
-                               ("old_log_probs", old[rows]))[0].loss for rows in (slice(0, MICRO), slice(MICRO, B))]
+    expected = [policy_loss(LossInputs(None, scaled[rows], mask[rows] > 0, old[rows]), options,
+                            logps=leaf[rows], token_scales=corrected_mask[rows]).loss
+                for rows in (slice(0, MICRO), slice(MICRO, B))]
     torch.stack(expected).sum().backward()
     # geo_mean folds log(w + 1e-10) into its mean: the weight 1 of a kept token differs from no weight by 1e-10
     torch.testing.assert_close(losses, torch.stack(expected).detach(), rtol=1e-9, atol=1e-12)

@@ -179,6 +179,33 @@ def test_fused_linear_is_sync_free(recorder, backend, level):
     assert rec.syncs == [], rec.syncs
 
 
+@pytest.mark.parametrize("level", ["token", "sequence", "geo_mean", "clip_cov"])
+def test_the_loss_from_logps_is_sync_free(recorder, level):
+    """The log-prob route (the verl and SkyRL plugins' call) under deferred validation, with per-token scales."""
+    inputs = loss_inputs()
+    target = inputs["target_ids"]
+    logps = torch.log_softmax(inputs["logits"], -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    logps = logps.detach().requires_grad_()
+    mask = inputs["mask"].bool() & (target != -100)
+    method, fields, generator = "grpo", {}, None
+    if level == "sequence":
+        fields = dict(importance_sampling_level="sequence")
+    elif level == "clip_cov":  # a random selection: the counts stay on the device
+        method, fields, generator = level, dict(clip_cov_lb=-2.0, clip_cov_ub=2.0), torch.Generator().manual_seed(0)
+    elif level == "geo_mean":
+        method = level
+    options = dgpo_ops.LossOptions.build(method, validation="deferred", **fields)
+    batch = dgpo_ops.LossInputs(None, inputs["advantages"], mask, inputs["old_logps"], generator=generator,
+                                rollout_weights=torch.rand(mask.shape) + 0.5)
+
+    def step():
+        out = dgpo_ops.policy_loss(batch, options, logps=logps, token_scales=mask / mask.sum())
+        out.loss.backward()
+
+    rec = recorded(recorder, step)
+    assert rec.syncs == [], rec.syncs
+
+
 def test_the_recorder_catches_a_sync(recorder):
     # immediate validation reads values on the host: the same recorder must flag it
     inputs = loss_inputs()

@@ -1,0 +1,63 @@
+"""The loss from per-token log-probs: ``policy_loss(inputs, options, logps=...)``.
+
+A framework that computes the sampled tokens' log-probs itself (verl and SkyRL hand a registered policy loss
+``(batch, response_length)`` log-probs) gets the same objective as the fused ops: the inputs checked and laid out
+as theirs (``prepare_batch`` on the log-probs' grid, read as ``(B, T, 1)`` logits whose one entry is the target),
+the method table, the sequence statistics, KL and rollout weights (``masked_objective``), the same metrics. The
+gradient flows into ``logps`` by autograd; nothing here is fused, and nothing is V-sized.
+
+``token_scales``: a framework's own per-token normalisation (``sum_t s_t L_t`` over the scored tokens), where its
+trainer divides by something no aggregation row can name from one call (verl's ``global_batch_info``, SkyRL's
+corrected ``loss_mask``); without it the call's ``aggregation`` and ``loss_normalizer`` give the scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dgpo_ops.core.inputs import LossInputs, _check_float_input, prepare_batch
+from dgpo_ops.core.objective import masked_objective
+from dgpo_ops.core.options import LossOptions
+from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.kernels.row_io import compute_dtype
+
+WHY_NO_ENTROPY = "log-probs carry no entropy (a framework that passes log-probs adds its entropy term itself)"
+
+
+def check_logps(logps, inputs: LossInputs, options: LossOptions) -> torch.Tensor:
+    """The token grid's target ids (every token a target: the log-probs are the sampled tokens' already), after
+    refusing what this route cannot honour."""
+    if not torch.is_tensor(logps) or logps.dim() != 2 or not logps.is_floating_point():
+        got = f"shape {tuple(logps.shape)}, dtype {logps.dtype}" if torch.is_tensor(logps) else type(logps).__name__
+        raise ValueError(f"logps must be a floating-point (batch, response_length) tensor of the sampled tokens' "
+                         f"log-probs, got {got}")
+    if inputs.target_ids is not None:
+        raise ValueError("the loss from log-probs takes no target_ids (logps are the sampled tokens' log-probs): "
+                         "pass target_ids=None, and mark the tokens not scored in mask")
+    if options.entropy_coef != 0.0 or inputs.entropy_weights is not None:
+        raise ValueError(f"entropy_coef and entropy_weights need entropies: {WHY_NO_ENTROPY}")
+    if inputs.cu_seqlens is not None or inputs.max_seqlen is not None or options.vocab_parallel_group is not None:
+        raise ValueError("cu_seqlens, max_seqlen and vocab_parallel_group describe logits; log-probs are one "
+                         "(batch, response_length) grid")
+    return torch.zeros(logps.shape, dtype=torch.int64, device=logps.device)
+
+
+def logps_loss(logps: torch.Tensor, inputs: LossInputs, options: LossOptions, token_scales=None,
+               immediate: bool = True) -> PolicyLossOutput:
+    """The policy loss of ``inputs`` (its ``target_ids``: ``check_logps``'s) from ``logps``; ``immediate``: the
+    values are checked on the host now (else, as the frameworks' own losses, a non-finite input gives a non-finite
+    loss). The output's ``entropy`` is None and its ``entropy_mean`` 0 (``WHY_NO_ENTROPY``)."""
+    if token_scales is not None and inputs.loss_normalizer is not None:
+        raise ValueError("token_scales replace the aggregation and its loss_normalizer: pass one of them")
+    batch = prepare_batch((*logps.shape, 1), logps.dtype, logps.device, inputs, options.aggregation,
+                          options.sequence_reason, check=immediate and not torch.compiler.is_compiling(),
+                          source="logps")
+    dtype = compute_dtype(logps.dtype)
+    if token_scales is not None:
+        scales = _check_float_input("token_scales", token_scales, logps.shape, logps.device, False, "logps")
+        if immediate and not torch.isfinite(scales[batch.mask]).all():
+            raise ValueError("token_scales has non-finite values on unmasked tokens")
+        batch.scale = torch.where(batch.mask, scales.to(dtype), 0.0)
+    entropy = torch.zeros(logps.shape, dtype=dtype, device=logps.device)
+    loss, logp, _, metrics = masked_objective(logps.to(dtype), entropy, batch, options, inputs.generator)
+    return PolicyLossOutput(loss, logp.detach().float(), None, metrics)
