@@ -51,6 +51,34 @@ def test_logits_op_never_synchronises(options):
     dgpo_ops.raise_deferred_errors()
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_loss_from_logps_never_synchronises_and_equals_the_cpus(level):
+    """The verl and SkyRL plugins' route (``policy_loss(logps=..., token_scales=...)``) on the device: no
+    synchronisation under CUDA's sync debug mode, and the CPU's loss and gradient."""
+    inputs = cuda_inputs(V=1000, dtype=torch.float32)
+    target = inputs["target_ids"]
+    logps = torch.log_softmax(inputs["logits"], -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    mask = inputs["mask"] & (target != -100)
+    options = dgpo_ops.LossOptions.build("dgpo", importance_sampling_level=level)
+
+    def step(device):
+        leaf = logps.detach().to(device).requires_grad_(True)
+        on = mask.to(device)
+        batch = dgpo_ops.LossInputs(None, inputs["advantages"].to(device), on, inputs["old_logps"].to(device))
+        out = dgpo_ops.policy_loss(batch, options, logps=leaf, token_scales=on / 100.0)
+        out.loss.backward()
+        return out.loss, leaf.grad
+
+    expected = step("cpu")
+    step("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    loss, grad = step("cuda")
+    torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(loss.cpu(), expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.cpu(), expected[1], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("on_chip", [False, True], ids=["tiles", "on_chip"])
 @pytest.mark.parametrize("autocast", [True, False])
 def test_linear_op_never_synchronises(autocast, on_chip):
