@@ -18,7 +18,7 @@
 #              as pyproject.toml maps them), the tree's other files (tests/, bench/, ...) copied to $WORK/run without
 #              dgpo_ops/, kernels/ or trainer/, and every later stage run there with PYTHONPATH=$WORK/site: what is
 #              imported is the install, never the checkout
-#   tests      TRITON_INTERPRET=0 pytest -m cuda tests: 146 tests, 97 of them test_fused_parity's, mostly Triton
+#   tests      TRITON_INTERPRET=0 pytest -m cuda tests: 148 tests, 97 of them test_fused_parity's, mostly Triton
 #              compiles: 8 pytest-xdist workers where xdist is installed (the GPU image has it)   (limit 210 s)
 #   logits     gpu_check.py --timing-only: the logits op fwd + bwd at N = 8192, V = 151,936 bf16 against Liger's
 #              triton_grpo_loss and TRL's kernel + loss, back to back and synchronised per call; then V = 32,000,
