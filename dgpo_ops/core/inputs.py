@@ -128,7 +128,8 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregat
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits_shape)}")
     if logits_dtype not in LOGITS_DTYPES:
-        raise ValueError(f"{source} dtype must be one of float32, bfloat16, float16 (float64 on CPU), got {logits_dtype}")
+        raise ValueError(f"{source} dtype must be one of float32, bfloat16, float16 (float64 on CPU), "
+                         f"got {logits_dtype}")
     if logits_shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary axis")
     flat = len(logits_shape) == 2
