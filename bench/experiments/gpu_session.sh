@@ -28,8 +28,10 @@
 #   trainstep  train_step.py: one update of Qwen2.5-1.5B's architecture at completions of 2k and 8k,
 #              DGPOTrainer(fused="linear") and GRPOTrainer                                        (limit 170 s)
 #   passes     passes.py: the GEMM pass grid of issue 40 on CUDA                                   (limit 120 s)
-# Other stages, by name only (not in the dry run): bench (the benchmark suite, its results JSON as bench.json), host (host_overhead.py), repro
-# (the bf16 cuDNN attention repro), mainjob (20 bf16 runs of the main job), trainfit (the longest completion).
+# Other stages, by name only (not in the dry run): bench (the benchmark suite, its results JSON as bench.json),
+# onchip (on_chip_split.py: the on-chip fused linear's kernels one by one, and three other tiles of its gradient
+# kernel), host (host_overhead.py), repro (the bf16 cuDNN attention repro), mainjob (20 bf16 runs of the main job),
+# trainfit (the longest completion).
 #
 # $OUT receives at most 8 files (the device tool's limit): stages.tsv (stage, exit code, seconds, note),
 # session.log (everything printed), gpu_check.json, fused_linear.json, train_step.json, passes.json.
@@ -176,6 +178,9 @@ for stage in "${STAGES[@]}"; do
   bench)
     run_stage bench 600 bench.json bash -c "$PYTHON -m pytest bench/ --benchmark-only -q -p no:cacheprovider \
       --bench-no-report; rc=\$?; cp \$(ls -t bench/results/*.json | head -n 1) bench.json; exit \$rc" ;;
+  onchip)
+    run_stage onchip 300 on_chip_split.json "$PYTHON" bench/experiments/on_chip_split.py --out on_chip_split.json \
+      --grad-shapes 128,128,32,8,2 128,128,64,8,3 64,256,32,8,2 ;;
   host)
     run_stage host 300 host_overhead.json "$PYTHON" bench/experiments/host_overhead.py --out . ;;
   repro)
