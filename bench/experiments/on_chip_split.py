@@ -49,7 +49,7 @@ def kernel_times(inputs, setting: str, on_chip: bool, device: str) -> dict[str, 
     one_call(inputs, setting, on_chip, device)  # compiles
     if device == "cuda":
         torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         one_call(inputs, setting, on_chip, device)
         if device == "cuda":
@@ -58,7 +58,7 @@ def kernel_times(inputs, setting: str, on_chip: bool, device: str) -> dict[str, 
     for event in prof.events():
         if device == "cuda" and event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        microseconds = event.device_time if device == "cuda" else event.cpu_time
+        microseconds = event.time_range.elapsed_us() if device == "cuda" else event.cpu_time
         totals[event.name[:80]] += microseconds / 1e3
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
