@@ -180,7 +180,7 @@ for stage in "${STAGES[@]}"; do
       --bench-no-report; rc=\$?; cp \$(ls -t bench/results/*.json | head -n 1) bench.json; exit \$rc" ;;
   onchip)
     run_stage onchip 300 on_chip_split.json "$PYTHON" bench/experiments/on_chip_split.py --out on_chip_split.json \
-      --grad-shapes 128,128,32,8,2 128,128,64,8,3 64,256,32,8,2 ;;
+      --settings bf16 --grad-shapes ${ONCHIP_GRAD_SHAPES:-128,128,32,8,2 128,128,64,8,3 64,256,32,8,2} ;;
   host)
     run_stage host 300 host_overhead.json "$PYTHON" bench/experiments/host_overhead.py --out . ;;
   repro)
