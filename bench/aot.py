@@ -8,8 +8,9 @@ pointers, a vocabulary and row strides divisible by 16, a unit vocabulary stride
 shape the launchers use, reads registers, shared and local memory from ``cuobjdump
 --dump-resource-usage`` (shipped in the triton wheel) and reads the SASS: 128-bit global loads and
 stores, and the special-function (MUFU) instructions per vocabulary element of the row kernels'
-hot loop. Exits non-zero if any specialisation fails to compile, spills to local memory, or runs
-more than one MUFU instruction per element in the backward's hot loop.
+hot loop. Exits non-zero if any specialisation fails to compile, spills to local memory, takes more
+shared memory than a block may on its architecture, or runs more than one MUFU instruction per
+element in the backward's hot loop.
 
 The default covers every method (and sapo gate) x logits dtype with all epilogue inputs present,
 every combination of the epilogue flags for dgpo, the forward without epilogue (GSPO and forward
@@ -41,7 +42,7 @@ from dgpo_ops.kernels.finalize import MAX_BLOCK as FINALIZE_BLOCK
 from dgpo_ops.kernels.interface import Denominator, Gate, MethodId, Normalizer
 from dgpo_ops.kernels.linear_grad import linear_grad_kernel
 from dgpo_ops.kernels.linear_logits import (
-    LINEAR_GRAD_SHAPE,
+    LINEAR_GRAD_SHAPES,
     PARTIALS_SHAPE,
     linear_partials_kernel,
     linear_rows_kernel,
@@ -59,8 +60,8 @@ LAUNCH = {"forward": dict(num_warps=FORWARD_SHAPE.num_warps, num_stages=FORWARD_
           "backward": dict(num_warps=BACKWARD_SHAPE.num_warps, num_stages=BACKWARD_SHAPE.num_stages),
           "prologue": dict(num_warps=prologue_warps(False)), "finalize": dict(num_warps=FINALIZE_WARPS),
           "linear_partials": dict(num_warps=PARTIALS_SHAPE.num_warps, num_stages=PARTIALS_SHAPE.num_stages),
-          "linear_rows": dict(num_warps=1),
-          "linear_grad": dict(num_warps=LINEAR_GRAD_SHAPE.num_warps, num_stages=LINEAR_GRAD_SHAPE.num_stages)}
+          "linear_rows": dict(num_warps=1)}
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOGITS_LIKE = ("logits_ptr", "grad_logits_ptr", "hidden_ptr", "weight_ptr", "bias_ptr")  # pointers of the spec's dtype
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i64", "target_index_ptr": "*i64",
@@ -74,6 +75,9 @@ METHOD_VARIANTS = [(m.name.lower(), m, Gate.SIGMOID) for m in MethodId if m != M
     (f"sapo_{g.name.lower()}", MethodId.SAPO, g) for g in Gate
 ]
 MMA_OF_ARCH = {"sm_80": "HMMA", "sm_90": "HGMMA"}  # what the on-chip fused-linear products must use
+# The most shared memory one block may take (cudaDevAttrMaxSharedMemoryPerBlockOptin): 163 KiB on the A100,
+# 227 KiB on the H100
+MAX_SHARED_OF_ARCH = {"sm_80": 166912, "sm_90": 232448}
 # The backward is bound by memory only while the SFU keeps up: one exp per element, 1 - p of the target once per row
 MAX_BACKWARD_MUFU_PER_ELEMENT = 1.0
 
@@ -88,6 +92,9 @@ class Specialisation:
     def launch(self) -> dict:
         if self.kernel == "prologue":
             return dict(num_warps=prologue_warps(dict(self.constexprs)["HAS_FINALIZE"]))
+        if self.kernel == "linear_grad":  # the tile of the operands' width, as the launcher picks it
+            shape = LINEAR_GRAD_SHAPES[BYTES[self.dtype]]
+            return dict(num_warps=shape.num_warps, num_stages=shape.num_stages)
         return LAUNCH[self.kernel]
 
     @property
@@ -154,7 +161,7 @@ def _finalize(kl: bool):
 
 def _linear(kernel: str, stored: str, entropy: bool = False):
     """An on-chip fused-linear kernel reading ``stored`` hidden/weight and multiplying bf16 operands."""
-    shape = PARTIALS_SHAPE if kernel == "linear_partials" else LINEAR_GRAD_SHAPE
+    shape = PARTIALS_SHAPE if kernel == "linear_partials" else LINEAR_GRAD_SHAPES[BYTES[stored]]
     constexprs = dict(OPERAND=tl.bfloat16, HAS_BIAS=False, HAS_SOFTCAP=False, DOT_PRECISION="tf32", DOT_IN_FP32=False,
                       BLOCK_N=shape.block_n, BLOCK_V=shape.block_v, BLOCK_K=shape.block_k)
     if kernel == "linear_partials":
@@ -316,6 +323,9 @@ def problems(rows: list[dict]) -> list[str]:
             found.append(f"{where}: failed to compile ({row['error']})")
         elif row["local"] or row["stack"]:
             found.append(f"{where}: spills (local {row['local']} B, stack {row['stack']} B)")
+        elif row["shared"] > MAX_SHARED_OF_ARCH[row["arch"]]:
+            found.append(f"{where}: {row['shared']} B of shared memory, over the {MAX_SHARED_OF_ARCH[row['arch']]} "
+                         f"B a block may take on {row['arch']}: it would not launch")
         elif row["label"].startswith(("forward  bf16", "backward bf16")) and row["ldg128"] == 0:
             found.append(f"{where}: no 128-bit global loads in a bf16 row kernel")
         elif row["kernel"] in ("linear_partials", "linear_grad") and row["mma_ops"] != [MMA_OF_ARCH[row["arch"]]]:

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import codes
 from .interface import cdiv
-from .linear_logits import LINEAR_GRAD_SHAPE, bias_stride, check_hidden_strides, dot_operand, projected_logits
+from .linear_logits import bias_stride, check_hidden_strides, dot_operand, linear_grad_shape, projected_logits
 from .logits_grad import _one_minus_exp
 
 
@@ -148,7 +148,7 @@ def linear_grads(hidden, weight, bias, workspace, grid_seq_len: int, projection,
     for accumulator in (grad_hidden, grad_weight, grad_bias):
         if accumulator is not None and (accumulator.dtype != torch.float32 or not accumulator.is_contiguous()):
             raise ValueError("the on-chip gradients accumulate into contiguous fp32 tensors")
-    shape = LINEAR_GRAD_SHAPE.fitted(n_tokens, vocab, hidden_dim)
+    shape = linear_grad_shape(hidden, weight).fitted(n_tokens, vocab, hidden_dim)
     anchor = workspace.per_token
 
     def pointer(tensor):

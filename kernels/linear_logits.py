@@ -248,10 +248,21 @@ class GemmShape:
                          self.num_warps, self.num_stages)
 
 
-# Not tuned on a GPU yet (csrc_notes.md, "On-chip fused linear"): common tensor-core GEMM tiles that
-# compile for sm_80 and sm_90 without spills. The backward holds the gradient tile too: fewer rows.
+# The partials' tile is a common tensor-core GEMM tile, not tuned on a GPU.
 PARTIALS_SHAPE = GemmShape(block_n=128, block_v=128, block_k=32, num_warps=8, num_stages=3)
-LINEAR_GRAD_SHAPE = GemmShape(block_n=64, block_v=128, block_k=32, num_warps=8, num_stages=2)
+# The gradient kernel's, by the bytes per element of its operands as stored. 2 (bf16, fp16): chosen on an H100
+# (csrc_notes.md, GPU run 19): its time goes to the K-loop's two products per recomputed tile, so a wider BLOCK_K
+# pays (16 % of the call against the 4-byte tile) and a narrower BLOCK_V costs (every program re-reads its hidden
+# rows over all of H). 4 (fp32 weights under autocast, loaded as stored and rounded in registers): that tile's fp32
+# loads spill on sm_90 and need 192 KiB of shared memory, over sm_80's 163 KiB, so they keep the smaller one. Each
+# compiles for sm_80 and sm_90 without spills (docs/aot_report.md).
+LINEAR_GRAD_SHAPES = {2: GemmShape(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3),
+                      4: GemmShape(block_n=64, block_v=128, block_k=32, num_warps=8, num_stages=2)}
+
+
+def linear_grad_shape(hidden, weight) -> GemmShape:
+    """The gradient kernel's tile for these operands (the wider of the two decides)."""
+    return LINEAR_GRAD_SHAPES[max(hidden.element_size(), weight.element_size(), 2)]
 PROGRAMS_WANTED = 528  # enough programs for 4 per SM on a 132-SM H100; the vocabulary is split to reach it
 
 DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -29,9 +29,9 @@
 #              DGPOTrainer(fused="linear") and GRPOTrainer                                        (limit 170 s)
 #   passes     passes.py: the GEMM pass grid of issue 40 on CUDA                                   (limit 120 s)
 # Other stages, by name only (not in the dry run): bench (the benchmark suite, its results JSON as bench.json),
-# onchip (on_chip_split.py: the on-chip fused linear's kernels one by one, and three other tiles of its gradient
-# kernel), host (host_overhead.py), repro (the bf16 cuDNN attention repro), mainjob (20 bf16 runs of the main job),
-# trainfit (the longest completion).
+# onchip (on_chip_split.py: the on-chip fused linear's kernels one by one, and other tiles of its gradient kernel:
+# ONCHIP_GRAD_SHAPES, ONCHIP_SETTINGS), host (host_overhead.py), repro (the bf16 cuDNN attention repro), mainjob
+# (20 bf16 runs of the main job), trainfit (the longest completion).
 #
 # $OUT receives at most 8 files (the device tool's limit): stages.tsv (stage, exit code, seconds, note),
 # session.log (everything printed), gpu_check.json, fused_linear.json, train_step.json, passes.json.
@@ -180,7 +180,7 @@ for stage in "${STAGES[@]}"; do
       --bench-no-report; rc=\$?; cp \$(ls -t bench/results/*.json | head -n 1) bench.json; exit \$rc" ;;
   onchip)
     run_stage onchip 300 on_chip_split.json "$PYTHON" bench/experiments/on_chip_split.py --out on_chip_split.json \
-      --settings bf16 --grad-shapes ${ONCHIP_GRAD_SHAPES:-128,128,32,8,2 128,128,64,8,3 64,256,32,8,2} ;;
+      --settings ${ONCHIP_SETTINGS-bf16 autocast} --grad-shapes ${ONCHIP_GRAD_SHAPES-64,128,32,8,2 128,128,128,8,2} ;;
   host)
     run_stage host 300 host_overhead.json "$PYTHON" bench/experiments/host_overhead.py --out . ;;
   repro)

@@ -6,7 +6,7 @@
         [--grad-shapes 128,128,32,8,2 ...]
 
 ``--grad-shapes``: other tiles of the gradient kernel (``block_n,block_v,block_k,num_warps,num_stages``; the
-default is ``kernels/linear_logits.py``'s ``LINEAR_GRAD_SHAPE``), each timed on the on-chip path in the first
+default is ``kernels/linear_logits.py``'s ``linear_grad_shape``), each timed on the on-chip path in the first
 setting: the gradient's atomic additions scale as ``N V H (1 / block_n + 1 / block_v)``.
 
 On the CPU (no CUDA) it runs the Triton kernels in the interpreter at a tiny size and reports the profiler's CPU
@@ -80,7 +80,8 @@ def main(argv=None) -> None:
 
     for shape in args.grad_shapes:
         block_n, block_v, block_k, warps, stages = (int(x) for x in shape.split(","))
-        linear_grad.LINEAR_GRAD_SHAPE = linear_logits.GemmShape(block_n, block_v, block_k, warps, stages)
+        tile = linear_logits.GemmShape(block_n, block_v, block_k, warps, stages)
+        linear_grad.linear_grad_shape = lambda hidden, weight, tile=tile: tile
         for size in sizes:
             N, H, V = (int(x) for x in size.split("x"))
             inputs = make_inputs(N, H, V, settings[0], device)
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
                              total_ms=sum(times.values()), kernels_ms=times))
             top = ", ".join(f"{name} {ms:.1f}" for name, ms in list(times.items())[:3])
             print(f"grad shape {shape} at {size} {settings[0]}: total {rows[-1]['total_ms']:.1f} ms: {top}", flush=True)
-    linear_grad.LINEAR_GRAD_SHAPE = linear_logits.LINEAR_GRAD_SHAPE
+    linear_grad.linear_grad_shape = linear_logits.linear_grad_shape
     for size in sizes:
         N, H, V = (int(x) for x in size.split("x"))
         for setting in settings:

@@ -1,4 +1,5 @@
-"""Every kernel specialisation compiles ahead of time for sm_80 and sm_90, without spills, with 128-bit
+"""Every kernel specialisation compiles ahead of time for sm_80 and sm_90, without spills, within each
+architecture's shared memory per block, with 128-bit
 loads in the bf16 row kernels, one special-function instruction per element in the backward, and
 tensor-core products in the on-chip fused-linear kernels."""
 
@@ -51,11 +52,14 @@ def test_every_specialisation_compiled_for_both_architectures(report):
 
 
 def test_no_local_memory_and_vectorised_bf16_loads(report):
+    from bench.aot import MAX_SHARED_OF_ARCH
+
     matched = rows(report)
     assert len(matched) >= 2 * 40
     for m in matched:
         arch, kernel, dtype, regs, smem, local, stack, ldg128, stg128, mufu, mma = m.groups()
         assert int(local) == 0 and int(stack) == 0, m.group(0)
+        assert int(smem) <= MAX_SHARED_OF_ARCH[arch], m.group(0)  # else it would not launch there
         assert 0 < int(regs) <= 255, m.group(0)
         if kernel in ("forward", "backward") and dtype == "bf16":
             assert int(ldg128) > 0, f"no LDG.E.128 in {m.group(0)}"
@@ -90,6 +94,17 @@ def test_on_chip_linear_products_run_on_tensor_cores(report):
             assert mma == 0, m.group(0)
     assert seen == {(arch, kernel) for arch in ("sm_80", "sm_90") for kernel in ("linear_partials", "linear_grad")}
     assert "sm_90 HGMMA" in report.stdout and "sm_80 HMMA" in report.stdout
+
+
+def test_a_block_over_the_architectures_shared_memory_is_a_problem():
+    # the on-chip gradient kernel's 128 x 128 x 64 tile with fp32 operands took 192 KiB: over sm_80's 163 KiB
+    from bench.aot import problems
+
+    row = dict(arch="sm_80", label="linear_grad fp32", kernel="linear_grad", local=0, stack=0, shared=196608,
+               mma_ops=["HMMA"], ldg128=0, mufu_per_element=None)
+    assert problems([row]) == ["sm_80 linear_grad fp32: 196608 B of shared memory, over the 166912 B a block may "
+                               "take on sm_80: it would not launch"]
+    assert problems([{**row, "shared": 131072}]) == []
 
 
 def test_aot_refuses_to_run_under_the_interpreter():
