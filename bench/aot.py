@@ -6,7 +6,8 @@ Compiles each specialisation with ``triton.compile(ASTSource(...), target=GPUTar
 32))`` using the specialisation hints the JIT would give on real tensors (16-byte aligned
 pointers, a vocabulary and row strides divisible by 16, a unit vocabulary stride) and the launch
 shape the launchers use, reads registers, shared and local memory from ``cuobjdump
---dump-resource-usage`` (shipped in the triton wheel) and reads the SASS: 128-bit global loads and
+--dump-resource-usage`` (shipped in the triton wheel) and reads the SASS (every kernel of one architecture in one
+``nvdisasm`` run: ``sass_of_many``): 128-bit global loads and
 stores, and the special-function (MUFU) instructions per vocabulary element of the row kernels'
 hot loop. Exits non-zero if any specialisation fails to compile, spills to local memory, takes more
 shared memory than a block may on its architecture, or runs more than one MUFU instruction per
@@ -26,9 +27,11 @@ method x dtype x flag product.
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -229,6 +232,7 @@ def _nvidia_tool(name: str) -> str:
 
 BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+0x([0-9a-f]+)")
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+INSTRUCTION_ADDRESS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+\S")
 
 
 def sass_loops(sass: str) -> list[tuple[int, int]]:
@@ -256,27 +260,35 @@ def hot_loop_mufu(sass: str) -> dict:
     return best or {"ldg128": 0, "mufu": 0, "mufu_ops": []}
 
 
-def compile_one(job: tuple[Specialisation, int]) -> dict:
+def _compile(job: tuple[Specialisation, int]) -> tuple[dict, bytes | None]:
+    """The row of one specialisation without its SASS counts (registers, memory, the PTX's bf16 rounding), and its
+    cubin (None where it failed to compile)."""
     spec, arch = job
     row = {"label": spec.label, "arch": f"sm_{arch}", "kernel": spec.kernel}
     try:
         compiled = triton.compile(_source(spec), target=GPUTarget("cuda", arch, 32), options=spec.launch)
     except Exception as error:  # report every failure, not just the first
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        return row
+        return row, None
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([_nvidia_tool("cuobjdump"), "--dump-resource-usage", cubin],
                                capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", cubin],
-                              capture_output=True, text=True, check=True).stdout
     for key in ("REG", "STACK", "SHARED", "LOCAL"):
         match = re.search(rf"\b{key}:(\d+)", usage)
         row[key.lower()] = int(match.group(1)) if match else None
     # cuobjdump shows static shared memory only; the reductions' scratch is Triton's dynamic shared memory.
     row["shared"] = max(row["shared"] or 0, compiled.metadata.shared)
+    ptx = compiled.asm["ptx"]
+    if spec.kernel == "backward" and spec.dtype == "bf16":
+        row["bf16_round"] = "cvt.rn" if re.search(r"cvt\.rn(\.satfinite)?\.bf16", ptx) else "other"
+    return row, compiled.asm["cubin"]
+
+
+def _count_sass(row: dict, spec: Specialisation, sass: str) -> dict:
+    """``row`` with the counts read from the SASS listing of its kernel."""
     row["ldg128"] = len(re.findall(r"LDG\.E\.128", sass))
     row["stg128"] = len(re.findall(r"STG\.E\.128", sass))
     mma = re.findall(r"\b(H[G]?MMA)\.", sass)  # tensor-core products: HGMMA (sm_90 wgmma), HMMA (mma.sync)
@@ -287,18 +299,89 @@ def compile_one(job: tuple[Specialisation, int]) -> dict:
         elements_per_thread = dict(spec.constexprs)["BLOCK_V"] / (32 * spec.launch["num_warps"])
         row["mufu_per_element"] = loop["mufu"] / elements_per_thread
         row["mufu_ops"] = loop["mufu_ops"]
-    ptx = compiled.asm["ptx"]
-    if spec.kernel == "backward" and spec.dtype == "bf16":
-        row["bf16_round"] = "cvt.rn" if re.search(r"cvt\.rn(\.satfinite)?\.bf16", ptx) else "other"
     return row
+
+
+def _cubin_sass(cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([_nvidia_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _text_sections(cubin: bytes) -> list[bytes]:
+    """The contents of the executable ``.text.*`` sections of a cubin (an ELF64, little-endian)."""
+    (section_table,) = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def header(index):  # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, ...
+        return struct.unpack_from("<IIQQQQ", cubin, section_table + index * entry_size)
+
+    names = header(names_index)[4]
+    texts = []
+    for index in range(count):
+        name, _, _, _, offset, size = header(index)
+        if cubin[names + name:cubin.index(b"\0", names + name)].startswith(b".text."):
+            texts.append(cubin[offset:offset + size])
+    return texts
+
+
+def sass_of_many(cubins: list[bytes], arch: int) -> list[str]:
+    """The SASS listing of each cubin (its instruction lines, as ``cuobjdump -sass`` prints them but without the
+    encodings), from one disassembler run for all of them: each cuobjdump run spends about 0.3-0.4 s starting the
+    disassembler whatever the kernel, most of a report's time. The kernels' code, each one function in one
+    ``.text`` section, is laid end to end in one raw instruction binary; each listing keeps the addresses of that
+    binary, so its branches still point into itself. A cubin of several code sections goes through cuobjdump
+    alone."""
+    texts = [_text_sections(cubin) for cubin in cubins]
+    blob, spans = bytearray(), {}
+    for index, sections in enumerate(texts):
+        if len(sections) == 1:
+            spans[index] = (len(blob), len(blob) + len(sections[0]))
+            blob += sections[0]
+    listings = [[] for _ in cubins]
+    if spans:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernels.bin")
+            with open(path, "wb") as f:
+                f.write(blob)
+            # SM90a: the sm_90 cubins are sm_90a code (wgmma); the same decoding is the superset of sm_90's
+            target = f"SM{arch}a" if arch == 90 else f"SM{arch}"
+            listing = subprocess.run([_nvidia_tool("nvdisasm"), "--binary", target, path], capture_output=True,
+                                     text=True, check=True).stdout
+        starts = sorted((start, end, index) for index, (start, end) in spans.items())
+        bounds = [start for start, _, _ in starts]
+        for line in listing.splitlines():
+            address = INSTRUCTION_ADDRESS.match(line)
+            if address:
+                at = int(address.group(1), 16)
+                start, end, index = starts[bisect.bisect_right(bounds, at) - 1]
+                if start <= at < end:
+                    listings[index].append(line)
+    return ["\n".join(listings[index]) if index in spans else _cubin_sass(cubin)
+            for index, cubin in enumerate(cubins)]
+
+
+def compile_one(job: tuple[Specialisation, int]) -> dict:
+    row, cubin = _compile(job)
+    return row if cubin is None else _count_sass(row, job[0], _cubin_sass(cubin))
 
 
 def run(archs=(80, 90), full=False, jobs=2) -> list[dict]:
     work = [(spec, arch) for arch in archs for spec in specialisations(full)]
     if jobs > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            return list(pool.map(compile_one, work))
-    return [compile_one(job) for job in work]
+            compiled = list(pool.map(_compile, work))
+    else:
+        compiled = [_compile(job) for job in work]
+    rows = [row for row, _ in compiled]
+    for arch in archs:
+        done = [index for index, ((_, of), (_, cubin)) in enumerate(zip(work, compiled)) if of == arch and cubin]
+        for index, sass in zip(done, sass_of_many([compiled[index][1] for index in done], arch)):
+            _count_sass(rows[index], work[index][0], sass)
+    return rows
 
 
 def format_report(rows: list[dict]) -> str:

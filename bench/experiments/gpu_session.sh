@@ -19,7 +19,8 @@
 #              dgpo_ops/, kernels/ or trainer/, and every later stage run there with PYTHONPATH=$WORK/site: what is
 #              imported is the install, never the checkout
 #   tests      TRITON_INTERPRET=0 pytest -m cuda tests: 148 tests, 97 of them test_fused_parity's, mostly Triton
-#              compiles: 8 pytest-xdist workers where xdist is installed (the GPU image has it)   (limit 210 s)
+#              compiles: 8 pytest-xdist workers where xdist is installed (the GPU image has it; the dry run: -n 0)
+#                                                                                                  (limit 210 s)
 #   logits     gpu_check.py --timing-only: the logits op fwd + bwd at N = 8192, V = 151,936 bf16 against Liger's
 #              triton_grpo_loss and TRL's kernel + loss, back to back and synchronised per call; then V = 32,000,
 #              where the call is host-bound                                                       (limit 60 s)
@@ -130,12 +131,16 @@ run_stage() {
 
 if [ "$DRY" = 1 ]; then
   TESTS=(tests/ops/test_cuda.py)
+  # one process: on the CPU every CUDA test skips, and 8 workers (each importing torch) on the 2 cores of a CI
+  # machine took 30-80 s to start; the stage's command line is the same but for the number
+  TEST_WORKERS=0
   LOGITS_ARGS=(--device cpu --vocab 1000 --tokens 256)
   LINEAR_ARGS=(--sizes 64x32x500 --settings fp32 --competitors ours gemm_floor --repeats 1)
   TRAINSTEP_ARGS=(--model tiny --completions 16 --paths dgpo_linear)
   PASSES_ARGS=(--methods gspo --options all --paths dgpo_linear)
 else
   TESTS=(tests)
+  TEST_WORKERS=8
   LOGITS_ARGS=(--vocab 151936 32000 --tokens 8192)
   LINEAR_ARGS=(--competitors ours ours_on_chip trl liger gemm_floor --repeats 3)
   TRAINSTEP_ARGS=(--completions 2048,8192 --paths dgpo_linear,trl)
@@ -161,7 +166,7 @@ for stage in "${STAGES[@]}"; do
     ;;
   tests)
     WORKERS=()
-    "$PYTHON" -c "import xdist" 2> /dev/null && WORKERS=(-n 8)
+    "$PYTHON" -c "import xdist" 2> /dev/null && WORKERS=(-n "$TEST_WORKERS")
     run_stage tests 210 "" env TRITON_INTERPRET=0 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider "${WORKERS[@]}" \
       "${TESTS[@]}" ;;
   logits)

@@ -111,3 +111,39 @@ def test_aot_refuses_to_run_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-m", "bench.aot"], env=env, cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0 and "unset TRITON_INTERPRET" in result.stderr
+
+
+# The report reads every kernel's SASS from one disassembler run per architecture (bench.aot.sass_of_many): each
+# kernel's instructions and counts there are those of cuobjdump on its own cubin.
+SAME_SASS = """
+import json, os
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as the report compiles: Triton's cache has these kernels
+from bench import aot
+
+specs = [aot._forward("bf16"), aot._backward("bf16", True), aot._linear("linear_grad", "bf16")]
+out = []
+for arch in (80, 90):
+    compiled = [aot._compile((spec, arch)) for spec in specs]
+    together = aot.sass_of_many([cubin for _, cubin in compiled], arch)
+    for spec, (row, cubin), sass in zip(specs, compiled, together):
+        alone = aot._cubin_sass(cubin)
+        ops = [[m.group(2) for m in aot.INSTRUCTION.finditer(text)] for text in (sass, alone)]
+        rows = [aot._count_sass(dict(row), spec, text) for text in (sass, alone)]
+        out.append({"label": f"sm_{arch} {spec.label}", "ops": len(ops[1]), "same_ops": ops[0] == ops[1],
+                    "same_row": rows[0] == rows[1], "mma": rows[1]["mma"], "ldg128": rows[1]["ldg128"]})
+print(json.dumps(out))
+"""
+
+
+def test_one_disassembly_for_many_kernels_reads_what_cuobjdump_reads_for_each():
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", SAME_SASS], env=env, cwd=REPO, capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    kernels = json.loads(result.stdout)
+    assert len(kernels) == 6 and all(k["ops"] > 100 for k in kernels), kernels
+    assert all(k["same_ops"] and k["same_row"] for k in kernels), kernels
+    assert {k["label"].split()[0] for k in kernels if k["mma"]} == {"sm_80", "sm_90"}  # the products are in both
+    assert all(k["ldg128"] for k in kernels if " bf16" in k["label"] and "linear" not in k["label"]), kernels

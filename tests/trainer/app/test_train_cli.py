@@ -140,10 +140,12 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
 
 
 @pytest.mark.early
-def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
+def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path, capsys):
     """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
     completions per held-out problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem
-    counts; the console line shows them and the report redraws the figure from the JSON."""
+    counts; the console line shows them and the report redraws the figure from the JSON. The report runs in this
+    process: the off-policy test above runs its command line (``python -m``, a process importing torch and TRL)."""
+    from dgpo_ops.trainer.app import report as report_command
     from dgpo_ops.trainer.app.warm_start import pass_rates
 
     out = tmp_path / "run"
@@ -166,12 +168,11 @@ def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path):
         assert run[phase]["pass@1"] == pytest.approx(sum(counts) / 12)
         assert run[phase]["pass@2"] == pytest.approx(sum(c > 0 for c in counts) / 6) == pytest.approx(rates["pass@2"])
     redrawn = tmp_path / "again.png"
-    report = subprocess.run([sys.executable, "-m", "dgpo_ops.trainer.app.report", str(out / "run.json"), "--out",
-                             str(redrawn)], capture_output=True, text=True, check=False)
-    assert report.returncode == 0, report.stderr[-2000:]
+    capsys.readouterr()
+    assert report_command.main([str(out / "run.json"), "--out", str(redrawn)]) == 0
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the final table has the sampled pass@k after RL beside greedy accuracy
-    header, _, row = report.stdout.splitlines()[:3]
+    header, _, row = capsys.readouterr().out.splitlines()[:3]
     columns = [c.strip() for c in header.strip("|").split("|")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert columns[2:4] == ["pass@1 after", "pass@2 after"]
