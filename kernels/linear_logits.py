@@ -262,7 +262,9 @@ LINEAR_GRAD_SHAPES = {2: GemmShape(block_n=128, block_v=128, block_k=64, num_war
 
 def linear_grad_shape(hidden, weight) -> GemmShape:
     """The gradient kernel's tile for these operands (the wider of the two decides)."""
-    return LINEAR_GRAD_SHAPES[max(hidden.element_size(), weight.element_size(), 2)]
+    return LINEAR_GRAD_SHAPES[2 if max(hidden.element_size(), weight.element_size()) <= 2 else 4]
+
+
 PROGRAMS_WANTED = 528  # enough programs for 4 per SM on a 132-SM H100; the vocabulary is split to reach it
 
 DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
