@@ -45,17 +45,18 @@ def check_logps(logps, inputs: LossInputs, options: LossOptions) -> torch.Tensor
 def logps_loss(logps: torch.Tensor, inputs: LossInputs, options: LossOptions, token_scales=None,
                immediate: bool = True) -> PolicyLossOutput:
     """The policy loss of ``inputs`` (its ``target_ids``: ``check_logps``'s) from ``logps``; ``immediate``: the
-    values are checked on the host now (else, as the frameworks' own losses, a non-finite input gives a non-finite
-    loss). The output's ``entropy`` is None and its ``entropy_mean`` 0 (``WHY_NO_ENTROPY``)."""
+    values are checked on the host now (else, and under ``torch.compile``, as the frameworks' own losses, a
+    non-finite input gives a non-finite loss). The output's ``entropy`` is None and its ``entropy_mean`` 0
+    (``WHY_NO_ENTROPY``)."""
     if token_scales is not None and inputs.loss_normalizer is not None:
         raise ValueError("token_scales replace the aggregation and its loss_normalizer: pass one of them")
+    check = immediate and not torch.compiler.is_compiling()  # compiled, nothing is read on the host
     batch = prepare_batch((*logps.shape, 1), logps.dtype, logps.device, inputs, options.aggregation,
-                          options.sequence_reason, check=immediate and not torch.compiler.is_compiling(),
-                          source="logps")
+                          options.sequence_reason, check=check, source="logps")
     dtype = compute_dtype(logps.dtype)
     if token_scales is not None:
         scales = _check_float_input("token_scales", token_scales, logps.shape, logps.device, False, "logps")
-        if immediate and not torch.isfinite(scales[batch.mask]).all():
+        if check and not torch.isfinite(scales[batch.mask]).all():
             raise ValueError("token_scales has non-finite values on unmasked tokens")
         batch.scale = torch.where(batch.mask, scales.to(dtype), 0.0)
     entropy = torch.zeros(logps.shape, dtype=dtype, device=logps.device)

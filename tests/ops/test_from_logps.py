@@ -1,7 +1,7 @@
 """The loss from per-token log-probs (``policy_loss(..., logps=...)``, ``dgpo_ops/ops/from_logps.py``): the
 reference's loss and gradient when the log-probs are the logits' own, one method per route
-(helpers.ROUTE_VARIANTS) with its option sets; ``token_scales``; the rollout-correction stage; its refusals and
-its value checks."""
+(helpers.ROUTE_VARIANTS) with its option sets; ``token_scales``; the rollout-correction stage; its refusals, its
+value checks and torch.compile."""
 
 import pytest
 import torch
@@ -167,3 +167,25 @@ def test_values_checked_when_immediate_and_not_when_deferred(bad):
     out = policy_loss(inputs, LossOptions.build("grpo", validation="deferred"), logps=logps, token_scales=scales)
     if bad != "mask":  # deferred: nothing read on the host, the bad value reaches the loss as the frameworks' do
         assert not torch.isfinite(out.loss)
+
+
+SEQUENCE_KL = dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", beta=0.05)
+
+
+@pytest.mark.parametrize("options", [dict(), SEQUENCE_KL], ids=["token", "sequence_kl"])
+def test_compiles_in_one_graph_and_equals_eager(options):
+    """Under torch.compile(fullgraph=True) nothing is read on the host (no value checks there, as under deferred
+    validation), so the route traces in one graph."""
+    _, batch, logps, mask = case(seed=4)
+    logps = logps.detach().float().requires_grad_()
+    inputs = LossInputs(None, batch["advantages"], mask, batch["old_logps"], ref_logps=batch["ref_logps"])
+    loss_options = LossOptions.build("dgpo", **options)
+
+    def loss(leaf):
+        return policy_loss(inputs, loss_options, logps=leaf, token_scales=mask / 10.0).loss
+
+    torch._dynamo.reset()
+    eager, compiled = loss(logps), torch.compile(loss, fullgraph=True, backend="aot_eager")(logps)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.autograd.grad(compiled, logps)[0], torch.autograd.grad(eager, logps)[0],
+                               rtol=1e-6, atol=1e-7)
