@@ -209,9 +209,8 @@ def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, 
                    normalizer_value)
     plan = _linear_plan(weight, batch, spec, any(wants), checked=False)
     precision = Precision.resolve(weight, plan.options.softcap, _dtype(autocast))
-    call = plan
-    token_shape = (hidden.shape[0],) if call.inputs.flat else call.inputs.grid
-    workspace = RowWorkspace.allocate(token_shape, call.inputs.grid[0], hidden.device,
+    token_shape = (hidden.shape[0],) if plan.inputs.flat else plan.inputs.grid
+    workspace = RowWorkspace.allocate(token_shape, plan.inputs.grid[0], hidden.device,
                                       compute_dtype(precision.tile))
     grads = [torch.empty(t.shape, dtype=precision.accumulate, device=t.device) if w and t is not None
              else workspace.stats.new_empty(0) for t, w in zip((hidden, weight, bias), wants)]

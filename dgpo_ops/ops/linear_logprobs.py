@@ -48,20 +48,19 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, plan):
         ctx.set_materialize_grads(False)
-        call = plan
         precision = Precision.resolve(weight, None, autocast_dtype(hidden.device))
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
             projection = TileProjection(weight, bias, precision)
-            tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, call.options)
+            tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.options)
             workspace = RowWorkspace.allocate((n_tokens,), 1, hidden.device, compute_dtype(precision.tile))
-            run_prologue(call, workspace)
-            forward = row_forward(call, workspace, with_epilogue=False)  # the method is not this op's
+            run_prologue(plan, workspace)
+            forward = row_forward(plan, workspace, with_epilogue=False)  # the method is not this op's
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: forward(tile, tiles.kernel_scale, start))
-            call.rows.merge(workspace)
-        if call.deferred:
+            plan.rows.merge(workspace)
+        if plan.deferred:
             nan_rows_on_error(workspace)
-            defer(workspace.status, call.vocab, call.normalizer_tensor, "linear_logprob_entropy")
+            defer(workspace.status, plan.vocab, plan.normalizer_tensor, "linear_logprob_entropy")
         ctx.save_for_backward(hidden, weight, bias)
         ctx.workspace, ctx.plan, ctx.precision = workspace, plan, precision
         return workspace.per_token[Plane.LOGP].clone(), workspace.per_token[Plane.ENTROPY].clone()
@@ -73,7 +72,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         wants = ctx.needs_input_grad[:3]
         if (grad_logp is None and grad_entropy is None) or not any(wants):
             return None, None, None, None
-        workspace, call, precision = ctx.workspace, ctx.plan, ctx.precision
+        workspace, plan, precision = ctx.workspace, ctx.plan, ctx.precision
         dtype = workspace.per_token.dtype
         # No gradient for the entropies (verl without an entropy bonus): the kernel leaves the entropy term out.
         dloss_dlogp = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device) if grad_logp is None \
@@ -83,11 +82,11 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
                  for t, wanted in zip((hidden, weight, bias), wants)]
         with torch.autocast(hidden.device.type, enabled=False):
             projection = TileProjection(weight, bias, precision)
-            tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, call.options)
-            gradients = TileGradients(call, tiles, projection, workspace, hidden, *grads)
+            tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, plan.options)
+            gradients = TileGradients(plan, tiles, projection, workspace, hidden, *grads)
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
                 start, stop, tile, 0.0, dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy))
-            call.rows.reduce_hidden_grad(grads[0])
+            plan.rows.reduce_hidden_grad(grads[0])
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))), None)
 
 
