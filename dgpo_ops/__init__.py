@@ -10,7 +10,6 @@ from dgpo_ops.core.validation import raise_deferred_errors
 from dgpo_ops.kernels.interface import Region
 from dgpo_ops.methods.base import MethodConfig, TokenTerms
 from dgpo_ops.methods.table import METHODS, method_config, token_terms
-from dgpo_ops.ops.linear_logprobs import linear_logprob_entropy
 from dgpo_ops.ops.reference import reference_loss
 
 
@@ -30,6 +29,17 @@ __version__ = _version()
 # Every method's config class (GrpoConfig, DgpoConfig, ...), from the table: a new method's row exports it.
 METHOD_CONFIGS = {spec.config.__name__: spec.config for spec in METHODS.values()}
 globals().update(METHOD_CONFIGS)
+
+
+
+def __getattr__(name: str):
+    # linear_logprob_entropy is made on first access (dgpo_ops.ops.linear_logprobs.__getattr__ says why)
+    if name == "linear_logprob_entropy":
+        from dgpo_ops.ops import linear_logprobs
+
+        return linear_logprobs.linear_logprob_entropy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     *METHOD_CONFIGS,

@@ -27,7 +27,7 @@ import torch
 
 from dgpo_ops.core.inputs import LossInputs, check_values, token_inputs
 from dgpo_ops.core.metrics import LossMetrics
-from dgpo_ops.core.options import LossOptions
+from dgpo_ops.core.options import LossOptions, assume_constant_result
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
@@ -42,7 +42,7 @@ OptionalTensor = torch.Tensor | None
 # ----------------------------------------------------------------------------- options across the boundary
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def options_spec(options: LossOptions) -> str:
     """``options`` as a JSON string; a trace-time constant (the options themselves are one: ``LossOptions.build``).
     The rollout correction runs before the op (``dgpo_ops.corrections.stage``) and the compiled ops take no

@@ -120,12 +120,21 @@ def _logprob_entropy(source, inputs: LossInputs, options: LossOptions) -> tuple[
     return logp.reshape(target_ids.shape), entropy.reshape(target_ids.shape)
 
 
-# Not traced by torch.compile yet: it runs eagerly inside a compiled region (a graph break; with
-# fullgraph=True, dynamo's error says so). verl does not compile the model's forward.
-linear_logprob_entropy = torch.compiler.disable(public_function("linear_logprob_entropy", """Per-token
+_linear_logprob_entropy = public_function("linear_logprob_entropy", """Per-token
 ``(log p(target), entropy)`` of the logits ``(hidden @ weight.T + bias) / temperature``, fp32 (fp64 for fp64
 inputs), shaped like ``target_ids``, differentiable in both outputs (for hidden, weight and bias). Under
 ``torch.autocast`` the products run in the autocast dtype, as the model's own lm_head would. With
 ``vocab_parallel_group`` ``weight`` and ``bias`` are this process's rows (equal shares in rank order) and ``hidden``
 and ``target_ids`` are the same on every process.""", LOGPROB_ENTROPY_CALL, _logprob_entropy,
-    returns="``(logps, entropy)``, two differentiable tensors shaped like ``target_ids``."))
+    returns="``(logps, entropy)``, two differentiable tensors shaped like ``target_ids``.")
+
+
+def __getattr__(name: str):
+    """``linear_logprob_entropy``, made on first access (PEP 562). It is not traced by torch.compile yet: it runs
+    eagerly inside a compiled region (a graph break; with fullgraph=True, dynamo's error says so; verl does not
+    compile the model's forward). ``torch.compiler.disable`` imports ``torch._dynamo``, 1.2 s that an import of
+    dgpo_ops which never touches this function does not pay."""
+    if name != "linear_logprob_entropy":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    function = globals()[name] = torch.compiler.disable(_linear_logprob_entropy)
+    return function
