@@ -37,6 +37,7 @@ from .presets import (  # noqa: F401  (GPU_RL_DEFAULTS, REGIME_PRESETS: the name
     TINY_RL_DEFAULTS,
     UsageError,
 )
+from .command import wait_passively
 from .tiny_model import TOKENIZERS, MissingPackage
 
 # ----------------------------------------------------------------------------- arguments
@@ -193,35 +194,8 @@ def parse_passthrough(extra: list[str]) -> dict:
     return vars(namespace)
 
 
-PROGRAM_MODULES = ("dgpo_ops.trainer.app.cli", "dgpo_ops.trainer.app.command")
-"""The ``python -m`` names of this program (the ``dgpo-ops`` console script is the third way in)."""
-
-
-def wait_passively() -> None:
-    """Run this program again with ``OMP_WAIT_POLICY=passive`` unless the environment names a policy.
-
-    By default torch's OpenMP threads spin after each parallel region, waiting for the next; on a shared
-    machine a spinning thread burns the core its partner needs, and the tiny model's many small ops turn that
-    into most of the run: the shortened main job took 654-863 s on this project's 2-core CPU at load 15-25,
-    118-212 s with passive threads (the README's "On a busy machine"). libgomp reads the policy once, when torch
-    loads it, which importing dgpo_ops has done already: hence the same command again in this process (its
-    PID, arguments and environment kept, a few seconds of imports repeated). Only the program itself does
-    this, never a caller of ``main`` (a test, a script)."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        return
-    program = sys.modules.get("__main__")
-    spec = getattr(program, "__spec__", None)
-    if not (spec is not None and spec.name in PROGRAM_MODULES
-            or spec is None and os.path.basename(getattr(program, "__file__", "") or "") == "dgpo-ops"):
-        return
-    os.environ["OMP_WAIT_POLICY"] = "passive"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
-
 def main(argv: list[str] | None = None) -> int:
-    wait_passively()
+    wait_passively()  # `python -m dgpo_ops.trainer.app.cli`: the command's restart, TRL imported already
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_method_fields=True)  # TRL is there: this module imports it (``presets``)
     args, extra = parser.parse_known_args(argv)

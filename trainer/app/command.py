@@ -5,6 +5,7 @@ others; ``DESCRIPTION`` is what ``dgpo-ops --help`` tells a user."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import dgpo_ops
@@ -33,9 +34,37 @@ def missing_train_extra(error: ImportError) -> str | None:
             f"is not installed: {TRAIN_EXTRA}")
 
 
+PROGRAM_MODULES = ("dgpo_ops.trainer.app.cli", "dgpo_ops.trainer.app.command")
+"""The ``python -m`` names of this program (the ``dgpo-ops`` console script is the third way in)."""
+
+
+def wait_passively() -> None:
+    """Run this program again with ``OMP_WAIT_POLICY=passive`` unless the environment names a policy.
+
+    By default torch's OpenMP threads spin after each parallel region, waiting for the next; on a shared
+    machine a spinning thread burns the core its partner needs, and the tiny model's many small ops turn that
+    into most of the run: the shortened main job took 654-863 s on this project's 2-core CPU at load 15-25,
+    118-212 s with passive threads (the README's "On a busy machine"). libgomp reads the policy once, when torch
+    loads it, which importing dgpo_ops has done already: hence the same command again in this process (its
+    PID, arguments and environment kept), before ``train`` imports TRL, so that only torch's and dgpo_ops' import
+    (1-2 s) is repeated. Only the program itself does this, never a caller of ``main`` (a test, a script)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    program = sys.modules.get("__main__")
+    spec = getattr(program, "__spec__", None)
+    if not (spec is not None and spec.name in PROGRAM_MODULES
+            or spec is None and os.path.basename(getattr(program, "__file__", "") or "") == "dgpo-ops"):
+        return
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # its own parser (TRL's options pass through); TRL is imported only here
+        wait_passively()
         try:
             from dgpo_ops.trainer.app import cli as train_cli
         except ImportError as error:
