@@ -37,7 +37,7 @@ from .presets import (  # noqa: F401  (GPU_RL_DEFAULTS, REGIME_PRESETS: the name
     TINY_RL_DEFAULTS,
     UsageError,
 )
-from .command import wait_passively
+from .restart import wait_passively
 from .tiny_model import TOKENIZERS, MissingPackage
 
 # ----------------------------------------------------------------------------- arguments

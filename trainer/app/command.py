@@ -5,10 +5,10 @@ others; ``DESCRIPTION`` is what ``dgpo-ops --help`` tells a user."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import dgpo_ops
+from dgpo_ops.trainer.app.restart import wait_passively
 
 DESCRIPTION = """\
 Train a language model's policy by reinforcement learning on problems with checkable answers, with DGPO or
@@ -32,33 +32,6 @@ def missing_train_extra(error: ImportError) -> str | None:
         return None
     return (f"dgpo-ops train: error: training needs the packages of dgpo-ops' \"train\" extra, and {error.name} "
             f"is not installed: {TRAIN_EXTRA}")
-
-
-PROGRAM_MODULES = ("dgpo_ops.trainer.app.cli", "dgpo_ops.trainer.app.command")
-"""The ``python -m`` names of this program (the ``dgpo-ops`` console script is the third way in)."""
-
-
-def wait_passively() -> None:
-    """Run this program again with ``OMP_WAIT_POLICY=passive`` unless the environment names a policy.
-
-    By default torch's OpenMP threads spin after each parallel region, waiting for the next; on a shared
-    machine a spinning thread burns the core its partner needs, and the tiny model's many small ops turn that
-    into most of the run: the shortened main job took 654-863 s on this project's 2-core CPU at load 15-25,
-    118-212 s with passive threads (the README's "On a busy machine"). libgomp reads the policy once, when torch
-    loads it, which importing dgpo_ops has done already: hence the same command again in this process (its
-    PID, arguments and environment kept), before ``train`` imports TRL, so that only torch's and dgpo_ops' import
-    (1-2 s) is repeated. Only the program itself does this, never a caller of ``main`` (a test, a script)."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        return
-    program = sys.modules.get("__main__")
-    spec = getattr(program, "__spec__", None)
-    if not (spec is not None and spec.name in PROGRAM_MODULES
-            or spec is None and os.path.basename(getattr(program, "__file__", "") or "") == "dgpo-ops"):
-        return
-    os.environ["OMP_WAIT_POLICY"] = "passive"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,9 +122,9 @@ def test_the_train_program_runs_itself_again_with_passive_openmp_threads(tmp_pat
 def test_a_caller_of_the_train_main_is_never_replaced(monkeypatch):
     import os
 
-    from dgpo_ops.trainer.app import command
+    from dgpo_ops.trainer.app import restart
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "execv", lambda *args: pytest.fail(f"execv{args}"))
-    command.wait_passively()  # here __main__ is pytest's, not the program
+    restart.wait_passively()  # here __main__ is pytest's, not the program
     assert "OMP_WAIT_POLICY" not in os.environ
