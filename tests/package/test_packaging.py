@@ -43,10 +43,11 @@ def test_the_checkout_root_imports_the_installed_parts():
 @pytest.mark.early
 def test_regular_install_in_a_new_venv(tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    # no pip of its own (ensurepip is seconds of this test): this interpreter's pip installs into it (--python)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", str(REPO)],
+        [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", str(REPO)],
         check=True, capture_output=True,
     )
     pkg, kernels, trainer, heavy = run_import_check(python, tmp_path)
