@@ -361,7 +361,8 @@ def child(path: str, model_name: str, prompt_length: int, lengths: list[int], re
         return result
     with tempfile.TemporaryDirectory() as workdir:
         trainer = build_trainer(path, model_name, max(lengths), workdir, device)
-        result.update(attn_implementation=trainer.model.config._attn_implementation, rows=[])
+        result.update(attn_implementation=trainer.model.config._attn_implementation,
+                      parameters=sum(p.numel() for p in trainer.model.parameters()), rows=[])
         for row in measure_lengths(trainer, prompt_length, lengths, repeats, device):
             result["rows"].append(row)
             emit()
@@ -448,7 +449,7 @@ def markdown(doc: dict) -> str:
         f"{m.get('liger_kernel')}; dgpo_ops {m.get('dgpo_ops_commit')}"
         f"{' + local changes' if m.get('dgpo_ops_worktree_dirty') else ''}; `{doc['command']}`"
         f"{'' if doc.get('complete', True) else ' (incomplete: cut short)'}. Model {doc['model']} "
-        f"({doc['parameters'] / 1e6:.1f} M parameters, vocabulary {doc['vocab_size']:,}, attention "
+        f"({(doc['parameters'] or 0) / 1e6:.1f} M parameters, vocabulary {doc['vocab_size']:,}, attention "
         f"{'/'.join(attention) or '?'}), {RESPONSES} responses, prompt {doc['prompt_length']} tokens, "
         f"{'bf16 autocast over fp32 weights' if doc['bf16'] else 'fp32'}, activation checkpointing; one update = "
         f"forward and loss, backward, clip, AdamW step; median of {doc['repeats']} updates; peak memory absolute "
@@ -502,15 +503,6 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def parameter_count(model_name: str) -> int:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**MODELS[model_name]))
-    return sum(p.numel() for p in model.parameters())
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(MODELS), default=None,
@@ -543,7 +535,7 @@ def main(argv=None) -> int:
     doc = {
         "command": "python bench/train_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": describe(torch.device(device), packages=("trl", "transformers", "liger-kernel")),
-        "model": model_name, "model_config": MODELS[model_name], "parameters": parameter_count(model_name),
+        "model": model_name, "model_config": MODELS[model_name], "parameters": None,  # the first path that builds it
         "vocab_size": MODELS[model_name]["vocab_size"], "prompt_length": prompt_length,
         "completion_lengths": lengths, "repeats": args.repeats, "bf16": device == "cuda",
         "memory_method": "torch.cuda.max_memory_allocated" if device == "cuda" else "VmHWM after clear_refs",
@@ -561,6 +553,7 @@ def main(argv=None) -> int:
         result["wall_s"] = round(time.perf_counter() - started, 1)
         print(json.dumps(result), flush=True)
         doc["results"].append(result)
+        doc["parameters"] = doc["parameters"] or result.get("parameters")
         check_against_trl(doc["results"], rtol)
         out.write_text(json.dumps(doc, indent=1) + "\n")  # after every path: a cut-short run keeps what it measured
     doc["complete"] = True

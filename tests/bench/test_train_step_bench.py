@@ -29,6 +29,14 @@ def load_bench():
 bench = load_bench()
 
 
+def parameter_count(config: dict) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**config)).parameters())
+
+
 @pytest.mark.early
 def test_tiny_update_step_runs_every_path_and_matches_trl(tmp_path):
     out = tmp_path / "train_step-tiny.json"
@@ -38,7 +46,7 @@ def test_tiny_update_step_runs_every_path_and_matches_trl(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["model"] == "tiny" and doc["completion_lengths"] == [16, 24]
-    assert doc["parameters"] == bench.parameter_count("tiny") > 0
+    assert doc["parameters"] == parameter_count(bench.MODELS["tiny"]) > 0
     results = {r["path"]: r for r in doc["results"]}
     assert list(results) == list(bench.PATHS)
     ran = [p for p in bench.PATHS if bench.unavailable(p, "cpu") is None]
@@ -137,4 +145,4 @@ def test_out_of_memory_is_recognised_and_other_errors_are_not():
 
 def test_model_is_qwen25_15b():
     # Qwen2.5-1.5B's published parameter count (tied embeddings), from the config written out in the bench
-    assert bench.parameter_count("qwen2.5-1.5b") == 1_543_714_304
+    assert parameter_count(bench.MODELS["qwen2.5-1.5b"]) == 1_543_714_304
