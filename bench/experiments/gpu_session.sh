@@ -151,6 +151,10 @@ STAGES=("$@")
 [ ${#STAGES[@]} = 0 ] && STAGES=(setup tests logits linear trainstep passes)
 [ "${STAGES[0]}" = fetch-wheels ] && { fetch_wheels; exit $?; }
 [ "${STAGES[0]}" = setup ] || { echo "setup must be the first stage" >&2; exit 2; }
+KNOWN_STAGES=" setup tests logits linear trainstep passes bench onchip host repro trainfit mainjob "
+for stage in "${STAGES[@]}"; do  # refused before the setup spends a minute of the lease
+  [[ $KNOWN_STAGES == *" $stage "* ]] || { echo "unknown stage $stage (stages:$KNOWN_STAGES)" >&2; exit 2; }
+done
 : > "$OUT/stages.tsv"
 for stage in "${STAGES[@]}"; do
   case $stage in

@@ -81,5 +81,6 @@ def test_a_stage_without_budget_left_is_skipped_and_recorded(tmp_path):
 def test_setup_comes_first_and_unknown_stages_are_refused(tmp_path):
     proc, *_ = run_session(tmp_path, "tests")
     assert proc.returncode == 2 and "setup must be the first stage" in proc.stderr
-    proc, *_ = run_session(tmp_path, "setup", "nonsense", GPU_SESSION_BUDGET_S="5")
-    assert proc.returncode == 2
+    proc, out, _, stages = run_session(tmp_path, "setup", "nonsense")
+    assert proc.returncode == 2 and "unknown stage nonsense" in proc.stderr
+    assert stages == [] and not (out / "session.log").exists()  # refused before the setup ran
