@@ -75,6 +75,8 @@ MAX_ANSWER_CHARS: int = 1000
 """Longer boxed answers score as wrong without being parsed (a 20k-char box can take 10 s to parse)."""
 STARTUP_TIMEOUT_S: float = 180.0
 """Deadline for starting the pool (the workers import dgpo_ops, hence torch, and math_verify)."""
+KILL_GRACE_S: float = 5.0
+"""Seconds a stopped pool's workers have to exit after SIGTERM before they are sent SIGKILL."""
 
 Completion = str | Sequence[dict[str, Any]]
 
@@ -233,7 +235,7 @@ def _kill(pool: ProcessPoolExecutor) -> None:
     # race it for each pid: the loser's waitpid fails with ECHILD, and multiprocessing then reports
     # the dead worker as alive (and a kill() could hit a recycled pid). So wait for the manager, and
     # SIGKILL only what is still running after the grace period.
-    manager.join(5)
+    manager.join(KILL_GRACE_S)
     if manager.is_alive():
         for p in processes:
             p.kill()
