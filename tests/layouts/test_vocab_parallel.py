@@ -1,5 +1,6 @@
 """Vocabulary split across processes (tensor parallelism), real processes (gloo, CPU, 2 and 3 ranks), on both
-kernel sets (the Triton kernels in the interpreter, and their torch twins):
+kernel sets (the Triton kernels in the interpreter, and their torch twins; 3 ranks on the twins alone, as
+``vocab_parallel_workers.WORLD_BACKENDS`` says why):
 ``fused_dgpo_loss(shard, ..., vocab_parallel_group=group)`` gives the loss, log-probs, entropies and
 metrics of ``reference_loss`` over the whole vocabulary, and each process the gradient of its columns,
 for a method of every route (helpers.ROUTE_VARIANTS: the split reaches a method's math only through its route),
@@ -18,7 +19,7 @@ import vocab_parallel_workers as workers
 
 import dgpo_ops
 
-# One spawn per world for the module (runs): the tests run on one xdist worker, so each world spawns once and
+# One spawn per world for the module (spawned): the tests run on one xdist worker, so each world spawns once and
 # the two spawns one after the other (side by side, five gloo processes on two cores waited on each other
 # longer than they ran).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
@@ -27,9 +28,18 @@ JOBS = workers.jobs()
 _RUNS: dict[int, list[dict]] = {}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"{world}ranks")
-def runs(request, tmp_path_factory):
-    world = request.param
+# (world, kernel set) of the tests that read a world's results by kernel set: those the world ran
+SPLITS = [pytest.param(world, backend, id=f"{world}ranks-{backend}")
+          for world, backends in workers.WORLD_BACKENDS.items() for backend in backends]
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """The results of a world by its size, its processes spawned on the first request."""
+    return functools.partial(world_results, tmp_path_factory)
+
+
+def world_results(tmp_path_factory, world: int) -> tuple[int, list[dict]]:
     if world not in _RUNS:  # one spawn per world: starting the processes is most of the time
         path = tmp_path_factory.mktemp(f"vocab{world}")
         mp.spawn(workers.vocab_parallel_worker, args=(world, str(path / "init"), str(path)), nprocs=world, join=True)
@@ -39,10 +49,10 @@ def runs(request, tmp_path_factory):
     return world, _RUNS[world]
 
 
-@pytest.mark.parametrize("backend", workers.BACKENDS)
+@pytest.mark.parametrize("world, backend", SPLITS)
 @pytest.mark.parametrize("name", list(JOBS))
-def test_split_vocabulary_equals_one_process(runs, name, backend):
-    world, results = runs
+def test_split_vocabulary_equals_one_process(spawned, world, name, backend):
+    world, results = spawned(world)
     batch, keywords = workers.inputs_of(JOBS[name])
     logits = batch.pop("logits").detach().clone().requires_grad_(True)
     want = dgpo_ops.reference_loss(logits, **batch, **keywords)
@@ -60,13 +70,13 @@ def test_split_vocabulary_equals_one_process(runs, name, backend):
         assert got["grad"].dtype == logits.dtype
 
 
-@pytest.mark.parametrize("backend", workers.BACKENDS)
+@pytest.mark.parametrize("world, backend", SPLITS)
 @pytest.mark.parametrize("name", list(workers.LINEAR_JOBS))
-def test_split_lm_head_equals_one_process(runs, name, backend):
+def test_split_lm_head_equals_one_process(spawned, world, name, backend):
     # The lm_head weight and bias split by vocabulary rows (a plain local shard, or a Shard(0) DTensor),
     # the same hidden states everywhere: the loss and per-token values of one process with the whole
     # weight, each process the gradient of its rows, and every process the whole hidden-state gradient.
-    world, results = runs
+    world, results = spawned(world)
     leaves, want = whole_lm_head(name, backend)
     # float64 on the twins: nothing but summation order; float32 on the Triton kernels
     tolerance = dict(rtol=1e-9, atol=1e-9) if backend == "torch" else dict(rtol=2e-5, atol=2e-5)
@@ -108,12 +118,12 @@ def entropy_errors(got: torch.Tensor, case: str, backend: str):
     return (got.double() - exact).abs(), (one_process.double() - exact).abs(), exact
 
 
-@pytest.mark.parametrize("backend", workers.BACKENDS)
+@pytest.mark.parametrize("world, backend", SPLITS)
 @pytest.mark.parametrize("case", list(workers.ACCURACY_CASES))
-def test_split_entropy_is_as_accurate_as_one_process(runs, case, backend):
+def test_split_entropy_is_as_accurate_as_one_process(spawned, world, case, backend):
     # Large logits: the error of the old split path grew with their size (3.5e-5 at +100, 1.6e-4 at +500, against
     # 5e-6 and 1.6e-5 on one process); peaked rows: it returned 0 for entropies of 1e-14 to 1e-6.
-    world, results = runs
+    world, results = spawned(world)
     for result in results:
         got = result[f"{backend}/accuracy/{case}"]
         split_error, one_error, exact = entropy_errors(got, case, backend)
@@ -124,10 +134,10 @@ def test_split_entropy_is_as_accurate_as_one_process(runs, case, backend):
             assert (exact < 1e-5).all() and (got > 0).all()
 
 
-@pytest.mark.parametrize("backend", workers.BACKENDS)
-def test_split_linear_logprob_entropy_is_as_accurate_as_one_process(runs, backend):
+@pytest.mark.parametrize("world, backend", SPLITS)
+def test_split_linear_logprob_entropy_is_as_accurate_as_one_process(spawned, world, backend):
     # Hidden states x 30: peaked rows from an lm_head, where the old split path once gave a negative entropy.
-    world, results = runs
+    world, results = spawned(world)
     hidden, weight = workers.accuracy_hidden()
     targets = torch.arange(hidden.shape[0]).remainder(workers.VOCAB)
     one_logp, one_entropy = dgpo_ops.linear_logprob_entropy(hidden, weight, targets, backend=backend)
@@ -142,15 +152,15 @@ def test_split_linear_logprob_entropy_is_as_accurate_as_one_process(runs, backen
         torch.testing.assert_close(got["logp"], one_logp, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", workers.BACKENDS)
+@pytest.mark.parametrize("world, backend", SPLITS)
 @pytest.mark.parametrize("case", workers.DEFERRED_CASES)
-def test_split_bad_values_under_deferred_validation_give_nan_then_the_error(runs, case, backend):
+def test_split_bad_values_under_deferred_validation_give_nan_then_the_error(spawned, world, case, backend):
     # The old split path read a mask of 0.5 as 1, gave a NaN loss with an all-zero gradient for a bad target,
     # -inf for inf advantages, and for unequal shares a NaN loss on process 0 but a finite wrong one on the others;
     # raise_deferred_errors() raised nothing.
     message = {"mask": "mask must hold only 0 and 1", "target": "target_ids must be in",
                "advantages": "advantages has non-finite", "uneven": "equal share of the vocabulary"}[case]
-    _, results = runs
+    _, results = spawned(world)
     for rank, result in enumerate(results):
         got = result[f"{backend}/deferred/{case}"]
         assert got["loss"].isnan(), f"rank {rank}: {got['loss']}"
@@ -158,8 +168,9 @@ def test_split_bad_values_under_deferred_validation_give_nan_then_the_error(runs
         assert got["error"] is not None and message in got["error"], f"rank {rank}: {got['error']}"
 
 
-def test_bad_input_names_the_argument(runs):
-    _, results = runs
+@pytest.mark.parametrize("world", list(workers.WORLD_BACKENDS), ids=lambda world: f"{world}ranks")
+def test_bad_input_names_the_argument(spawned, world):
+    _, results = spawned(world)
     for result in results:
         assert "vocab_parallel_group" in result["error/uneven"] and "equal share" in result["error/uneven"]
         assert result["error/target"] is not None and "target" in result["error/target"]
