@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch, run_route
+from rollout_cases import CORRECTION_ROUTES, assert_same_as_weights, mismatch_batch, run_route
 
 import dgpo_ops
 from dgpo_ops.corrections import ArealCorrection, decoupled_ppo, m2po
@@ -134,7 +134,8 @@ def test_behaviour_weight_equals_areal(fields, drift):
     rs = {**RS_DEFAULTS, **fields}
     mask, weight, fraction = areal_rejection_sampling(batch["old_logps"], batch["rollout_logps"], batch["mask"], **rs)
     # AReaL keeps the pre-rejection count: its rejected tokens stay in our mask, with weight 0
-    routes = ROUTES if not fields or fields.get("level") == "sequence" and drift == 0.2 else ("reference", "packed")
+    every_route = not fields or fields.get("level") == "sequence" and drift == 0.2
+    routes = CORRECTION_ROUTES if every_route else ("reference", "packed")
     metrics = assert_same_as_weights(ArealCorrection(**rs), batch, weight, batch["mask"], routes, method="grpo")
     torch.testing.assert_close(metrics["rs_filtered_fraction"].double(), torch.tensor(fraction, dtype=torch.float64))
 
@@ -145,7 +146,7 @@ def test_m2po_equals_areal(threshold, drift):
     batch = mismatch_batch(drift, seed=12)
     mask = areal_m2po_mask(batch["rollout_logps"], batch["old_logps"], batch["mask"], threshold)
     assert_same_as_weights(m2po(threshold), batch, torch.ones_like(batch["old_logps"]), mask,
-                           ROUTES if threshold == 0.5 else ("reference", "torch", "packed"), method="grpo")
+                           CORRECTION_ROUTES if threshold == 0.5 else ("reference", "torch", "packed"), method="grpo")
 
 
 @pytest.mark.parametrize("rs,m2_threshold", [

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch
+from rollout_cases import CORRECTION_ROUTES, assert_same_as_weights, mismatch_batch
 
 import dgpo_ops
 from dgpo_ops.corrections import SkyRLCorrection
@@ -70,7 +70,7 @@ CASES = [
 def test_skyrl_equals_skyrl(fields, drift):
     batch = mismatch_batch(drift, seed=41)
     tis, corrected = skyrl_correction(batch["old_logps"], batch["rollout_logps"], batch["mask"].float(), fields)
-    routes = ROUTES if fields is CASES[-1] else ("reference", "torch", "packed")
+    routes = CORRECTION_ROUTES if fields is CASES[-1] else ("reference", "torch", "packed")
     # SkyRL's loss: sum(loss * tis * corrected_mask), the advantages scaled by the uncorrected mask's count
     expected_weights = (tis if "tis_ratio_type" in fields else torch.ones_like(tis)) * corrected
     assert_same_as_weights(SkyRLCorrection(**fields), batch, expected_weights, batch["mask"], routes, method="grpo")

@@ -1,6 +1,7 @@
 """The rollout-correction stage's plumbing: ``rollout_logps`` reach the stage on every route (reference, both
 kernel sets, packed, fused linear, torch.compile) and, without a correction, change nothing but add the mismatch
-metrics verl and TRL log; wrong input fails with a ValueError that names it."""
+metrics verl and TRL log; a correction of each family gives the same results on both kernel sets; wrong input fails
+with a ValueError that names it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import torch
 from rollout_cases import ROUTES, mismatch_batch, run_route
 
 import dgpo_ops
+from dgpo_ops.corrections import (
+    ArealCorrection,
+    NemoRLCorrection,
+    OpenRLHFCorrection,
+    SkyRLCorrection,
+    SwiftCorrection,
+    TrlCorrection,
+    VerlCorrection,
+)
 
 MISMATCH_METRICS = ("mismatch_kl_k1", "mismatch_kl_k3", "sampling_logp_difference_mean",
                     "sampling_logp_difference_max")
@@ -191,3 +201,29 @@ def test_a_rejection_does_not_hide_a_value_the_routes_refuse(bad, validation):
         dgpo_ops.raise_deferred_errors()
     with pytest.raises(ValueError, match=message):
         dgpo_ops.reference_loss(logits, **batch, method="grpo", rollout_correction=m2po(0.04))
+
+
+# One correction of each family, token- and sequence-level, masking and truncating: each family's modes are checked
+# against its framework on the other routes (rollout_cases.CORRECTION_ROUTES); on the Triton kernels here.
+EVERY_FAMILY = [TrlCorrection("token_mask", 0.5, 2.0), TrlCorrection("sequence_truncate", 0.2, 3.0),
+                VerlCorrection(rollout_is="token", rollout_rs="seq_mean_k3", rollout_rs_threshold=0.05),
+                ArealCorrection(level="sequence", action="clamp", upper=1.2, lower=0.9),
+                OpenRLHFCorrection(), NemoRLCorrection(truncated_importance_sampling_type="icepop",
+                                                       truncated_importance_sampling_ratio=3.0,
+                                                       truncated_importance_sampling_ratio_min=0.3),
+                SkyRLCorrection(tis_ratio_type="token", sequence_mask_metric="geometric"), SwiftCorrection()]
+
+
+@pytest.mark.parametrize("correction", EVERY_FAMILY, ids=lambda c: type(c).__name__)
+def test_a_correction_gives_the_same_on_both_kernel_sets(correction):
+    batch = mismatch_batch(0.4, seed=3)
+    kwargs = dict(method="grpo", aggregation="seq_mean_token_mean")
+    twins, twins_grad = run_route("torch", batch, rollout_correction=correction, **kwargs)
+    kernels, kernels_grad = run_route("triton", batch, rollout_correction=correction, **kwargs)
+    uncorrected, _ = run_route("torch", batch, **kwargs)
+    assert abs(float(twins.loss) - float(uncorrected.loss)) > 1e-4  # the correction weighs these tokens
+    torch.testing.assert_close(kernels.loss, twins.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kernels_grad, twins_grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kernels.logps, twins.logps, rtol=1e-5, atol=1e-6)
+    for name in dgpo_ops.core.metrics.METRIC_NAMES:
+        torch.testing.assert_close(kernels.metrics[name], twins.metrics[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch
+from rollout_cases import CORRECTION_ROUTES, assert_same_as_weights, mismatch_batch
 
 import dgpo_ops
 from dgpo_ops.corrections import SwiftCorrection, TrlCorrection
@@ -39,7 +39,7 @@ def test_swift_equals_swift(mode, threshold, drift):
     batch = mismatch_batch(drift, seed=31)
     mask = batch["mask"]
     weights = swift_weights(batch["old_logps"] - batch["rollout_logps"], mask.float(), mode, threshold)
-    routes = ROUTES if drift == 0.2 and threshold == 2.0 else ("reference", "torch", "packed")
+    routes = CORRECTION_ROUTES if drift == 0.2 and threshold == 2.0 else ("reference", "torch", "packed")
     assert_same_as_weights(SwiftCorrection(mode, threshold), batch, weights, mask, routes, method="grpo")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch
+from rollout_cases import CORRECTION_ROUTES, assert_same_as_weights, mismatch_batch
 
 from dgpo_ops.corrections import NemoRLCorrection, OpenRLHFCorrection
 
@@ -78,7 +78,7 @@ def test_openrlhf_equals_openrlhf(kind, threshold, drift):
     mask = batch["mask"]
     weights = openrlhf_weights(batch["old_logps"], batch["rollout_logps"], mask.float(), kind, *threshold)
     weights = torch.where(mask, weights, 0.0)  # an empty response's NaN lies outside the mask
-    routes = ROUTES if drift == 0.1 else ("reference", "torch", "packed")
+    routes = CORRECTION_ROUTES if drift == 0.1 else ("reference", "torch", "packed")
     assert_same_as_weights(OpenRLHFCorrection(*OPENRLHF_SCHEMES[kind], is_correction_threshold=threshold), batch,
                            weights, mask, routes, method="grpo",
                            aggregation="seq_mean_token_mean")
@@ -99,7 +99,7 @@ def test_nemo_rl_equals_nemo_rl(kind, ratio, ratio_min, sequence_level, drift, n
     weights, metrics = nemo_rl_weights(batch["old_logps"], batch["rollout_logps"], mask.float(), kind, ratio,
                                        ratio_min, sequence_level)
     correction = NemoRLCorrection(kind, ratio, ratio_min, sequence_level)
-    routes = ROUTES if drift == 0.5 else ("reference", "torch", "packed")
+    routes = CORRECTION_ROUTES if drift == 0.5 else ("reference", "torch", "packed")
     ours = assert_same_as_weights(correction, batch, weights, mask, routes, method="cispo")
     for name, want in metrics.items():
         torch.testing.assert_close(ours[name], want.float())

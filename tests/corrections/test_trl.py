@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch
+from rollout_cases import CORRECTION_ROUTES, assert_same_as_weights, mismatch_batch
 
 import dgpo_ops
 from dgpo_ops.corrections import TrlCorrection
@@ -59,7 +59,7 @@ def test_trl_modes_equal_trl(mode, clip_min, clip_max, drift, nan_tokens):
     ratio = trl_importance_sampling_ratio(batch["old_logps"], batch["rollout_logps"], mask.float(), mode, clip_min,
                                           clip_max)
     weights = ratio.expand_as(mask)
-    routes = ROUTES if drift == 0.4 else ("reference", "torch", "packed")
+    routes = CORRECTION_ROUTES if drift == 0.4 else ("reference", "torch", "packed")
     correction = TrlCorrection(mode, clip_min, clip_max)
     metrics = assert_same_as_weights(correction, batch, weights, mask, routes, method="grpo",
                                      aggregation="seq_mean_token_mean")

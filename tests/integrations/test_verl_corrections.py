@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("verl", reason="verl runs in its own venv: bash .ci/verl_cpu.sh")
 
-from rollout_cases import ROUTES, assert_same_as_weights, mismatch_batch  # noqa: E402
+from rollout_cases import CORRECTION_ROUTES, assert_same_as_weights, mismatch_batch  # noqa: E402
 from verl.trainer.ppo import rollout_corr_helper  # noqa: E402
 
 from dgpo_ops.corrections import VerlCorrection  # noqa: E402
@@ -40,7 +40,7 @@ def verl_correction(batch, **fields):
 def test_rejection_equals_verl(rollout_rs, threshold, drift):
     batch = mismatch_batch(drift, seed=5)
     weights, mask, _ = verl_correction(batch, rollout_is=None, rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
-    routes = ROUTES if rollout_rs in ("seq_mean_k3", "token_k1,seq_mean_k3") else ("reference", "torch", "packed")
+    routes = CORRECTION_ROUTES if rollout_rs in ("seq_mean_k3", "token_k1,seq_mean_k3") else ("reference", "torch", "packed")
     correction = VerlCorrection(rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
     assert_same_as_weights(correction, batch, weights, mask, routes, method="grpo")
 
@@ -53,7 +53,7 @@ def test_is_weights_equal_verl(rollout_is, threshold, normalize, drift):
                                              rollout_is_batch_normalize=normalize)
     correction = VerlCorrection(rollout_is=rollout_is, rollout_is_threshold=threshold,
                                 rollout_is_batch_normalize=normalize)
-    routes = ROUTES if drift == 0.3 else ("reference", "torch", "packed")
+    routes = CORRECTION_ROUTES if drift == 0.3 else ("reference", "torch", "packed")
     ours = assert_same_as_weights(correction, batch, weights, mask, routes, method="grpo",
                                   aggregation="seq_mean_token_mean")
     torch.testing.assert_close(ours["mismatch_kl_k1"].double(), torch.tensor(metrics["rollout_corr/kl"],
@@ -71,7 +71,7 @@ def test_is_and_rejection_together_equal_verl():
     fields = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1,token_k3",
                   rollout_rs_threshold="0.5_2.0,1.0")
     weights, mask, _ = verl_correction(batch, **fields)
-    assert_same_as_weights(VerlCorrection(**fields), batch, weights, mask, ROUTES, method="cispo",
+    assert_same_as_weights(VerlCorrection(**fields), batch, weights, mask, CORRECTION_ROUTES, method="cispo",
                            aggregation="seq_mean_token_sum_norm")
 
 
