@@ -535,7 +535,8 @@ def main(argv=None) -> int:
     doc = {
         "command": "python bench/train_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": describe(torch.device(device), packages=("trl", "transformers", "liger-kernel")),
-        "model": model_name, "model_config": MODELS[model_name], "parameters": None,  # the first path that builds it
+        # "parameters": from the first path that builds the model
+        "model": model_name, "model_config": MODELS[model_name], "parameters": None,
         "vocab_size": MODELS[model_name]["vocab_size"], "prompt_length": prompt_length,
         "completion_lengths": lengths, "repeats": args.repeats, "bf16": device == "cuda",
         "memory_method": "torch.cuda.max_memory_allocated" if device == "cuda" else "VmHWM after clear_refs",

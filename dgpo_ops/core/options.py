@@ -215,9 +215,10 @@ COMPILED_OPTIONS: dict[str, LossOptions] = {}
 
 
 def assume_constant_result(fn):
-    """``torch.compiler.assume_constant_result(fn)``, which marks ``fn`` and returns it (torch/_dynamo/decorators.py:
-    dynamo reads the mark when it traces a call), without importing ``torch._dynamo``: that import is 1.2 s, a third
-    of ``import dgpo_ops``, in every process that never compiles (tests/core/test_options.py compares the marks)."""
+    """``torch.compiler.assume_constant_result(fn)``, which marks ``fn`` and returns it
+    (torch/_dynamo/decorators.py: dynamo reads the mark when it traces a call), without importing
+    ``torch._dynamo``: that import is 1.2 s, over a third of ``import dgpo_ops``, in every process that never
+    compiles (tests/ops/test_compile.py compares the marks)."""
     fn._dynamo_marked_constant = True
     return fn
 

@@ -130,10 +130,10 @@ and ``target_ids`` are the same on every process.""", LOGPROB_ENTROPY_CALL, _log
 
 
 def __getattr__(name: str):
-    """``linear_logprob_entropy``, made on first access (PEP 562). It is not traced by torch.compile yet: it runs
-    eagerly inside a compiled region (a graph break; with fullgraph=True, dynamo's error says so; verl does not
-    compile the model's forward). ``torch.compiler.disable`` imports ``torch._dynamo``, 1.2 s that an import of
-    dgpo_ops which never touches this function does not pay."""
+    """``linear_logprob_entropy``, made on first access (PEP 562). It is not traced by torch.compile yet: it
+    runs eagerly inside a compiled region (a graph break; with fullgraph=True, dynamo's error says so; verl
+    does not compile the model's forward). ``torch.compiler.disable`` imports ``torch._dynamo``, 1.2 s that
+    an import of dgpo_ops which never touches this function does not pay."""
     if name != "linear_logprob_entropy":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     function = globals()[name] = torch.compiler.disable(_linear_logprob_entropy)

@@ -146,7 +146,8 @@ def test_m2po_equals_areal(threshold, drift):
     batch = mismatch_batch(drift, seed=12)
     mask = areal_m2po_mask(batch["rollout_logps"], batch["old_logps"], batch["mask"], threshold)
     assert_same_as_weights(m2po(threshold), batch, torch.ones_like(batch["old_logps"]), mask,
-                           CORRECTION_ROUTES if threshold == 0.5 else ("reference", "torch", "packed"), method="grpo")
+                           CORRECTION_ROUTES if threshold == 0.5 else ("reference", "torch", "packed"),
+                           method="grpo")
 
 
 @pytest.mark.parametrize("rs,m2_threshold", [

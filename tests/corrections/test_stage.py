@@ -1,7 +1,7 @@
 """The rollout-correction stage's plumbing: ``rollout_logps`` reach the stage on every route (reference, both
 kernel sets, packed, fused linear, torch.compile) and, without a correction, change nothing but add the mismatch
-metrics verl and TRL log; a correction of each family gives the same results on both kernel sets; wrong input fails
-with a ValueError that names it."""
+metrics verl and TRL log; a correction of each family gives the same results on both kernel sets; wrong input
+fails with a ValueError that names it."""
 
 from __future__ import annotations
 
