@@ -40,7 +40,8 @@ def verl_correction(batch, **fields):
 def test_rejection_equals_verl(rollout_rs, threshold, drift):
     batch = mismatch_batch(drift, seed=5)
     weights, mask, _ = verl_correction(batch, rollout_is=None, rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
-    routes = CORRECTION_ROUTES if rollout_rs in ("seq_mean_k3", "token_k1,seq_mean_k3") else ("reference", "torch", "packed")
+    every_route = rollout_rs in ("seq_mean_k3", "token_k1,seq_mean_k3")
+    routes = CORRECTION_ROUTES if every_route else ("reference", "torch", "packed")
     correction = VerlCorrection(rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
     assert_same_as_weights(correction, batch, weights, mask, routes, method="grpo")
 

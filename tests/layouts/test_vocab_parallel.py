@@ -19,8 +19,8 @@ import vocab_parallel_workers as workers
 
 import dgpo_ops
 
-# One spawn per world for the module (spawned): the tests run on one xdist worker, so each world spawns once and
-# the two spawns one after the other (side by side, five gloo processes on two cores waited on each other
+# One spawn per world for the module (spawned): the tests run on one xdist worker, so each world spawns once
+# and the two spawns one after the other (side by side, five gloo processes on two cores waited on each other
 # longer than they ran).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
               pytest.mark.xdist_group("vocab_parallel_spawns"), pytest.mark.early]

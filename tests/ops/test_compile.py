@@ -227,8 +227,9 @@ def test_changing_projection_floats_and_module_options_under_compile():
 
 
 def test_the_constant_mark_is_torchs():
-    """The options' trace-time constants are marked as ``torch.compiler.assume_constant_result`` marks a function,
-    without importing torch._dynamo (if torch marks otherwise, this fails, and so do the fullgraph tests above)."""
+    """The options' trace-time constants are marked as ``torch.compiler.assume_constant_result`` marks a
+    function, without importing torch._dynamo (if torch marks otherwise, this fails, and so do the fullgraph
+    tests above)."""
     def ours():
         return 1
 

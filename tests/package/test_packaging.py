@@ -43,8 +43,9 @@ def test_the_checkout_root_imports_the_installed_parts():
 @pytest.mark.early
 def test_regular_install_in_a_new_venv(tmp_path):
     venv = tmp_path / "venv"
-    # no pip of its own (ensurepip is seconds of this test): this interpreter's pip installs into it (--python)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    # no pip of its own (ensurepip is seconds of this test): this interpreter's pip installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True)
     python = str(venv / "bin" / "python")
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", str(REPO)],
