@@ -58,7 +58,8 @@ def linear_inputs(batch: dict, hidden_size: int = 8, seed: int = 1):
 
 ROUTES = ("reference", "torch", "triton", "packed", "linear", "compiled")
 # Where each mode of each framework's correction is checked: every route but the Triton kernels, which take
-# the stage's weights and mask as the torch twins do (test_stage.py runs one of each family on both kernel sets).
+# the stage's weights and mask as the torch twins do (test_stage.py runs one of each family on both kernel
+# sets).
 CORRECTION_ROUTES = tuple(route for route in ROUTES if route != "triton")
 
 

@@ -203,8 +203,9 @@ def test_a_rejection_does_not_hide_a_value_the_routes_refuse(bad, validation):
         dgpo_ops.reference_loss(logits, **batch, method="grpo", rollout_correction=m2po(0.04))
 
 
-# One correction of each family, token- and sequence-level, masking and truncating: each family's modes are
-# checked against its framework on the other routes (rollout_cases.CORRECTION_ROUTES); on the Triton kernels here.
+# One correction of each family, token- and sequence-level, masking and truncating: each family's modes
+# are checked against its framework on the other routes (rollout_cases.CORRECTION_ROUTES), and on the
+# Triton kernels here.
 EVERY_FAMILY = [TrlCorrection("token_mask", 0.5, 2.0), TrlCorrection("sequence_truncate", 0.2, 3.0),
                 VerlCorrection(rollout_is="token", rollout_rs="seq_mean_k3", rollout_rs_threshold=0.05),
                 ArealCorrection(level="sequence", action="clamp", upper=1.2, lower=0.9),

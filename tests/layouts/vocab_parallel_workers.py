@@ -19,9 +19,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the spawned processes run the T
 VOCAB = 60  # divisible by 2 and 3 processes
 BACKENDS = ("torch", "triton")
 # The kernel sets each world runs. The Triton kernels see the split only as their shard's offset and the
-# vocabulary's total (any rank but the first of two has both nonzero); what a third rank adds is in the merge of
-# the row partials, torch code the same for both kernel sets: three processes running the interpreted kernels,
-# the costliest part of the module, would check nothing more.
+# vocabulary's total (any rank but the first of two has both nonzero); what a third rank adds is in the
+# merge of the row partials, torch code the same for both kernel sets: three processes running the
+# interpreted kernels, the costliest part of the module, would check nothing more.
 WORLD_BACKENDS = {2: BACKENDS, 3: ("torch",)}
 OPTION_SETS = {
     "plain": dict(),

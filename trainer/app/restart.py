@@ -1,6 +1,6 @@
-"""The ``dgpo-ops train`` program's one restart, with passive OpenMP threads: a module of its own, importing nothing
-but the standard library, so that the program can restart before it imports TRL (``command.py``) and after
-(``python -m dgpo_ops.trainer.app.cli``)."""
+"""The ``dgpo-ops train`` program's one restart, with passive OpenMP threads: a module of its own, importing
+nothing but the standard library, so that the program can restart before it imports TRL (``command.py``) and
+after (``python -m dgpo_ops.trainer.app.cli``)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ def wait_passively() -> None:
     By default torch's OpenMP threads spin after each parallel region, waiting for the next; on a shared
     machine a spinning thread burns the core its partner needs, and the tiny model's many small ops turn that
     into most of the run: the shortened main job took 654-863 s on this project's 2-core CPU at load 15-25,
-    118-212 s with passive threads (the README's "On a busy machine"). libgomp reads the policy once, when torch
-    loads it, which importing dgpo_ops has done already: hence the same command again in this process (its
-    PID, arguments and environment kept), before ``train`` imports TRL, so that only torch's and dgpo_ops' import
-    (1-2 s) is repeated. Only the program itself does this, never a caller of ``main`` (a test, a script)."""
+    118-212 s with passive threads (the README's "On a busy machine"). libgomp reads the policy once, when
+    torch loads it, which importing dgpo_ops has done already: hence the same command again in this process
+    (its PID, arguments and environment kept), before ``train`` imports TRL, so that only torch's and
+    dgpo_ops' import (1-2 s) is repeated. Only the program itself does this, never a caller of ``main`` (a
+    test, a script)."""
     if "OMP_WAIT_POLICY" in os.environ:
         return
     program = sys.modules.get("__main__")

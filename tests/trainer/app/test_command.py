@@ -92,9 +92,9 @@ def test_only_the_extras_missing_packages_are_reported_as_such():
 @pytest.mark.parametrize(("preset", "entry"), [(None, "module"), (None, "script"), ("active", "module")])
 def test_the_train_program_runs_itself_again_with_passive_openmp_threads(tmp_path, preset, entry):
     """``dgpo-ops train`` restarts once with OMP_WAIT_POLICY=passive (read by libgomp when torch loads), unless
-    the environment names a policy: every interpreter start is recorded by a sitecustomize. It restarts before it
-    imports TRL: the sitecustomize makes TRL unimportable, so a restart after the import would never happen (the
-    first process would stop at the missing extra)."""
+    the environment names a policy: every interpreter start is recorded by a sitecustomize. It restarts before
+    it imports TRL: the sitecustomize makes TRL unimportable, so a restart after the import would never happen
+    (the first process would stop at the missing extra)."""
     import os
     import pathlib
     import subprocess
@@ -118,8 +118,10 @@ def test_the_train_program_runs_itself_again_with_passive_openmp_threads(tmp_pat
         script = tmp_path / "bin" / "dgpo-ops"
         script.write_text("import sys\nfrom dgpo_ops.trainer.app.command import main\nsys.exit(main())\n")
         program = [str(script)]
-    result = subprocess.run([sys.executable, *program, "train"], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 2 and 'and trl is not installed: pip install "dgpo-ops[train]"' in result.stderr
+    result = subprocess.run([sys.executable, *program, "train"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 2
+    assert 'and trl is not installed: pip install "dgpo-ops[train]"' in result.stderr
     assert starts.read_text().split() == (["None", "passive"] if preset is None else [preset])
 
 

@@ -24,8 +24,8 @@ def _command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "dgpo_ops.trainer.app.command"]
 
 
-# The policy `dgpo-ops train` would start itself again with (restart.wait_passively; test_command.py tests that
-# restart): given here, each run imports torch and dgpo_ops once instead of twice.
+# The policy `dgpo-ops train` would start itself again with (restart.wait_passively; test_command.py tests
+# that restart): given here, each run imports torch and dgpo_ops once instead of twice.
 PASSIVE_THREADS = {"OMP_WAIT_POLICY": "passive"}
 
 
