@@ -35,6 +35,25 @@ def _run(args, tmp_path, timeout=300, **env):
                           cwd=tmp_path, env=environment, check=False)
 
 
+def run_here(args, tmp_path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``dgpo-ops train ARGS`` in this process (torch, transformers and TRL imported already: seconds less than a
+    new process), from ``tmp_path``, offline: (exit code, stdout, stderr). The command line's own process is the
+    tiny compare and off-policy runs' above; the verification pool it starts is shut down after it."""
+    from dgpo_ops.trainer import rewards
+    from dgpo_ops.trainer.app import command
+
+    hub_offline(monkeypatch)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    try:
+        code = command.main(["train", *args])
+    finally:
+        rewards.shutdown_pool()
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def hub_offline(monkeypatch) -> None:
     """HF_HUB_OFFLINE=1 for the command run in this process. huggingface_hub and datasets read the variable once, at
     their import (the suite imports them before these tests), so their copies are set too: otherwise a repository
@@ -140,23 +159,23 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
 
 
 @pytest.mark.early
-def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path, capsys):
+def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path, capsys, monkeypatch):
     """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
     completions per held-out problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem
-    counts; the console line shows them and the report redraws the figure from the JSON. The report runs in this
-    process: the off-policy test above runs its command line (``python -m``, a process importing torch and TRL)."""
+    counts; the console line shows them and the report redraws the figure from the JSON. The run and the report
+    run in this process: the tests above run their command lines (processes importing torch and TRL)."""
     from dgpo_ops.trainer.app import report as report_command
     from dgpo_ops.trainer.app.warm_start import pass_rates
 
     out = tmp_path / "run"
     args = ["--task", "addition-hard", "--method", "grpo", "--eval-pass-k", "2", "--max-steps", "2", "--eval-every",
             "1", "--eval-size", "6", *tiny_run_args(out)]
-    result = _run(args, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, stdout, stderr = run_here(args, tmp_path, monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
     record = json.loads((out / "run.json").read_text())
     assert record["task"].startswith("addition, 1-3 digits")  # the harder task's preset, under --sft-steps 8
     assert record["warm_start"][0]["steps"] == 8
-    assert re.search(r"held-out accuracy [0-9.]+ .*pass@1 [0-9.]+, pass@2 [0-9.]+ \(2 samples, t=1\)", result.stdout)
+    assert re.search(r"held-out accuracy [0-9.]+ .*pass@1 [0-9.]+, pass@2 [0-9.]+ \(2 samples, t=1\)", stdout)
     (run,) = json.loads((out / "run.json").read_text())["runs"]
     assert [e["step"] for e in run["eval_curve"]] == [0, 1, 2]
     for point in run["eval_curve"]:
@@ -371,17 +390,18 @@ def test_dataset_errors_are_one_clear_line(dataset, message, tmp_path, capsys, m
 
 
 @pytest.mark.early
-def test_local_jsonl_dataset_with_a_local_model(tmp_path):
+def test_local_jsonl_dataset_with_a_local_model(tmp_path, capsys, monkeypatch):
     """The --model/--dataset path (the GPU run's) on a tiny local model and a .jsonl file."""
     from trainer_fixtures import build_model_dir
 
     model = build_model_dir(tmp_path / "model")
     rows = [{"problem": f"what is {a} plus {b} ?", "answer": str(a + b)} for a in range(5) for b in range(4)]
     (tmp_path / "problems.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    result = _run(["--model", model, "--dataset", "problems.jsonl", "--eval-size", "4", "--max-steps", "2",
-                   "--max-completion-length", "6", "--num-generations", "4", "--per_device_train_batch_size", "8",
-                   "--no-progress", "--output-dir", "out", "--eval-every", "0"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, _, stderr = run_here(["--model", model, "--dataset", "problems.jsonl", "--eval-size", "4", "--max-steps",
+                                "2", "--max-completion-length", "6", "--num-generations", "4",
+                                "--per_device_train_batch_size", "8", "--no-progress", "--output-dir", "out",
+                                "--eval-every", "0"], tmp_path, monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
     record = json.loads((tmp_path / "out" / "run.json").read_text())
     run = record["runs"][0]
     assert record["model"] == model and run["steps"] == 2 and run["before"]["n"] == 4
