@@ -185,7 +185,8 @@ def test_opcheck_every_custom_op():
 
 
 # Each float option changed between two compiled calls (a trainer's schedule does): dynamo makes a float that
-# changed dynamic, and the options are a trace-time constant, so the new value must recompile, not fail.
+# changed dynamic, and the options are a trace-time constant, so the new value must recompile, not fail. All of
+# them change at once: a value that did not reach the new graph leaves a result unequal to eager's.
 CHANGED_FLOATS = [("temperature", 0.9, 0.7), ("beta", 0.02, 0.05), ("entropy_coef", 0.01, 0.03),
                   ("loss_normalizer", 5.0, 7.0), ("eps_high", 0.2, 0.28)]
 
@@ -195,7 +196,7 @@ def test_changing_float_options_recompile_and_equal_eager():
     base = dict(method="dgpo", **{name: first for name, first, _ in CHANGED_FLOATS})
     torch._dynamo.reset()
     compiled = torch.compile(all_three, fullgraph=True, backend="aot_eager")
-    calls = [base] + [{**base, name: second} for name, _, second in CHANGED_FLOATS]
+    calls = [base, {**base, **{name: second for name, _, second in CHANGED_FLOATS}}]
     for kwargs in calls:
         eager = all_three(*leaves(hidden, weight), inputs, kwargs)
         got = compiled(*leaves(hidden, weight), inputs, kwargs)
