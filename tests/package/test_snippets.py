@@ -1,11 +1,14 @@
-"""Every ```python block of README.md and docs/*.md runs as written on a CPU: each is saved as a script and run
-in a fresh interpreter (as a reader would, so ``if __name__ == "__main__":`` and worker pools behave as for
-them), in an empty folder, with nothing from a model hub. A block that cannot run here says why in the
+"""Every ```python block of README.md and docs/*.md runs as written on a CPU: each is saved as a script and
+run as ``__main__``, in an empty folder, with nothing from a model hub. A block with an ``if __name__ ==
+"__main__":`` guard or a trainer (whose worker pools start processes) runs in a fresh interpreter of its own,
+as a reader would run it; the library's blocks run one after another in one fresh interpreter
+(``snippet_runner.py``), sparing a second of imports each. A block that cannot run here says why in the
 markdown, on the line before its fence: ``<!-- not run: needs CUDA -->``; such a block must still parse."""
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import pathlib
 import re
@@ -42,10 +45,19 @@ BLOCKS = [(path.relative_to(ROOT).as_posix(), line, code, reason)
           for path in PAGES for line, code, reason in python_blocks(path)]
 
 
-def _param(page, line, code):
+def runs_alone(code: str) -> bool:
+    """A block that needs an interpreter of its own: a ``__main__`` guard (spawned processes re-import the
+    script), or a trainer (its math-verify worker pool)."""
+    return "__main__" in code or "DGPOTrainer(" in code
+
+
+RUN = [(f"{page}:{line}", code) for page, line, code, reason in BLOCKS if reason is None]
+
+
+def _param(block_id, code):
     # A trainer run spawns math-verify workers and takes the longest: xdist keeps it on a worker of its own.
     marks = [pytest.mark.xdist_group("snippet_trainer"), pytest.mark.early] if "DGPOTrainer(" in code else []
-    return pytest.param(code, id=f"{page}:{line}", marks=marks)
+    return pytest.param(code, id=block_id, marks=marks)
 
 
 def test_the_pages_have_blocks_to_run():
@@ -53,21 +65,50 @@ def test_the_pages_have_blocks_to_run():
     readme = [code for page, _, code, reason in BLOCKS if page == "README.md" and reason is None]
     for call in ("fused_dgpo_loss(", "fused_linear_dgpo_loss(", "fused_linear_logprobs(", "DGPOTrainer("):
         assert any(call in code for code in readme), f"no runnable README block calls {call}"
+    assert any(runs_alone(code) for _, code in RUN) and not all(runs_alone(code) for _, code in RUN)
 
 
-@pytest.mark.parametrize("code", [_param(page, line, code) for page, line, code, reason in BLOCKS if reason is None])
-def test_block_runs_as_written(code, tmp_path):
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
+def snippet_environment() -> dict:
     env = dict(os.environ)
-    # the checkout under test first (where this run imported dgpo_ops from), as for `python -m pytest` at its root
+    # the checkout under test first (where this run imported dgpo_ops from), as for `python -m pytest` at its
+    # root
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(dgpo_ops.__file__).parents[1]),
                                          *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("TRITON_INTERPRET", "1")
     env["HF_HUB_OFFLINE"] = "1"  # a block that names a hub model fails here as it would for an offline reader
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    return env
+
+
+@pytest.mark.parametrize("code", [_param(block_id, code) for block_id, code in RUN if runs_alone(code)])
+def test_block_runs_as_written(code, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=snippet_environment(),
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, \
+        f"the block failed:\n{code}\n--- stderr (tail) ---\n{result.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def library_blocks(tmp_path_factory) -> dict:
+    """Each library block's traceback (None: it ran), all run by one fresh interpreter."""
+    folder = tmp_path_factory.mktemp("snippets")
+    blocks = {block_id: code for block_id, code in RUN if not runs_alone(code)}
+    (folder / "blocks.json").write_text(json.dumps(blocks))
+    runner = pathlib.Path(__file__).with_name("snippet_runner.py")
+    command = [sys.executable, str(runner), str(folder / "blocks.json"), str(folder / "results.json")]
+    result = subprocess.run(command, cwd=folder, env=snippet_environment(), capture_output=True, text=True,
                             timeout=TIMEOUT_S)
-    assert result.returncode == 0, f"the block failed:\n{code}\n--- stderr (tail) ---\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((folder / "results.json").read_text())
+
+
+@pytest.mark.xdist_group("snippet_library")  # one worker runs the module fixture's interpreter, once
+@pytest.mark.parametrize("block_id, code", [pytest.param(block_id, code, id=block_id)
+                                            for block_id, code in RUN if not runs_alone(code)])
+def test_library_block_runs_as_written(block_id, code, library_blocks):
+    error = library_blocks[block_id]
+    assert error is None, f"the block failed:\n{code}\n--- traceback ---\n{error}"
 
 
 @pytest.mark.parametrize("code,reason", [pytest.param(code, reason, id=f"{page}:{line}")
