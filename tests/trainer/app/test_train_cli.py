@@ -38,7 +38,7 @@ def _run(args, tmp_path, timeout=300, **env):
 def run_here(args, tmp_path, monkeypatch, capsys) -> tuple[int, str, str]:
     """``dgpo-ops train ARGS`` in this process (torch, transformers and TRL imported already: seconds less than a
     new process), from ``tmp_path``, offline: (exit code, stdout, stderr). The command line's own process is the
-    tiny compare and off-policy runs' above; the verification pool it starts is shut down after it."""
+    tiny compare run's and the two processes'; the verification pool it starts is shut down after it."""
     from dgpo_ops.trainer import rewards
     from dgpo_ops.trainer.app import command
 
@@ -129,17 +129,18 @@ def tiny_run_args(out) -> list[str]:
 
 
 @pytest.mark.early
-def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_path):
+def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_path, capsys, monkeypatch):
     """The off-policy regime for a few steps with two methods: its settings reach the config, every
-    region's fraction is logged, and the report command redraws the figure from the JSON alone."""
+    region's fraction is logged, and the report command (its own process: ``python -m``) redraws the figure
+    from the JSON alone."""
     from dgpo_ops.trainer.app.cli import REGIME_PRESETS
     from dgpo_ops.trainer.app.report import REGION_KEYS, final_table
 
     out = tmp_path / "run"
     args = ["--preset", "off-policy", "--compare", "grpo,sapo", "--max-steps", "4", "--eval-every", "0",
             "--eval-size", "8", *tiny_run_args(out)]
-    result = _run(args, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, _, stderr = run_here(args, tmp_path, monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
     record = json.loads((out / "run.json").read_text())
     preset = REGIME_PRESETS["off-policy"]
     for run in record["runs"]:
@@ -162,8 +163,7 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
 def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path, capsys, monkeypatch):
     """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
     completions per held-out problem and logs the unbiased pass@1 and pass@2, consistent with the per-problem
-    counts; the console line shows them and the report redraws the figure from the JSON. The run and the report
-    run in this process: the tests above run their command lines (processes importing torch and TRL)."""
+    counts; the console line shows them and the report redraws the figure from the JSON, in this process."""
     from dgpo_ops.trainer.app import report as report_command
     from dgpo_ops.trainer.app.warm_start import pass_rates
 
