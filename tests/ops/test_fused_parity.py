@@ -96,7 +96,7 @@ def parity_cases(dtypes) -> list:
     token selection, the scores), so each route's representative (helpers.ROUTE_VARIANTS) runs every aggregation.
     Low precision differs from fp32 only where the kernels (and their twins) load the logits and store the gradient,
     both computed in fp32 in between: the representatives run it, again with the aggregations in turn. On the
-    Triton kernels the other methods run two of the bundles (``TRITON_METHOD_BUNDLES`` says why)."""
+    Triton kernels a case runs the bundles that reach what it varies (``TRITON_BUNDLES`` says which)."""
     def turn(index):
         return AGGREGATIONS[index % len(AGGREGATIONS)]
 
@@ -112,27 +112,43 @@ def parity_cases(dtypes) -> list:
 PARITY_CASES = parity_cases([torch.float32, torch.bfloat16])
 
 
-# The bundles a method that is not its route's representative runs on the Triton kernels (in the interpreter, the
-# costliest part of the grid). The kernels see a method only in the epilogue's branch for it (its MethodId and
-# parameters, compared with the table row by row in tests/kernels/test_method_mirror.py), which returns the same
-# terms whatever the bundle; the bundles' own terms (KL, entropy, temperature, weights, the sequence level) are
-# the same code for every method, run in every bundle by each route's representative. These two evaluate the
-# branch at ratios other than 1, with a KL and an entropy term, a temperature and rollout weights.
-TRITON_METHOD_BUNDLES = ("kl_entropy", "temperature_weights")
+# What the Triton kernels (in the interpreter, the costliest part of the grid) run of each case: every bundle in
+# a route's representative's own case (its turn's aggregation, fp32), and in the others the bundles that reach
+# what the case varies:
+# * another method: the kernels see a method only in the epilogue's branch for it (its MethodId and parameters,
+#   compared with the table row by row in tests/kernels/test_method_mirror.py), which returns the same terms
+#   whatever the bundle; two bundles evaluate the branch at ratios other than 1, with a KL and an entropy term, a
+#   temperature and rollout weights;
+# * a representative under another aggregation: the bundles whose terms an aggregation weighs otherwise (the
+#   positive-example normaliser, the entropy term, rollout weights, the sequence level); the other two (ratio 1,
+#   the KL times the ratio) change per-token terms alone;
+# * low precision, which changes only the logits' load and the gradient's store: two bundles, token- and
+#   sequence-level.
+TRITON_BUNDLES = {"method": ("kl_entropy", "temperature_weights"),
+                  "aggregation": ("kl_entropy_nll", "kl_entropy", "temperature_weights", "gspo_entropy"),
+                  "precision": ("kl_entropy", "gspo_entropy")}
 
 
-def bundles(backend, variant) -> list[tuple[int, str]]:
-    """(seed, bundle) of a case: every bundle, but on the Triton kernels only each route's representative."""
+def bundles(backend, variant, aggregation, dtype) -> list[tuple[int, str]]:
+    """(seed, bundle) of a case: every bundle on the torch twins, on the Triton kernels those of TRITON_BUNDLES."""
     every = list(enumerate(FEATURE_BUNDLES))
-    if backend == "triton" and variant not in ROUTE_VARIANTS:
-        return [(seed, bundle) for seed, bundle in every if bundle in TRITON_METHOD_BUNDLES]
-    return every
+    if backend != "triton":
+        return every
+    if variant not in ROUTE_VARIANTS:
+        kept = TRITON_BUNDLES["method"]
+    elif dtype != torch.float32:
+        kept = TRITON_BUNDLES["precision"]
+    elif aggregation != AGGREGATIONS[METHOD_VARIANTS.index(variant) % len(AGGREGATIONS)]:
+        kept = TRITON_BUNDLES["aggregation"]
+    else:
+        return every
+    return [(seed, bundle) for seed, bundle in every if bundle in kept]
 
 
 @pytest.mark.parametrize("variant, aggregation, dtype", PARITY_CASES)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_fused_matches_reference(backend, variant, aggregation, dtype):
-    for seed, bundle in bundles(backend, variant):
+    for seed, bundle in bundles(backend, variant, aggregation, dtype):
         ref, out, ref_grad, grad = run_case(variant, aggregation, dtype, bundle, backend, seed=seed)
         assert_parity(ref, out, ref_grad, grad, dtype, aggregation)
 
