@@ -150,6 +150,7 @@ def plot_runs(result: dict, path) -> pathlib.Path:
     """Held-out accuracy, the training curves (mean over seeds, min-max band), per-seed before ->
     after, and the final numbers; one colour and dash per method (``dgpo_ops.trainer.app.styles``)."""
     import matplotlib
+    import numpy
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -196,9 +197,11 @@ def plot_runs(result: dict, path) -> pathlib.Path:
         ax = next(panels)
         for method in methods:
             draw(ax, [_smooth(_series(r, key), SMOOTH) for r in runs if r["method"] == method], method)
-        ax.set_title(f"{title}, {SMOOTH}-step mean" + (" (log scale)" if key in LOG_SCALE else ""), fontsize=10)
+        # a log scale needs a positive value (a short run's grad_norm may be all zero: matplotlib would warn)
+        log = key in LOG_SCALE and any((numpy.asarray(line.get_ydata()) > 0).any() for line in ax.lines)
+        ax.set_title(f"{title}, {SMOOTH}-step mean" + (" (log scale)" if log else ""), fontsize=10)
         ax.set_xlabel("RL step")
-        if key in LOG_SCALE and ax.lines:
+        if log:
             ax.set_yscale("log")
 
     ax = next(panels)

@@ -1,5 +1,6 @@
 """``python -m dgpo_ops.trainer.app.report`` over several run JSONs: runs of one command on disjoint seeds (run in
-several sittings or on several machines) merge into one result, and anything else is refused."""
+several sittings or on several machines) merge into one result, and anything else is refused; the figure's
+log-scale panels."""
 
 from __future__ import annotations
 
@@ -136,3 +137,27 @@ def test_horizon_tables_average_over_seeds_with_their_range():
                            "| 3-4 | 0.290 [0.280, 0.300] | 0.290 [0.280, 0.300] |"]
     clipped = tables.window_table(result, "clipped", "clipped", 4, 4).splitlines()
     assert clipped[2] == "| 1-4 | - | - |"  # the fake runs log no regions: no number is made up
+
+
+def test_a_log_scale_panel_stays_linear_where_nothing_is_positive(tmp_path, monkeypatch):
+    """EUR and the gradient norm are drawn on a log scale, unless a (short) run logged no positive value there:
+    matplotlib would warn and draw nothing."""
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    from dgpo_ops.trainer.app.report import plot_runs
+
+    result = fake_result([0])
+    for run in result["runs"]:
+        for entry in run["log_history"]:
+            entry.update(eur=2.0, grad_norm=0.0)
+    figures, matplotlib_close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its panels
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_runs(result, tmp_path / "curves.png")
+    scales = {ax.get_title().split(",")[0]: ax.get_yscale() for ax in figures[0].axes if ax.get_title()}
+    matplotlib_close(figures[0])
+    assert scales["EUR (effective update ratio)"] == "log", scales
+    assert scales["gradient norm (before clipping)"] == "linear", scales
