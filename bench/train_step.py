@@ -354,11 +354,6 @@ def child(path: str, model_name: str, prompt_length: int, lengths: list[int], re
     def emit():
         print(json.dumps(result), flush=True)
 
-    reason = unavailable(path, device)
-    if reason:
-        result["skipped"] = reason
-        emit()
-        return result
     with tempfile.TemporaryDirectory() as workdir:
         trainer = build_trainer(path, model_name, max(lengths), workdir, device)
         result.update(attn_implementation=trainer.model.config._attn_implementation,
@@ -550,7 +545,9 @@ def main(argv=None) -> int:
     rtol = 2e-2 if device == "cuda" else 1e-4
     for path in paths:
         started = time.perf_counter()
-        result = run_path(path, model_name, prompt_length, lengths, args.repeats, not args.no_search)
+        reason = unavailable(path, device)  # known here: no process started to find it out
+        result = {"path": path, "skipped": reason} if reason else run_path(
+            path, model_name, prompt_length, lengths, args.repeats, not args.no_search)
         result["wall_s"] = round(time.perf_counter() - started, 1)
         print(json.dumps(result), flush=True)
         doc["results"].append(result)
