@@ -31,7 +31,6 @@ METHOD_CONFIGS = {spec.config.__name__: spec.config for spec in METHODS.values()
 globals().update(METHOD_CONFIGS)
 
 
-
 def __getattr__(name: str):
     # linear_logprob_entropy is made on first access (dgpo_ops.ops.linear_logprobs.__getattr__ says why)
     if name == "linear_logprob_entropy":

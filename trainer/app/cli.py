@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
 from .presets import (  # noqa: F401  (GPU_RL_DEFAULTS, REGIME_PRESETS: the names run.py and the tests read here too)
