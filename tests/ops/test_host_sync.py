@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TOKEN_LEVEL_VARIANTS, variant_id
+from helpers import ROUTE_VARIANTS, TOKEN_LEVEL_VARIANTS, config, variant_id
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dgpo_ops
@@ -95,7 +95,20 @@ def recorded(recorder, fn):
     return recorder
 
 
-@pytest.mark.parametrize("variant", TOKEN_LEVEL_VARIANTS, ids=variant_id)
+# The token-local route's representative: the launches and ops of the call are the route's; what a method adds
+# on the host is its kernel parameters, checked for every method below.
+TOKEN_LOCAL_REPRESENTATIVES = [variant for variant in TOKEN_LEVEL_VARIANTS if variant in ROUTE_VARIANTS]
+
+
+def test_every_token_level_method_lowers_to_host_floats():
+    """What a per-token method adds to the call on the host: its kernel parameters, Python floats copied to the
+    device once per (config, device) (``kernel_params_on``), so no method reads a device value."""
+    for variant in TOKEN_LEVEL_VARIANTS:
+        values = config(variant).kernel_params()
+        assert values and all(type(value) is float for value in values), (variant, values)
+
+
+@pytest.mark.parametrize("variant", TOKEN_LOCAL_REPRESENTATIVES, ids=variant_id)
 def test_triton_token_level_has_no_sync_and_stays_in_budget(recorder, variant):
     name, params = variant
     inputs = loss_inputs()
