@@ -48,10 +48,10 @@ def leaves(hidden, weight):
 
 
 def compiler_backend(variant) -> str:
-    """What a method adds under torch.compile is its terms' trace, in one graph (fullgraph), which dynamo makes:
-    every method has it made (``eager`` runs dynamo's graph as it is). AOTAutograd's joint forward-backward graph
-    (``aot_eager``, what inductor takes) of those terms is made the same way for every method of a route: each
-    route's representative has it made too."""
+    """What a method adds under torch.compile is its terms' trace, in one graph (fullgraph), which dynamo
+    makes: every method has it made (``eager`` runs dynamo's graph as it is). AOTAutograd's joint
+    forward-backward graph (``aot_eager``, what inductor takes) of those terms is made the same way for every
+    method of a route: each route's representative has it made too."""
     return "aot_eager" if variant in ROUTE_VARIANTS else "eager"
 
 
@@ -62,7 +62,8 @@ def test_compiled_equals_eager_for_every_method(variant):
     kwargs = dict(method=name, **params, beta=0.02, entropy_coef=0.01,
                   **for_method(name, {"positive_nll_coef": 0.05}, responses=B))
     torch._dynamo.reset()
-    compiled = torch.compile(all_three, fullgraph=True, backend=compiler_backend(variant))  # fullgraph: no break
+    # fullgraph: no graph break
+    compiled = torch.compile(all_three, fullgraph=True, backend=compiler_backend(variant))
     eager_leaves, compiled_leaves = leaves(hidden, weight), leaves(hidden, weight)
     eager = all_three(*eager_leaves, inputs, kwargs)
     got = compiled(*compiled_leaves, inputs, kwargs)
@@ -193,8 +194,8 @@ def test_opcheck_every_custom_op():
 
 
 # Each float option changed between two compiled calls (a trainer's schedule does): dynamo makes a float that
-# changed dynamic, and the options are a trace-time constant, so the new value must recompile, not fail. All of
-# them change at once: a value that did not reach the new graph leaves a result unequal to eager's.
+# changed dynamic, and the options are a trace-time constant, so the new value must recompile, not fail. All
+# of them change at once: a value that did not reach the new graph leaves a result unequal to eager's.
 CHANGED_FLOATS = [("temperature", 0.9, 0.7), ("beta", 0.02, 0.05), ("entropy_coef", 0.01, 0.03),
                   ("loss_normalizer", 5.0, 7.0), ("eps_high", 0.2, 0.28)]
 

@@ -112,16 +112,16 @@ def parity_cases(dtypes) -> list:
 PARITY_CASES = parity_cases([torch.float32, torch.bfloat16])
 
 
-# What the Triton kernels (in the interpreter, the costliest part of the grid) run of each case: every bundle in
-# a route's representative's own case (its turn's aggregation, fp32), and in the others the bundles that reach
-# what the case varies:
-# * another method: the kernels see a method only in the epilogue's branch for it (its MethodId and parameters,
-#   compared with the table row by row in tests/kernels/test_method_mirror.py), which returns the same terms
-#   whatever the bundle; two bundles evaluate the branch at ratios other than 1, with a KL and an entropy term, a
-#   temperature and rollout weights;
+# What the Triton kernels (in the interpreter, the costliest part of the grid) run of each case: every bundle
+# in a route's representative's own case (its turn's aggregation, fp32), and in the others the bundles that
+# reach what the case varies:
+# * another method: the kernels see a method only in the epilogue's branch for it (its MethodId and
+#   parameters, compared with the table row by row in tests/kernels/test_method_mirror.py), which returns the
+#   same terms whatever the bundle; two bundles evaluate the branch at ratios other than 1, with a KL and an
+#   entropy term, a temperature and rollout weights;
 # * a representative under another aggregation: the bundles whose terms an aggregation weighs otherwise (the
-#   positive-example normaliser, the entropy term, rollout weights, the sequence level); the other two (ratio 1,
-#   the KL times the ratio) change per-token terms alone;
+#   positive-example normaliser, the entropy term, rollout weights, the sequence level); the other two (ratio
+#   1, the KL times the ratio) change per-token terms alone;
 # * low precision, which changes only the logits' load and the gradient's store: two bundles, token- and
 #   sequence-level.
 TRITON_BUNDLES = {"method": ("kl_entropy", "temperature_weights"),
@@ -130,7 +130,7 @@ TRITON_BUNDLES = {"method": ("kl_entropy", "temperature_weights"),
 
 
 def bundles(backend, variant, aggregation, dtype) -> list[tuple[int, str]]:
-    """(seed, bundle) of a case: every bundle on the torch twins, on the Triton kernels those of TRITON_BUNDLES."""
+    """(seed, bundle) of a case: every bundle on the torch twins; on the Triton kernels, TRITON_BUNDLES'."""
     every = list(enumerate(FEATURE_BUNDLES))
     if backend != "triton":
         return every

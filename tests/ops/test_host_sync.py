@@ -95,14 +95,14 @@ def recorded(recorder, fn):
     return recorder
 
 
-# The token-local route's representative: the launches and ops of the call are the route's; what a method adds
-# on the host is its kernel parameters, checked for every method below.
+# The token-local route's representative: the launches and ops of the call are the route's; what a method
+# adds on the host is its kernel parameters, checked for every method below.
 TOKEN_LOCAL_REPRESENTATIVES = [variant for variant in TOKEN_LEVEL_VARIANTS if variant in ROUTE_VARIANTS]
 
 
 def test_every_token_level_method_lowers_to_host_floats():
-    """What a per-token method adds to the call on the host: its kernel parameters, Python floats copied to the
-    device once per (config, device) (``kernel_params_on``), so no method reads a device value."""
+    """What a per-token method adds to the call on the host: its kernel parameters, Python floats copied to
+    the device once per (config, device) (``kernel_params_on``), so no method reads a device value."""
     for variant in TOKEN_LEVEL_VARIANTS:
         values = config(variant).kernel_params()
         assert values and all(type(value) is float for value in values), (variant, values)
@@ -243,7 +243,8 @@ CORRECTIONS = {
 def test_rollout_corrections_are_sync_free(recorder, name):
     """The rollout-correction stage (M2PO's sort and suffix mean, verl's batch normalisation guard, the
     sequence reductions) reads nothing on the host. It runs before the op, the same for both kernel sets;
-    the Triton kernels given rollout weights are sync-free above (test_triton_options_have_no_sync...)."""
+    the Triton kernels given rollout weights are sync-free in
+    test_triton_options_have_no_sync_and_stay_in_budget."""
     inputs = loss_inputs()
     inputs["rollout_logps"] = inputs["old_logps"] + torch.randn(inputs["old_logps"].shape,
                                                                 generator=torch.Generator().manual_seed(2))

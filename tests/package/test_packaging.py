@@ -43,14 +43,14 @@ def test_the_checkout_root_imports_the_installed_parts():
 @pytest.mark.early
 def test_regular_install_in_a_new_venv(tmp_path):
     venv = tmp_path / "venv"
-    # no pip of its own (ensurepip is seconds of this test): this interpreter's pip installs into it, with this
-    # environment's setuptools (the README's `pip install -e` builds in an isolated environment)
+    # no pip of its own (ensurepip is seconds of this test): this interpreter's pip installs into it, with
+    # this environment's setuptools (the README's `pip install -e` builds in an isolated environment)
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                    check=True)
     python = str(venv / "bin" / "python")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-build-isolation",
-         str(REPO)], check=True, capture_output=True,
+        [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
+         "--no-build-isolation", str(REPO)], check=True, capture_output=True,
     )
     pkg, kernels, trainer, heavy = run_import_check(python, tmp_path)
     site = pathlib.Path(pkg).parents[1]

@@ -140,8 +140,8 @@ def test_horizon_tables_average_over_seeds_with_their_range():
 
 
 def test_a_log_scale_panel_stays_linear_where_nothing_is_positive(tmp_path, monkeypatch):
-    """EUR and the gradient norm are drawn on a log scale, unless a (short) run logged no positive value there:
-    matplotlib would warn and draw nothing."""
+    """EUR and the gradient norm are drawn on a log scale, unless a (short) run logged no positive value
+    there: matplotlib would warn and draw nothing."""
     import warnings
 
     import matplotlib.pyplot as plt

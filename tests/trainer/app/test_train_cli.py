@@ -36,9 +36,10 @@ def _run(args, tmp_path, timeout=300, **env):
 
 
 def run_here(args, tmp_path, monkeypatch, capsys) -> tuple[int, str, str]:
-    """``dgpo-ops train ARGS`` in this process (torch, transformers and TRL imported already: seconds less than a
-    new process), from ``tmp_path``, offline: (exit code, stdout, stderr). The command line's own process is the
-    tiny compare run's and the two processes'; the verification pool it starts is shut down after it."""
+    """``dgpo-ops train ARGS`` in this process (torch, transformers and TRL imported already: seconds less
+    than a new process), from ``tmp_path``, offline: (exit code, stdout, stderr). The command line's own
+    process is the tiny compare run's and the two processes'; the verification pool it starts is shut down
+    after it."""
     from dgpo_ops.trainer import rewards
     from dgpo_ops.trainer.app import command
 
@@ -397,10 +398,10 @@ def test_local_jsonl_dataset_with_a_local_model(tmp_path, capsys, monkeypatch):
     model = build_model_dir(tmp_path / "model")
     rows = [{"problem": f"what is {a} plus {b} ?", "answer": str(a + b)} for a in range(5) for b in range(4)]
     (tmp_path / "problems.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    code, _, stderr = run_here(["--model", model, "--dataset", "problems.jsonl", "--eval-size", "4", "--max-steps",
-                                "2", "--max-completion-length", "6", "--num-generations", "4",
-                                "--per_device_train_batch_size", "8", "--no-progress", "--output-dir", "out",
-                                "--eval-every", "0"], tmp_path, monkeypatch, capsys)
+    args = ["--model", model, "--dataset", "problems.jsonl", "--eval-size", "4", "--max-steps", "2",
+            "--max-completion-length", "6", "--num-generations", "4", "--per_device_train_batch_size", "8",
+            "--no-progress", "--output-dir", "out", "--eval-every", "0"]
+    code, _, stderr = run_here(args, tmp_path, monkeypatch, capsys)
     assert code == 0, stderr[-3000:]
     record = json.loads((tmp_path / "out" / "run.json").read_text())
     run = record["runs"][0]
