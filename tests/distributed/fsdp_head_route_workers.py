@@ -4,13 +4,12 @@ with ``hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]``,
 one global batch, two steps (``two_steps``); each step's loss, log-probs and whole gradients (or the
 ``ValueError`` and where it came) are written to ``<out_dir>/<case>/rank<rank>.pt``.
 
-Run as a script, one per process, for one or more cases (comma-separated) in turn, each case in a gloo world of
-its own (a process group made from ``<init_dir>/<case>.init`` and destroyed after it: nothing of one case's collectives
-reaches the next). Starting the processes (importing torch and transformers) takes longer than a case, so the test
-starts one pair for all cases; it kills the pair when a case runs past its deadline, so that a hang fails that case
-instead of stalling the run, and starts a new pair for the cases after it::
-
-    python tests/distributed/fsdp_head_route_workers.py CASE[,CASE...] RANK WORLD INIT_DIR OUT_DIR
+Each process (``run_logged``, started by ``tests/worlds.py``) runs one or more cases in turn, each case in a
+gloo world of its own (a process group made from ``<init_dir>/<case>.init`` and destroyed after it: nothing of
+one case's collectives reaches the next), its output in ``<out_dir>/rank<rank>.log``. Starting the processes
+takes longer than a case, so the test starts one pair for all cases; it kills the pair when a case runs past
+its deadline, so that a hang fails that case instead of stalling the run, and starts a new pair for the cases
+after it.
 
 The model, batch and gradient gathering are ``tests/distributed/fsdp_workers.py``'s (a tiny Qwen2 built in-process).
 """
@@ -154,6 +153,11 @@ def run_cases(cases: list[str], rank: int, world: int, init_dir: str, out_dir: s
         run(case, rank, world, os.path.join(init_dir, f"{case}.init"), out_dir)
 
 
-if __name__ == "__main__":
-    cases, rank, world, init_dir, out_dir = sys.argv[1:]
-    run_cases(cases.split(","), int(rank), int(world), init_dir, out_dir)
+def run_logged(rank: int, cases: list[str], world: int, init_dir: str, out_dir: str) -> None:
+    """A process of the pair: its output (the case it is in, any crash) to ``<out_dir>/rank<rank>.log``, which
+    the test shows when a case hangs or the process dies."""
+    log = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+        os.dup2(log, stream.fileno())
+    run_cases(cases, rank, world, init_dir, out_dir)

@@ -12,14 +12,14 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 deepspeed = pytest.importorskip("deepspeed")
 
 import deepspeed_workers as workers
 import fsdp_workers
+from worlds import start_world
 
-# The tests read one spawn of every job (zero3_runs): they run on one xdist worker.
+# The tests read one world that ran every job (zero3_runs): they run on one xdist worker.
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
               pytest.mark.xdist_group("deepspeed_zero3"), pytest.mark.early]
 
@@ -34,11 +34,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def zero3_runs(tmp_path_factory) -> tuple[list[dict], dict]:
-    """Every job in one spawn (starting the processes and importing DeepSpeed is most of the time), and
+    """Every job in one world (starting the processes and importing DeepSpeed is most of the time), and
     the one-process references (no DeepSpeed), computed here while the processes start."""
     out_dir = tmp_path_factory.mktemp("zero3")
-    context = mp.start_processes(workers.deepspeed_worker, args=(WORLD, free_port(), str(out_dir), workers.JOBS),
-                                 nprocs=WORLD, join=False, start_method="spawn")
+    context = start_world(workers.deepspeed_worker, (WORLD, free_port(), str(out_dir), workers.JOBS),
+                          nprocs=WORLD, join=False)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # three processes on the runner's cores; the model is tiny

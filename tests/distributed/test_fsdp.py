@@ -12,21 +12,21 @@ import functools
 import fsdp_workers as workers
 import pytest
 import torch
-import torch.multiprocessing as mp
+from worlds import start_world
 
 from dgpo_ops.ops.backends import triton_is_interpreted
 
-# One spawn per world for the module (runs_of): the tests run on one xdist worker, so each world spawns once and
-# the two spawns one after the other (side by side, their gloo processes on two cores waited on each other).
+# One start of each world for the module (runs_of): the tests run on one xdist worker, so each world starts
+# once and the two one after the other (side by side, their gloo processes on two cores waited on each other).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("fsdp_spawns"), pytest.mark.early]
+              pytest.mark.xdist_group("fsdp_worlds"), pytest.mark.early]
 
 FP32_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if not mixed]
 BF16_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if mixed]
 
 
-def spawn(tmp_path, world: int, jobs) -> list[dict]:
-    mp.spawn(workers.fsdp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), jobs), nprocs=world, join=True)
+def run_world(tmp_path, world: int, jobs) -> list[dict]:
+    start_world(workers.fsdp_worker, (world, str(tmp_path / "init"), str(tmp_path), jobs), nprocs=world)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
     for rank, result in enumerate(results):
         assert "error" not in result, f"rank {rank}:\n{result['error']}"
@@ -39,7 +39,7 @@ MODULE_CALL_CASES = ["head_unit_reshard", "tied_embedding_head_unit", "root_only
 
 
 def jobs_for(world: int) -> list:
-    """Everything a world runs, in one spawn (starting the processes is most of the time): every
+    """Everything a world runs, in one world (starting the processes is most of the time): every
     wrapping on 2 processes, GSPO with KL and (under the interpreter) the on-chip kernels on some."""
     jobs = [(case, "dgpo", False) for case in workers.CASES]
     if world == 2:
@@ -54,8 +54,8 @@ _RUNS: dict[int, list[dict]] = {}
 
 
 def runs_of(world: int, tmp_path_factory) -> tuple[int, list[dict]]:
-    if world not in _RUNS:  # one spawn per world for the whole module
-        _RUNS[world] = spawn(tmp_path_factory.mktemp(f"fsdp{world}"), world, jobs_for(world))
+    if world not in _RUNS:  # one start per world for the whole module
+        _RUNS[world] = run_world(tmp_path_factory.mktemp(f"fsdp{world}"), world, jobs_for(world))
     return world, _RUNS[world]
 
 

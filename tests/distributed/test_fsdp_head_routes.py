@@ -13,20 +13,14 @@ has the pair killed, fails its test instead of stalling the run, and the cases a
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import fsdp_head_route_workers as workers
 import fsdp_workers
-import helpers
 import pytest
 import torch
-
-import dgpo_ops
+from worlds import start_world
 
 # The module's cases share one pair of processes (cases_run): its tests run on one xdist worker.
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
@@ -34,10 +28,6 @@ pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="t
 
 WORLD = 2
 DEADLINE_S = 120  # for each case, from the end of the one before (the first: from the processes' start)
-WORKER_SCRIPT = Path(workers.__file__).resolve()
-PACKAGE_ROOT = Path(dgpo_ops.__file__).resolve().parent.parent
-# fsdp_workers imports helpers: the workers need its folder on their path besides their own
-HELPERS_DIR = Path(helpers.__file__).resolve().parent
 
 EXACT = ["root_only", "root_only_tied", "head_unit", "head_unit_tied", "accelerate_norm_head",
          "accelerate_norm_embedding_head_tied", "norm_embedding_head", "norm_head_resharding"]
@@ -48,50 +38,45 @@ REFUSED = ["root_resharding"]
 
 
 def run_pair(cases: list[str], directory: Path) -> tuple[dict[str, list[dict]], str | None, str]:
-    """Both processes, started as scripts, running ``cases`` in turn; killed when a case runs past its deadline.
+    """Both processes running ``cases`` in turn; killed when a case runs past its deadline.
     Returns the results of the cases that finished, the first case that did not (None if all did) and why."""
-    path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), str(HELPERS_DIR), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")  # dgpo_ops and helpers as this process imports them
     directory.mkdir()
 
     def finished(case):
         return all((directory / case / f"rank{rank}.pt").exists() for rank in range(WORLD))
 
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(directory / f"rank{rank}.log", "w+")) for rank in range(WORLD)]
-        processes = [subprocess.Popen([sys.executable, str(WORKER_SCRIPT), ",".join(cases), str(rank), str(WORLD),
-                                       str(directory), str(directory)], stdout=logs[rank],
-                                      stderr=subprocess.STDOUT, env=env, cwd=WORKER_SCRIPT.parent)
-                     for rank in range(WORLD)]
-        done, deadline, hung = 0, time.monotonic() + DEADLINE_S, False
-        try:
-            # until both exit, or one fails (the other may wait on it in a collective), or a case outlasts its deadline
-            while any(process.poll() is None for process in processes) and not any(processes_failed(processes)):
-                while done < len(cases) and finished(cases[done]):
-                    done, deadline = done + 1, time.monotonic() + DEADLINE_S
-                if time.monotonic() > deadline:
-                    hung = True
-                    break
-                time.sleep(0.05)
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                process.wait()
-        results = {case: [torch.load(directory / case / f"rank{rank}.pt") for rank in range(WORLD)]
-                   for case in cases if finished(case)}
-        stopped = next((case for case in cases if case not in results), None)
-        if stopped is None:
-            return results, None, ""
-        if hung:
-            why = f"{stopped}: the processes did not finish it in {DEADLINE_S} s (a hang)"
-        else:
-            why = f"{stopped}: the processes exited with {[process.returncode for process in processes]}"
-        return results, stopped, f"{why}\n{tail(logs)}"
+    processes = start_world(workers.run_logged, (cases, WORLD, str(directory), str(directory)), nprocs=WORLD,
+                            join=False).processes
+    done, deadline, hung = 0, time.monotonic() + DEADLINE_S, False
+    try:
+        # until both exit, or one fails (the other may wait on it in a collective), or a case outlasts its
+        # deadline
+        while any(process.is_alive() for process in processes) and not any(processes_failed(processes)):
+            while done < len(cases) and finished(cases[done]):
+                done, deadline = done + 1, time.monotonic() + DEADLINE_S
+            if time.monotonic() > deadline:
+                hung = True
+                break
+            time.sleep(0.05)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    results = {case: [torch.load(directory / case / f"rank{rank}.pt") for rank in range(WORLD)]
+               for case in cases if finished(case)}
+    stopped = next((case for case in cases if case not in results), None)
+    if stopped is None:
+        return results, None, ""
+    if hung:
+        why = f"{stopped}: the processes did not finish it in {DEADLINE_S} s (a hang)"
+    else:
+        why = f"{stopped}: the processes exited with {[process.exitcode for process in processes]}"
+    return results, stopped, f"{why}\n{tail(directory)}"
 
 
 def processes_failed(processes) -> list[bool]:
-    return [process.poll() not in (None, 0) for process in processes]
+    return [process.exitcode not in (None, 0) for process in processes]
 
 
 def run_cases(cases: list[str], directory: Path) -> dict[str, list[dict] | str]:
@@ -125,13 +110,10 @@ def results_of(cases_run: dict, case: str) -> list[dict]:
     return outcome
 
 
-def tail(logs) -> str:
-    text = []
-    for rank, log in enumerate(logs):
-        log.flush()
-        log.seek(0)
-        text.append(f"--- rank {rank}:\n" + log.read()[-3000:])
-    return "\n".join(text)
+def tail(directory: Path) -> str:
+    logs = [directory / f"rank{rank}.log" for rank in range(WORLD)]
+    return "\n".join(f"--- rank {rank}:\n" + (log.read_text()[-3000:] if log.exists() else "(no log)")
+                     for rank, log in enumerate(logs))
 
 
 _REFERENCES: dict[bool, dict] = {}

@@ -14,16 +14,16 @@ import functools
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import vocab_parallel_workers as workers
+from worlds import start_world
 
 import dgpo_ops
 
-# One spawn per world for the module (spawned): the tests run on one xdist worker, so each world spawns once
-# and the two spawns one after the other (side by side, five gloo processes on two cores waited on each other
+# One start of each world for the module (started): the tests run on one xdist worker, so each world starts
+# once and the two one after the other (side by side, five gloo processes on two cores waited on each other
 # longer than they ran).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("vocab_parallel_spawns"), pytest.mark.early]
+              pytest.mark.xdist_group("vocab_parallel_worlds"), pytest.mark.early]
 JOBS = workers.jobs()
 _RUNS: dict[int, list[dict]] = {}
 
@@ -34,15 +34,15 @@ SPLITS = [pytest.param(world, backend, id=f"{world}ranks-{backend}")
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    """The results of a world by its size, its processes spawned on the first request."""
+def started(tmp_path_factory):
+    """The results of a world by its size, its processes started on the first request."""
     return functools.partial(world_results, tmp_path_factory)
 
 
 def world_results(tmp_path_factory, world: int) -> tuple[int, list[dict]]:
-    if world not in _RUNS:  # one spawn per world: starting the processes is most of the time
+    if world not in _RUNS:  # one start per world: starting the processes is most of the time
         path = tmp_path_factory.mktemp(f"vocab{world}")
-        mp.spawn(workers.vocab_parallel_worker, args=(world, str(path / "init"), str(path)), nprocs=world, join=True)
+        start_world(workers.vocab_parallel_worker, (world, str(path / "init"), str(path)), nprocs=world)
         _RUNS[world] = [torch.load(path / f"rank{rank}.pt") for rank in range(world)]
         for rank, result in enumerate(_RUNS[world]):
             assert "error" not in result, f"rank {rank}:\n{result['error']}"
@@ -51,8 +51,8 @@ def world_results(tmp_path_factory, world: int) -> tuple[int, list[dict]]:
 
 @pytest.mark.parametrize("world, backend", SPLITS)
 @pytest.mark.parametrize("name", list(JOBS))
-def test_split_vocabulary_equals_one_process(spawned, world, name, backend):
-    world, results = spawned(world)
+def test_split_vocabulary_equals_one_process(started, world, name, backend):
+    world, results = started(world)
     batch, keywords = workers.inputs_of(JOBS[name])
     logits = batch.pop("logits").detach().clone().requires_grad_(True)
     want = dgpo_ops.reference_loss(logits, **batch, **keywords)
@@ -72,11 +72,11 @@ def test_split_vocabulary_equals_one_process(spawned, world, name, backend):
 
 @pytest.mark.parametrize("world, backend", SPLITS)
 @pytest.mark.parametrize("name", list(workers.LINEAR_JOBS))
-def test_split_lm_head_equals_one_process(spawned, world, name, backend):
+def test_split_lm_head_equals_one_process(started, world, name, backend):
     # The lm_head weight and bias split by vocabulary rows (a plain local shard, or a Shard(0) DTensor),
     # the same hidden states everywhere: the loss and per-token values of one process with the whole
     # weight, each process the gradient of its rows, and every process the whole hidden-state gradient.
-    world, results = spawned(world)
+    world, results = started(world)
     leaves, want = whole_lm_head(name, backend)
     # float64 on the twins: nothing but summation order; float32 on the Triton kernels
     tolerance = dict(rtol=1e-9, atol=1e-9) if backend == "torch" else dict(rtol=2e-5, atol=2e-5)
@@ -120,10 +120,10 @@ def entropy_errors(got: torch.Tensor, case: str, backend: str):
 
 @pytest.mark.parametrize("world, backend", SPLITS)
 @pytest.mark.parametrize("case", list(workers.ACCURACY_CASES))
-def test_split_entropy_is_as_accurate_as_one_process(spawned, world, case, backend):
+def test_split_entropy_is_as_accurate_as_one_process(started, world, case, backend):
     # Large logits: the error of the old split path grew with their size (3.5e-5 at +100, 1.6e-4 at +500, against
     # 5e-6 and 1.6e-5 on one process); peaked rows: it returned 0 for entropies of 1e-14 to 1e-6.
-    world, results = spawned(world)
+    world, results = started(world)
     for result in results:
         got = result[f"{backend}/accuracy/{case}"]
         split_error, one_error, exact = entropy_errors(got, case, backend)
@@ -135,9 +135,9 @@ def test_split_entropy_is_as_accurate_as_one_process(spawned, world, case, backe
 
 
 @pytest.mark.parametrize("world, backend", SPLITS)
-def test_split_linear_logprob_entropy_is_as_accurate_as_one_process(spawned, world, backend):
+def test_split_linear_logprob_entropy_is_as_accurate_as_one_process(started, world, backend):
     # Hidden states x 30: peaked rows from an lm_head, where the old split path once gave a negative entropy.
-    world, results = spawned(world)
+    world, results = started(world)
     hidden, weight = workers.accuracy_hidden()
     targets = torch.arange(hidden.shape[0]).remainder(workers.VOCAB)
     one_logp, one_entropy = dgpo_ops.linear_logprob_entropy(hidden, weight, targets, backend=backend)
@@ -154,13 +154,13 @@ def test_split_linear_logprob_entropy_is_as_accurate_as_one_process(spawned, wor
 
 @pytest.mark.parametrize("world, backend", SPLITS)
 @pytest.mark.parametrize("case", workers.DEFERRED_CASES)
-def test_split_bad_values_under_deferred_validation_give_nan_then_the_error(spawned, world, case, backend):
+def test_split_bad_values_under_deferred_validation_give_nan_then_the_error(started, world, case, backend):
     # The old split path read a mask of 0.5 as 1, gave a NaN loss with an all-zero gradient for a bad target,
     # -inf for inf advantages, and for unequal shares a NaN loss on process 0 but a finite wrong one on the others;
     # raise_deferred_errors() raised nothing.
     message = {"mask": "mask must hold only 0 and 1", "target": "target_ids must be in",
                "advantages": "advantages has non-finite", "uneven": "equal share of the vocabulary"}[case]
-    _, results = spawned(world)
+    _, results = started(world)
     for rank, result in enumerate(results):
         got = result[f"{backend}/deferred/{case}"]
         assert got["loss"].isnan(), f"rank {rank}: {got['loss']}"
@@ -169,8 +169,8 @@ def test_split_bad_values_under_deferred_validation_give_nan_then_the_error(spaw
 
 
 @pytest.mark.parametrize("world", list(workers.WORLD_BACKENDS), ids=lambda world: f"{world}ranks")
-def test_bad_input_names_the_argument(spawned, world):
-    _, results = spawned(world)
+def test_bad_input_names_the_argument(started, world):
+    _, results = started(world)
     for result in results:
         assert "vocab_parallel_group" in result["error/uneven"] and "equal share" in result["error/uneven"]
         assert result["error/target"] is not None and "target" in result["error/target"]
@@ -192,8 +192,8 @@ def test_different_token_counts_under_deferred_validation_give_nan_then_the_erro
     import time
 
     world, deadline = 2, time.monotonic() + 300
-    context = mp.spawn(workers.token_count_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       join=False)
+    context = start_world(workers.token_count_worker, (world, str(tmp_path / "init"), str(tmp_path)),
+                          nprocs=world, join=False)
     try:
         while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
             if time.monotonic() > deadline:

@@ -13,7 +13,7 @@ from helpers import ROUTE_VARIANTS, for_method, logits_batch, value_error_messag
 
 from dgpo_ops.corrections import ArealCorrection, TrlCorrection, VerlCorrection
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # the spawned processes run the Triton kernels interpreted too
+if os.environ.get("TRITON_INTERPRET") == "1":  # the world's processes run the Triton kernels interpreted too
     interpreted_triton.patch_the_language_once_per_launch()
 
 VOCAB = 60  # divisible by 2 and 3 processes

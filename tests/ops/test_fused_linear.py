@@ -241,9 +241,9 @@ def test_dtensor_weights_replicated_are_used_sharded_are_refused(tmp_path):
     # A replicated DTensor is the whole weight on every process: used as it is, its gradient a
     # replicated DTensor equal to the plain op's. A Shard(0) DTensor may be FSDP's storage sharding
     # or a tensor-parallel vocabulary split; the op does not guess (tests/distributed/test_fsdp.py has FSDP2).
-    import torch.multiprocessing as mp
+    from worlds import start_world
 
-    mp.spawn(_dtensor_weight_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    start_world(_dtensor_weight_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     (hidden, weight, bias), inputs = linear_case(seed=7)
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
     out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02)
