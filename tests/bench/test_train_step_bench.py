@@ -1,14 +1,16 @@
 """``bench/train_step.py`` (one policy update of a real-size model, DGPOTrainer against GRPOTrainer) at its tiny
-size on the CPU: every path runs in its own process, computes TRL's loss and gradient norm on the same weights
-and batch, and the JSON, table and plot are written. Times are recorded, never asserted."""
+size on the CPU: every path computes TRL's loss and gradient norm on the same weights and batch, and the JSON,
+table and plot are written. Times are recorded, never asserted.
+
+The bench measures each path in a process of its own (``run_path``); here the paths run in the test's process,
+which has imported TRL already (a new process per path spent most of the test importing it). The bench's own
+processes run in the GPU script's dry run (``tests/bench/test_gpu_session.py``, its trainstep stage)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -16,17 +18,10 @@ import pytest
 pytest.importorskip("trl")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # bench/ imports from the repository root
+    sys.path.insert(0, str(REPO))
 
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_train_step", REPO / "bench" / "train_step.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+from bench import train_step as bench
 
 
 def parameter_count(config: dict) -> int:
@@ -37,13 +32,17 @@ def parameter_count(config: dict) -> int:
         return sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**config)).parameters())
 
 
+def in_this_process(path, model_name, prompt_length, lengths, repeats, search, timeout=None):
+    """``run_path`` without the process: the path's ``child`` here, its result as the process would print it."""
+    return json.loads(json.dumps(bench.child(path, model_name, prompt_length, lengths, repeats, search)))
+
+
 @pytest.mark.early
-def test_tiny_update_step_runs_every_path_and_matches_trl(tmp_path):
+def test_tiny_update_step_runs_every_path_and_matches_trl(tmp_path, monkeypatch, capsys):
     out = tmp_path / "train_step-tiny.json"
-    proc = subprocess.run([sys.executable, "bench/train_step.py", "--model", "tiny", "--completions", "16,24",
-                           "--repeats", "1", "--output", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setattr(bench, "run_path", in_this_process)
+    code = bench.main(["--model", "tiny", "--completions", "16,24", "--repeats", "1", "--output", str(out)])
+    assert code == 0, capsys.readouterr().err[-3000:]
     doc = json.loads(out.read_text())
     assert doc["model"] == "tiny" and doc["completion_lengths"] == [16, 24]
     assert doc["parameters"] == parameter_count(bench.MODELS["tiny"]) > 0
