@@ -33,7 +33,7 @@ def parameter_count(config: dict) -> int:
 
 
 def in_this_process(path, model_name, prompt_length, lengths, repeats, search, timeout=None):
-    """``run_path`` without the process: the path's ``child`` here, its result as the process would print it."""
+    """``run_path`` without the process: the path's ``child`` here, its result as the process prints it."""
     return json.loads(json.dumps(bench.child(path, model_name, prompt_length, lengths, repeats, search)))
 
 
