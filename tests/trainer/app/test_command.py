@@ -60,27 +60,49 @@ class NoTRL:
 
 sys.meta_path.insert(0, NoTRL())
 """
+TRAIN_COMMANDS = [["train"], ["train", "--help"], ["train", "--method", "grpo"]]
+# The commands above and `table`, one after another in one interpreter (an import that failed is tried again
+# by the next command, as in a new process): each one's exit code, standard output and error, as JSON.
 WITHOUT_TRL = NO_TRL + """
+import contextlib, io, json
 from dgpo_ops.trainer.app.command import main
-sys.exit(main(sys.argv[1:]))
+
+results = []
+for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
 """
 
 
-@pytest.mark.parametrize("args", [["train"], ["train", "--help"], ["train", "--method", "grpo"]])
-def test_train_without_trl_names_the_extra_to_install(args):
-    result = subprocess.run([sys.executable, "-c", WITHOUT_TRL, *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=120, check=False)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [(
+@pytest.fixture(scope="module")
+def without_trl() -> dict[str, tuple[int, str, str]]:
+    """``dgpo-ops`` where the library was installed without the "train" extra: command line -> (exit code,
+    stdout, stderr)."""
+    import json
+
+    commands = [*TRAIN_COMMANDS, ["table"]]
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRL, json.dumps(commands)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return {" ".join(args): tuple(outcome) for args, outcome in zip(commands, json.loads(result.stdout))}
+
+
+@pytest.mark.parametrize("args", TRAIN_COMMANDS, ids=" ".join)
+def test_train_without_trl_names_the_extra_to_install(args, without_trl):
+    code, stdout, stderr = without_trl[" ".join(args)]
+    assert code == 2, stderr
+    assert stderr.strip().splitlines() == [(
         "dgpo-ops train: error: training needs the packages of dgpo-ops' \"train\" extra, and trl is not installed: "
         'pip install "dgpo-ops[train]"')]
-    assert result.stdout == ""
+    assert stdout == ""
 
 
-def test_the_other_commands_run_without_trl():
-    result = subprocess.run([sys.executable, "-c", WITHOUT_TRL, "table"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120, check=False)
-    assert result.returncode == 0 and "psi(r)" in result.stdout, result.stderr
+def test_the_other_commands_run_without_trl(without_trl):
+    code, stdout, stderr = without_trl["table"]
+    assert code == 0 and "psi(r)" in stdout, stderr
 
 
 def test_only_the_extras_missing_packages_are_reported_as_such():
