@@ -43,7 +43,7 @@ NOT_COMPARED = [
 def pytest_addoption(parser):
     group = parser.getgroup("dgpo-ops benchmarks")
     group.addoption("--bench-grid", default="auto", choices=("auto", "full", "cpu", "smoke"),
-                    help="auto: the issue's full grid on CUDA, the reduced CPU grid on CPU (default); smoke: "
+                    help="auto: the full grid on CUDA, the reduced CPU grid on CPU (default); smoke: "
                          "the smallest size only, written as a partial run")
     group.addoption("--bench-no-report", action="store_true",
                     help="write the results JSON but do not regenerate docs/benchmarks.md, plots and traffic.md")

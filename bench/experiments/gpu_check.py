@@ -1,4 +1,4 @@
-"""One GPU session's checks of the sync-free pipeline (issues 12 and 14), printed as a short table.
+"""One GPU session's checks of the sync-free pipeline, printed as a short table.
 
     python bench/experiments/gpu_check.py [--out DIR] [--skip-linear] [--timing-only] [--vocab V ...] [--tokens N]
                                           [--device cpu]

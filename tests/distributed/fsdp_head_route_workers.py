@@ -86,7 +86,7 @@ def loss_call(model, batch: dict):
 
 
 def two_steps(model, batch: dict, on_step_end=lambda step: None) -> list[dict]:
-    """Step 1: the model's forward, the loss through the head module, backward (the issue's reproduction).
+    """Step 1: the model's forward, the loss through the head module, backward (where the crash was).
     Step 2, the gradients cleared: old log-probs through the head module without gradients after a forward
     of their own first, as an RL step takes them, then the same loss and backward. Each step's loss,
     log-probs and gradients (``on_step_end`` reads the gradients: whole, on every process)."""
