@@ -10,8 +10,8 @@ last, the prompt's included. ``VocabularyGemmCounter`` (a ``TorchDispatchMode``)
 during ``_compute_loss`` (the model's forward and the loss) and the backward, and counts the ones with an operand
 dimension equal to the vocabulary size: the lm_head's products, wherever they run (the model's ``lm_head``, TRL's
 ``ChunkedLogProbFunction``, ``fused_linear_dgpo_loss``'s tiles). ``passes`` is their FLOPs over one pass of the
-batch's completion positions (``B x completion length``; passes per scored token when every position is scored,
-as here: every completion has the full length). The vocabulary size is checked to differ from every
+batch's completion positions (``B x completion length``; passes per scored token when every position is
+scored, as here: every completion has the full length). The vocabulary size is checked to differ from every
 other dimension of the model and batch, so that no other matmul is taken for the lm_head's.
 
 The grid: options (``OPTIONS``: none, TRL's high-entropy token mask, its off-policy sequence mask, the entropy

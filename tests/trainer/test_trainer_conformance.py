@@ -505,8 +505,8 @@ def test_two_training_steps_log_what_grpo_trainer_logs(model, model_dirs, tmp_pa
 def test_two_vespo_steps_with_a_kl_log_what_grpo_trainer_logs(model_dirs, tmp_path):
     """Whole steps of loss_type='vespo' with beta > 0 and TRL's default use_bias_correction_kl, num_iterations=2:
     the second pass's ratios move off 1, where the KL's correction by the token's ratio (TRL's) and by vespo's
-    summed sequence weight (dgpo-ops' before) part: a run of the old code logged 0.01151 where GRPOTrainer logged
-    -0.09911; this one 0.0299 where it logs 0.0253."""
+    summed sequence weight (dgpo-ops' before) part: a run of the old code logged 0.01151 where GRPOTrainer
+    logged -0.09911; this one 0.0299 where it logs 0.0253."""
     from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
     from trl import GRPOConfig, GRPOTrainer
 
