@@ -2,12 +2,12 @@
 started by ``start_world`` from multiprocessing's forkserver rather than spawned.
 
 A spawned rank is a new interpreter that imports torch, dgpo_ops and, for the FSDP and DeepSpeed worlds,
-transformers' Qwen2 model before it does anything: 2-5 s of CPU a rank, most of a world's time and, over the
-suite's worlds, about a twentieth of its CPU time. The forkserver is a process of its own, started by the
-first world of a test process from a new interpreter that imports ``PRELOAD`` once; every rank after that is a
-fork of it. A rank still shares nothing with the test process (no threads, no process group, no patched
-state): it is what spawn gives, with the imports already done. The forkserver reads the environment and
-``sys.path`` of the test process when it starts (after collection, so the test folders are on the path)."""
+transformers' Qwen2 model before it does anything: 2-5 s of CPU a rank, most of a world's time. The forkserver
+is a process of its own, started by the first world of a test process from a new interpreter that imports
+``PRELOAD`` once; every rank after that is a fork of it. A rank still shares nothing with the test process (no
+threads, no process group, no patched state): it is what spawn gives, with the imports already done. The
+forkserver reads the environment and ``sys.path`` of the test process when it starts (after collection, so the
+test folders are on the path)."""
 
 from __future__ import annotations
 
