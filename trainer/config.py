@@ -16,7 +16,7 @@ from dgpo_ops.core.aggregation import AGGREGATIONS
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.catalog import POLICY_LOSSES, method_params
-from dgpo_ops.methods.table import METHODS, method_config, resolve
+from dgpo_ops.methods.table import METHODS, NOT_METHODS, method_config, resolve
 
 from .method_fields import config_default, config_help, config_method_params, config_params
 
@@ -144,7 +144,9 @@ class DGPOConfig(GRPOConfig):
         self._resolve_objective()  # before TRL's checks, which read loss_type
         super().__post_init__()
         if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {self.policy_loss!r}")
+            hint = f"; {NOT_METHODS[self.policy_loss]}" if self.policy_loss in NOT_METHODS else ""
+            raise ValueError(f"policy_loss must be one of {', '.join(POLICY_LOSSES)}, "
+                             f"got {self.policy_loss!r}{hint}")
         if self.fused not in FUSED_MODES:
             raise ValueError(f"fused must be one of {FUSED_MODES}, got {self.fused!r}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:

@@ -52,8 +52,8 @@ GATES = sapo.GATES
 
 # Names people reach for that are an option of every method here, not a method: the refusal says which option.
 NOT_METHODS = {
-    "gspo": "GSPO's sequence ratio is an option of every method, not a method: pass method=\"grpo\" (or any other) "
-            "with importance_sampling_level=\"sequence\" (as TRL's GRPOConfig does; docs/math.md, "
+    "gspo": "GSPO's sequence ratio is an option of every method, not a method: keep the method (grpo or any "
+            "other) and set importance_sampling_level=\"sequence\" (as TRL's GRPOConfig does; docs/math.md, "
             "'Sequence-level ratio (GSPO)')",
 }
 

@@ -33,6 +33,8 @@ def make(tmp_path, **fields):
     ("sapo_gate", "tanh", "sapo: gate must be one of"),
     ("dual_clip", 1.0, "dual_clip=1.0): grpo: dual_clip must be in (1.0, inf)"),
     ("dgpo_m", 0.5, "dgpo_m=0.5): dgpo: m must be in [1.0, inf)"),
+    ("policy_loss", "gspo", "got 'gspo'; GSPO's sequence ratio is an option of every method, not a method: "
+                            "keep the method (grpo or any other) and set importance_sampling_level="),
 ])
 def test_a_bad_field_fails_when_the_config_is_made(tmp_path, field, value, message):
     with pytest.raises(ValueError) as error:

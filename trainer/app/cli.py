@@ -56,7 +56,9 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
                "--gradient_accumulation_steps 4 --report_to wandb --vllm_mode server --logging_steps 5.\n"
                "Run on several GPUs with: accelerate launch -m dgpo_ops.trainer.app.cli [options]")
     run = parser.add_argument_group("run")
-    run.add_argument("--method", default="dgpo", choices=METHODS, help="policy loss (default: %(default)s)")
+    # checked with --compare (run.py), as one line that says what a name like gspo is instead
+    run.add_argument("--method", default="dgpo", metavar="{" + ",".join(METHODS) + "}",
+                     help="policy loss (default: %(default)s)")
     run.add_argument("--compare", default=None, metavar="M1,M2,...",
                      help="train each listed method (e.g. dgpo,grpo) on every seed and overlay them in one figure")
     run.add_argument("--seeds", type=int, default=1, metavar="K", help="run seeds seed..seed+K-1 (default: 1)")

@@ -5,11 +5,19 @@ them, ``run.py`` runs with them."""
 from __future__ import annotations
 
 from dgpo_ops.methods.catalog import POLICY_LOSSES
+from dgpo_ops.methods.table import NOT_METHODS
 
 from ..config import method_field_names
 from ..method_fields import trainer_presets
 
 METHODS = POLICY_LOSSES
+
+
+def unknown_methods(names: list[str]) -> str:
+    """What ``--method`` and ``--compare`` say of names that are not methods: each, with the option it stands
+    for where it is one (``gspo``: ``--importance_sampling_level sequence`` with any method)."""
+    hints = "".join(f"; {name}: {NOT_METHODS[name]}" for name in names if name in NOT_METHODS)
+    return f"unknown method(s) {', '.join(names) or '(none given)'}{hints}; choose from {', '.join(METHODS)}"
 
 # Method presets, applied unless the option is given explicitly (from the method table: dapo's clip-higher,
 # cispo's cap in TRL's terms, dcpo's advantages).

@@ -25,6 +25,7 @@ from .presets import (
     REGIME_PRESETS,
     TINY_RL_DEFAULTS,
     UsageError,
+    unknown_methods,
 )
 from .report import write_outputs
 from .warm_start import evaluate_distributed
@@ -84,12 +85,13 @@ def check_environment(args) -> dict:
     if args.model is None and args.dataset is not None:
         raise UsageError("--dataset needs --model: the tiny default model is warm-started on the built-in "
                          "arithmetic task only")
+    if args.method not in METHODS:
+        raise UsageError(f"--method: {unknown_methods([args.method])}")
     if args.compare:
         methods = [m.strip() for m in args.compare.split(",") if m.strip()]
         bad = [m for m in methods if m not in METHODS]
         if bad or not methods:
-            raise UsageError(f"--compare: unknown method(s) {', '.join(bad) or '(none given)'}; "
-                             f"choose from {', '.join(METHODS)}")
+            raise UsageError(f"--compare: {unknown_methods(bad)}")
     if args.seeds < 1:
         raise UsageError("--seeds must be >= 1")
     for option, value, low in (("--max-steps", args.max_steps, 1), ("--train-size", args.train_size, 1),

@@ -258,7 +258,11 @@ def test_pass_at_k_is_the_unbiased_estimator():
     [
         (["--use-vllm"], "--use-vllm needs"),
         (["--bf16"], "--bf16 needs a CUDA GPU"),
-        (["--compare", "dgpo,nope"], "--compare: unknown method(s) nope"),
+        (["--compare", "dgpo,nope"], "--compare: unknown method(s) nope; choose from grpo,"),
+        (["--compare", "grpo,gspo"], "--compare: unknown method(s) gspo; gspo: GSPO's sequence ratio is an"),
+        (["--method", "gspo"], '--method: unknown method(s) gspo; gspo: GSPO\'s sequence ratio is an option '
+                               'of every method, not a method: keep the method (grpo or any other) and set '
+                               'importance_sampling_level="sequence"'),
         (["--model", "no-such-org/no-such-model-dgpo"], "cannot load model 'no-such-org/no-such-model-dgpo'"),
         (["--model", "/nonexistent/model/dir"], "cannot load model '/nonexistent/model/dir'"),
         (["--dataset", "x.jsonl"], "--dataset needs --model"),
@@ -277,9 +281,10 @@ def test_pass_at_k_is_the_unbiased_estimator():
         (["--model", "some/model", "--task", "addition-hard"], "--task addition-hard is a task of the tiny default"),
         (["--model", "some/model", "--preset", "off-policy"], "--preset off-policy is a regime of the tiny"),
     ],
-    ids=["vllm", "bf16", "compare", "hub-model", "local-model", "dataset", "unknown", "invalid", "trl-vllm",
-         "reward-weights", "too-many", "no-train", "negative-eval", "worked-fraction", "sft-fraction",
-         "zero-steps", "negative-steps", "negative-pass-k", "task-with-model", "preset-with-model"],
+    ids=["vllm", "bf16", "compare", "compare-gspo", "method-gspo", "hub-model", "local-model", "dataset",
+         "unknown", "invalid", "trl-vllm", "reward-weights", "too-many", "no-train", "negative-eval",
+         "worked-fraction", "sft-fraction", "zero-steps", "negative-steps", "negative-pass-k",
+         "task-with-model", "preset-with-model"],
 )
 def test_errors_are_one_clear_line(args, message, tmp_path, capsys, monkeypatch):
     import torch
