@@ -177,6 +177,6 @@ def test_no_module_outside_a_part():
 
 
 def test_the_three_parts_are_the_checkout_top_level():
-    # kernels/ and trainer/ are not nested in dgpo_ops/: the design card's layout, mapped by pyproject.toml
+    # kernels/ and trainer/ are not nested in dgpo_ops/: the checkout's layout, mapped by pyproject.toml
     assert not (PACKAGE / "kernels").exists() and not (PACKAGE / "trainer").exists()
     assert {module.split(".")[1] for module in all_modules() if module.count(".")} >= {"kernels", "trainer"}
