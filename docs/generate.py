@@ -4,7 +4,7 @@
     python docs/generate.py --check    # exit 1 and name each stale table (tests/package/test_generated_docs.py)
 
 * README.md, between ``<!-- methods:start -->`` and ``<!-- methods:end -->``: every method and alias, its
-  parameters and the ``DGPOConfig`` field each is read from (``trainer/method_fields.py``);
+  parameters and the ``DGPOConfig`` field each is read from (``trainer/method_fields.py``'s mapping);
 * docs/integrations.md, between ``<!-- verl-methods:start -->`` and ``<!-- verl-methods:end -->``: verl's loss
   names and the verl field each parameter is read from (``dgpo_ops/integrations/verl_params.py``); between
   ``<!-- skyrl-methods:start -->`` and ``<!-- skyrl-methods:end -->``: SkyRL's, and the field of its algorithm config
@@ -14,8 +14,8 @@
 * docs/normalization.md, between ``<!-- framework-aggregations:start -->`` and ``<!-- framework-aggregations:end
   -->``: every framework's aggregation row (``dgpo_ops.FRAMEWORK_AGGREGATIONS``), what it divides by.
 
-A tool of the checkout, not of the package: the library and the trainer hand back markdown and never read a
-checkout path.
+A tool of the checkout, not of the package: the tables are written here from the mappings the library and
+the trainer hold; the package writes no markdown and reads no checkout path.
 """
 
 from __future__ import annotations
@@ -73,28 +73,108 @@ def framework_aggregations_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _readme_methods() -> str:
-    from dgpo_ops.trainer.method_fields import method_table_markdown
+def readme_methods_markdown() -> str:
+    """The README's table of methods, parameters, accepted values and the ``DGPOConfig`` field each is read
+    from (``dgpo_ops.trainer.method_fields``), with the presets of ``dgpo-ops train``."""
+    from dgpo_ops.methods.catalog import format_value
+    from dgpo_ops.methods.table import ALIASES, METHODS
+    from dgpo_ops.trainer.method_fields import (
+        ConfigParam,
+        config_method_params,
+        config_params,
+        none_means_default,
+        trainer_presets,
+    )
 
-    return method_table_markdown()
+    lines = ["| method | what it does | parameters: default, accepted values "
+             "| `DGPOConfig` / `dgpo-ops train` field |", "|---|---|---|---|"]
+    none_fields = {field for field, params in config_params().items() if none_means_default(params)}
+
+    def source(p: ConfigParam) -> str:
+        if p.field is None:
+            return f"`{p.name}`: fixed at its default"
+        text = f"`{p.name}` <- `{p.field.name}`"
+        if p.field.offset:
+            text += f" - {p.field.offset:g}"
+        if p.field.fallback:
+            text += f" (None: `{p.field.fallback}`)"
+        elif p.field.name in none_fields and p.default is not None:
+            text += " (None: the default)"
+        return text
+
+    for name, spec in METHODS.items():
+        params = config_method_params(name)
+        described = "<br>".join(f"`{p.name}={format_value(p.default)}`: {p.spec.describe()}"
+                                for p in params) or "none"
+        fields = "<br>".join(source(p) for p in params) or "-"
+        presets = ", ".join(f"`{k}={format_value(v)}`" for k, v in trainer_presets(name).items())
+        trainer = f"; `dgpo-ops train` presets {presets}" if presets else ""
+        lines.append(f"| `{name}` | {spec.summary}{trainer} | {described} | {fields} |")
+    for name, alias in ALIASES.items():
+        params = ", ".join(f"`{k}={format_value(v)}`" for k, v in alias.params.items())
+        lines.append(f"| `{name}` | {alias.summary}: `{alias.method}` with {params} where unset "
+                     f"| as `{alias.method}` | as `{alias.method}` |")
+    return "\n".join(lines) + "\n"
 
 
-def _verl_methods() -> str:
-    from dgpo_ops.integrations.verl_params import verl_table_markdown
+def framework_methods_markdown(framework: str, name_field: str, config_path: str, params_field: str,
+                               loss_name: Callable[[str], str], field_text: Callable) -> str:
+    """A framework's table of loss names (``loss_name(method)``), papers and where each parameter is read
+    from: ``field_text(param)`` describes the field of the framework's config at ``config_path`` that means it
+    (None: ``params_field``, the ``method_params`` mapping, with the table's default)."""
+    from dgpo_ops.methods.catalog import format_value, method_params
+    from dgpo_ops.methods.table import ALIASES, METHODS
 
-    return verl_table_markdown()
+    lines = [f"| `{name_field}` | paper | from `{config_path}` | from `{params_field}` (default) |",
+             "|---|---|---|---|"]
+    for method, spec in METHODS.items():
+        params = method_params(method)
+        fields = [text for p in params if (text := field_text(p)) is not None]
+        own = [f"`{p.name}={format_value(p.default)}`" for p in params if field_text(p) is None]
+        lines.append(f"| `{loss_name(method)}` | {spec.paper} | {'<br>'.join(fields) or '-'} | "
+                     f"{', '.join(own) or '-'} |")
+    for name, alias in ALIASES.items():
+        presets = ", ".join(f"`{k}={format_value(v)}`" for k, v in alias.params.items())
+        base = loss_name(alias.method)
+        lines.append(f"| `{loss_name(name)}` | {alias.summary}: `{base}` with {presets} "
+                     f"(over {framework}'s field) | as `{base}` | as `{base}` |")
+    return "\n".join(lines) + "\n"
 
 
-def _skyrl_methods() -> str:
-    from dgpo_ops.integrations.skyrl_params import skyrl_table_markdown
+def verl_methods_markdown() -> str:
+    """docs/integrations.md's table of verl loss names, papers and where each parameter is read from
+    (``dgpo_ops.integrations.verl_params``)."""
+    from dgpo_ops.integrations.verl_params import ACTOR, VERL_FALLBACKS, loss_mode, verl_field
 
-    return skyrl_table_markdown()
+    def field_text(p):
+        if (source := verl_field(p)) is None:
+            return None
+        fallback = VERL_FALLBACKS.get(source.path)
+        return f"`{p.name}` <- `{source.path}`" + (f" (None: `{fallback}`)" if fallback else "")
+
+    return framework_methods_markdown("verl", "loss_mode", ACTOR, "policy_loss.method_params", loss_mode,
+                                      field_text)
+
+
+def skyrl_methods_markdown() -> str:
+    """docs/integrations.md's table of SkyRL loss names, papers and where each parameter is read from
+    (``dgpo_ops.integrations.skyrl_params``)."""
+    from dgpo_ops.integrations.skyrl_params import ALGORITHM, loss_type, skyrl_field
+
+    def field_text(p):
+        path = skyrl_field(p)
+        return None if path is None else f"`{p.name}` <- `{path}`"
+
+    return framework_methods_markdown("SkyRL", "policy_loss_type", ALGORITHM, "method_params", loss_type,
+                                      field_text)
 
 
 SECTIONS = (
-    Section("README.md", "<!-- methods:start -->", "<!-- methods:end -->", _readme_methods),
-    Section("docs/integrations.md", "<!-- verl-methods:start -->", "<!-- verl-methods:end -->", _verl_methods),
-    Section("docs/integrations.md", "<!-- skyrl-methods:start -->", "<!-- skyrl-methods:end -->", _skyrl_methods),
+    Section("README.md", "<!-- methods:start -->", "<!-- methods:end -->", readme_methods_markdown),
+    Section("docs/integrations.md", "<!-- verl-methods:start -->", "<!-- verl-methods:end -->",
+            verl_methods_markdown),
+    Section("docs/integrations.md", "<!-- skyrl-methods:start -->", "<!-- skyrl-methods:end -->",
+            skyrl_methods_markdown),
     Section("docs/design.md", "<!-- method-files:start -->", "<!-- method-files:end -->", method_files_markdown),
     Section("docs/normalization.md", "<!-- framework-aggregations:start -->", "<!-- framework-aggregations:end -->",
             framework_aggregations_markdown),

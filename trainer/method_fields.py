@@ -1,6 +1,6 @@
 """Where ``DGPOConfig`` (TRL's ``GRPOConfig`` and the fields it adds) reads each method parameter, and the views
-derived from that one mapping: the config fields and their defaults and help, the presets of ``dgpo-ops train``,
-and the README's method table (``method_table_markdown``; ``python docs/generate.py`` writes it there).
+derived from that one mapping: the config fields and their defaults and help, and the presets of ``dgpo-ops
+train`` (``python docs/generate.py`` writes the README's method table from them).
 
 A parameter keeps TRL's meaning where TRL has a field for it (``epsilon``, ``epsilon_high``, ``delta``); every
 other field is added to ``DGPOConfig`` from here (``config.py``). The method table itself knows no framework.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dgpo_ops.methods.base import ParamSpec
-from dgpo_ops.methods.catalog import MethodParam, format_value, method_params
-from dgpo_ops.methods.table import ALIASES, METHODS, resolve
+from dgpo_ops.methods.catalog import MethodParam, method_params
+from dgpo_ops.methods.table import METHODS, resolve
 
 
 @dataclass(frozen=True)
@@ -139,35 +139,3 @@ def trainer_presets(name: str) -> dict:
         elif p.field.offset:
             presets[p.field.name] = p.field.to_config(p.default)
     return {**presets, **PRESETS.get(method, {})}
-
-
-def method_table_markdown() -> str:
-    """The README's table of methods, parameters, accepted values and trainer fields."""
-    lines = ["| method | what it does | parameters: default, accepted values | `DGPOConfig` / `dgpo-ops train` field |",
-             "|---|---|---|---|"]
-    none_fields = {field for field, params in config_params().items() if none_means_default(params)}
-
-    def source(p: ConfigParam) -> str:
-        if p.field is None:
-            return f"`{p.name}`: fixed at its default"
-        text = f"`{p.name}` <- `{p.field.name}`"
-        if p.field.offset:
-            text += f" - {p.field.offset:g}"
-        if p.field.fallback:
-            text += f" (None: `{p.field.fallback}`)"
-        elif p.field.name in none_fields and p.default is not None:
-            text += " (None: the default)"
-        return text
-
-    for name, spec in METHODS.items():
-        params = config_method_params(name)
-        described = "<br>".join(f"`{p.name}={format_value(p.default)}`: {p.spec.describe()}" for p in params) or "none"
-        fields = "<br>".join(source(p) for p in params) or "-"
-        presets = ", ".join(f"`{k}={format_value(v)}`" for k, v in trainer_presets(name).items())
-        lines.append(f"| `{name}` | {spec.summary}" + (f"; `dgpo-ops train` presets {presets}" if presets else "")
-                     + f" | {described} | {fields} |")
-    for name, alias in ALIASES.items():
-        params = ", ".join(f"`{k}={format_value(v)}`" for k, v in alias.params.items())
-        lines.append(f"| `{name}` | {alias.summary}: `{alias.method}` with {params} where unset | as `{alias.method}` "
-                     f"| as `{alias.method}` |")
-    return "\n".join(lines) + "\n"

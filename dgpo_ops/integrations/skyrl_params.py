@@ -24,7 +24,6 @@ from dgpo_ops.corrections.skyrl import SkyRLCorrection
 from dgpo_ops.integrations.config_fields import (
     check_method_params,
     checked_value,
-    method_table_markdown,
     read_field,
 )
 from dgpo_ops.methods.catalog import POLICY_LOSSES, MethodParam
@@ -156,15 +155,6 @@ def correction_from_skyrl(config) -> SkyRLCorrection | None:
         return SkyRLCorrection(**fields)
     except ValueError as error:
         raise ValueError(f"{CORRECTION}: {error}") from None
-
-
-def skyrl_table_markdown() -> str:
-    """docs/integrations.md's table of SkyRL loss names, papers and where each parameter is read from."""
-    def field_text(p):
-        path = skyrl_field(p)
-        return None if path is None else f"`{p.name}` <- `{path}`"
-
-    return method_table_markdown("SkyRL", "policy_loss_type", ALGORITHM, "method_params", loss_type, field_text)
 
 
 for _method, _param in METHOD_SKYRL_FIELDS:  # every override names a real parameter

@@ -23,7 +23,7 @@ import torch
 from dgpo_ops.core.aggregation import FRAMEWORK_AGGREGATIONS
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
 from dgpo_ops.integrations import config_fields
-from dgpo_ops.integrations.config_fields import REQUIRED, checked_value, method_table_markdown
+from dgpo_ops.integrations.config_fields import REQUIRED, checked_value
 from dgpo_ops.methods.catalog import POLICY_LOSSES, MethodParam
 from dgpo_ops.methods.catalog import method_params as table_params
 from dgpo_ops.methods.table import METHODS, resolve
@@ -231,15 +231,3 @@ def loss_options(mode: str, config) -> LossOptions:
         raise ValueError(f"{POLICY_LOSS}.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                          f"got {level!r}")
     return LossOptions.build(resolve(name)[0], importance_sampling_level=level, **params_from_verl(name, config))
-
-
-def verl_table_markdown() -> str:
-    """docs/integrations.md's table of verl loss names, papers and where each parameter is read from."""
-    def field_text(p):
-        if (source := verl_field(p)) is None:
-            return None
-        fallback = VERL_FALLBACKS.get(source.path)
-        return f"`{p.name}` <- `{source.path}`" + (f" (None: `{fallback}`)" if fallback else "")
-
-    return method_table_markdown("verl", "loss_mode", ACTOR, "policy_loss.method_params", loss_mode, field_text)
-

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from helpers import value_error_message
+from helpers import docs_tool, value_error_message
 
 from dgpo_ops.corrections import SkyRLCorrection
 from dgpo_ops.integrations import skyrl_params
@@ -52,7 +52,7 @@ def method(loss_type, **fields):
 def test_the_skyrl_table_lists_every_loss():
     """docs/integrations.md's SkyRL table (``python docs/generate.py`` writes it; tests/package/test_generated_docs.py
     fails while it is stale) names every ``dgpo_ops.*`` loss, and ``SKYRL_FIELDS``' fields where they are read."""
-    table = skyrl_params.skyrl_table_markdown()
+    table = docs_tool().skyrl_methods_markdown()
     for loss_type in skyrl_params.LOSS_TYPES:
         assert f"| `{loss_type}` |" in table
     assert "`eps_low` <- `cispo.cispo_eps_clip_low`" in table and "`n=1`, `m=2`" in table

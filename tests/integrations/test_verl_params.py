@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def test_the_verl_table_names_every_loss_mode():
     """docs/integrations.md's table of verl loss names (the README links it; ``docs/generate.py`` writes it from
-    ``verl_params.verl_table_markdown()``, tests/package/test_generated_docs.py keeps it current) names every
+    ``verl_params``' mapping, tests/package/test_generated_docs.py keeps it current) names every
     method and alias."""
     page = (REPO / "docs" / "integrations.md").read_text()
     for mode in verl_params.LOSS_MODES:
