@@ -19,6 +19,7 @@ import inspect
 import torch
 
 from dgpo_ops.core.call import OPTION_FIELDS, PROJECTION_OPTIONS, CallSignature, public_function
+from dgpo_ops.core.docstrings import documented
 from dgpo_ops.core.inputs import LossInputs, check_generator
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
@@ -174,6 +175,13 @@ class DGPOLoss(torch.nn.Module):
         return repr(self.options)
 
 
-DGPOLoss.forward.__signature__ = inspect.Signature(
-    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-     *DGPOLOSS_INPUTS.signature.parameters.values()])
+# Both signatures and docstrings come from the call object's fields, as every public function's do.
+_SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+# the method by position too: DGPOLoss("dgpo")
+_METHOD, *_OPTIONS = DGPOLOSS_OPTIONS.signature.parameters.values()
+DGPOLoss.__init__.__signature__ = inspect.Signature(
+    [_SELF, _METHOD.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD), *_OPTIONS])
+DGPOLoss.forward.__signature__ = inspect.Signature([_SELF, *DGPOLOSS_INPUTS.signature.parameters.values()])
+documented("The method and options the module's every call runs with: ``fused_dgpo_loss``'s, held once.",
+           returns="")(DGPOLoss.__init__)
+documented("The policy loss of one batch of logits, under the module's method and options.")(DGPOLoss.forward)

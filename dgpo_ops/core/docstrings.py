@@ -103,16 +103,20 @@ RETURNS = ("``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token
 
 
 def documented(summary: str, returns: str | None = None):
-    """Give a function the docstring ``summary`` + its arguments (from ``ARGUMENTS``, in signature order) +
-    ``returns`` (default ``RETURNS``). A parameter without an entry is an error at import."""
+    """Give a function the docstring ``summary`` + its arguments (from ``ARGUMENTS``, in signature order, a
+    method's ``self`` left out) + ``returns`` (default ``RETURNS``; ``""``: none, for a constructor). A
+    parameter without an entry is an error at import."""
 
     def decorate(fn):
         lines = [summary.strip(), "", "Arguments:"]
         for name in inspect.signature(fn).parameters:
+            if name == "self":
+                continue
             if name not in ARGUMENTS:
                 raise AssertionError(f"{fn.__name__}: no description of {name!r} in dgpo_ops.core.docstrings.ARGUMENTS")
             lines.append(f"* ``{name}``: {ARGUMENTS[name]}")
-        lines += ["", f"Returns {RETURNS if returns is None else returns}"]
+        if returns != "":
+            lines += ["", f"Returns {RETURNS if returns is None else returns}"]
         fn.__doc__ = "\n".join(lines)
         return fn
 

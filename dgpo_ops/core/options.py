@@ -29,6 +29,11 @@ DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of the fused-linear op's logits and
 
 @dataclass(frozen=True)
 class LossOptions:
+    """One call's options (its tensors are ``LossInputs``): what the public functions take as keywords,
+    ``DGPOTrainer`` builds from its config and the verl and SkyRL plugins from theirs, checked once, here,
+    when made. ``LossOptions.build(method, **options_and_method_params)`` makes one from keywords. Each field
+    is described once, in ``dgpo_ops.core.docstrings.ARGUMENTS`` (the public functions' docstrings)."""
+
     method: MethodConfig = field(default_factory=DgpoConfig)
     temperature: float = 1.0
     aggregation: str | None = None  # None: the method's own (MethodSpec.aggregation), else token_mean

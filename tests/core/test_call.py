@@ -39,6 +39,20 @@ def test_the_loss_functions_take_every_field_of_their_kind():
     assert parameters(dgpo_ops.DGPOLoss.forward)[:7] == ["self", "logits", "target_ids", "advantages", "mask",
                                                          "old_logps", "ref_logps"]
     assert set(parameters(dgpo_ops.DGPOLoss.forward)) == {"self", "logits", *INPUT_FIELDS}
+    # the module's constructor: the method (by position too) and fused_dgpo_loss's options
+    init = inspect.signature(dgpo_ops.DGPOLoss.__init__).parameters
+    assert list(init)[:2] == ["self", "method"]
+    assert init["method"].kind == inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert set(init) == {"self", "method", "method_params", *(set(OPTION_FIELDS) - set(PROJECTION_OPTIONS))}
+
+
+def test_every_public_call_documents_each_of_its_arguments():
+    calls = (dgpo_ops.fused_dgpo_loss, dgpo_ops.fused_linear_dgpo_loss, dgpo_ops.fused_linear_logprobs,
+             dgpo_ops.reference_loss, dgpo_ops.DGPOLoss.__init__, dgpo_ops.DGPOLoss.forward)
+    for fn in calls:
+        for name in parameters(fn):
+            if name != "self":
+                assert f"* ``{name}``: " in (fn.__doc__ or ""), (fn.__qualname__, name)
 
 
 def test_a_signature_lists_only_fields():
