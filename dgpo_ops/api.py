@@ -58,7 +58,9 @@ def policy_loss(inputs: LossInputs, options: LossOptions, *, logits=None, hidden
     ``LossOptions.build("grpo", eps_high=0.28)``) to call it yourself. ``token_scales`` (from ``logps`` only):
     per-token scales ``s_t`` of ``loss = sum_t s_t L_t`` in place of the aggregation, a framework's own
     normalisation. ``complete_batch`` (from hidden states, eager): ``dgpo_ops.ops.linear.CompleteBatch``, inputs
-    made from the call's own first sweep of log-probs and entropies."""
+    made from the call's own first sweep of log-probs and entropies. ``reference_loss``, the ground truth the
+    fused ops are tested against, takes the same two objects and the same correction stage, then its own
+    plain-PyTorch route (``dgpo_ops.ops.reference``)."""
     layout = CallLayout(options.vocab_parallel_group, inputs.cu_seqlens, inputs.max_seqlen)
     if (logits is not None) + (hidden is not None or weight is not None) + (logps is not None) != 1:
         raise ValueError("policy_loss takes one source: logits, hidden and weight (the lm_head), or logps")

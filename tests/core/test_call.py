@@ -1,5 +1,5 @@
 """The call object: ``LossInputs`` and ``LossOptions``, the public functions' signatures made from their fields
-(``dgpo_ops.core.call``), and ``policy_loss``, the entry every public function goes through."""
+(``dgpo_ops.core.call``), and ``policy_loss``, the entry every fused public function goes through."""
 
 import inspect
 
