@@ -25,14 +25,20 @@ from dgpo_ops.core.objective import entropy_weight_term
 
 from .advantages import per_token_advantages
 from .model_call import MULTIMODAL_INPUTS, FusedModelCall, Head
+from .trl_metrics import TRLMetrics
 
 
-class FusedLoss:
-    """A mixin of ``GRPOTrainer`` (``DGPOTrainer``'s): ``_compute_loss`` on the fused ops."""
+class FusedLoss(TRLMetrics):
+    """A mixin of ``GRPOTrainer`` (``DGPOTrainer``'s): ``_compute_loss`` on the fused ops, and TRL's metrics
+    of each call (its base, ``TRLMetrics``)."""
 
-    def _init_loss(self) -> None:
+    def _init_loss(self, after_metrics_read) -> None:
+        """``after_metrics_read``: what else waits for the device's values of a training step, called
+        right after the metrics' host read (the non-finite-gradient guard's report: no synchronisation of its
+        own)."""
         # The entropy bonus is TRL's (a token mean, scaled only for accumulation), added by _compute_loss.
         self.loss_options = dataclasses.replace(self.args.loss_options(), entropy_coef=0.0)
+        self._after_metrics_read = after_metrics_read
 
     def _loss_normalizer(self, inputs, mask, mode):
         """The denominator TRL's `_compute_loss` uses for this aggregation and loss_type, already
@@ -157,9 +163,12 @@ class FusedLoss:
         if self.aux_loss_enabled:  # the policy loss is scaled for accumulation, so is this (TRL's)
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-        self._log_loss_metrics(stats, logps, old_logps, advantages, mask, mode)
-        if self.loss_options.method.name == "vespo":
-            self._log_vespo_weights(inputs, logps, old_logps, advantages, mask, mode)
+        method = self.loss_options.method
+        self._log_loss_metrics(method, stats, logps, old_logps, advantages, mask, mode)
+        if mode == "train":
+            self._after_metrics_read()
+        if method.name == "vespo":
+            self._log_vespo_weights(method, inputs, logps, old_logps, advantages, mask, mode)
         return loss
 
     def _entropy_bonus_bookkeeping(self, policy_loss, entropies, effective_mask, mode):

@@ -5,12 +5,12 @@ accumulation, PEFT, vLLM importance sampling and checkpointing are GRPOTrainer's
 ``GRPOTrainer`` with one mixin per concern, each in its own module:
 
 * ``loss.FusedLoss``: ``_compute_loss``, the method's objective on the fused ops and the rest of TRL's loss
-  (its normalisers, masks, entropy bonus and the MoE router's load-balancing loss);
+  (its normalisers, masks, entropy bonus and the MoE router's load-balancing loss), and TRL's metric names
+  and definitions for each call (its base, ``trl_metrics.TRLMetrics``;
+  ``tests/trainer/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s first update);
 * ``model_call.FusedModelCalls``: how the model is called (the backbone, then the fused ops on the
   completion positions, through TRL's own chunking and multimodal slicing), and the old-policy and
   reference log-probs through the same ops;
-* ``trl_metrics.TRLMetrics``: TRL's metric names and definitions
-  (``tests/trainer/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s first update);
 * ``gradient_guard.NonfiniteGradientGuard``: an optimizer step with non-finite gradients is skipped;
 * ``scores.ResponseScores``: the rewards of each generation batch, each response's score in the loss's inputs
   where the loss reads it (topr, the positive-example NLL), and DCPO's smooth advantages from the same scores
@@ -30,7 +30,6 @@ from .gradient_guard import NonfiniteGradientGuard
 from .loss import FusedLoss
 from .model_call import FusedModelCalls
 from .scores import ResponseScores
-from .trl_metrics import TRLMetrics
 
 
 def _trainer_config(config, model) -> DGPOConfig:
@@ -48,7 +47,7 @@ def _trainer_config(config, model) -> DGPOConfig:
     raise ValueError(f"DGPOTrainer needs args=DGPOConfig(...) or a GRPOConfig, got {type(config).__name__}")
 
 
-class DGPOTrainer(FusedLoss, TRLMetrics, FusedModelCalls, NonfiniteGradientGuard, ResponseScores, GRPOTrainer):
+class DGPOTrainer(FusedLoss, FusedModelCalls, NonfiniteGradientGuard, ResponseScores, GRPOTrainer):
     """Drop-in for ``GRPOTrainer``: ``DGPOTrainer(model, reward_funcs, args=DGPOConfig(policy_loss="dgpo"), ...)``.
     ``args`` may also be None (``DGPOConfig``'s defaults, which are ``GRPOConfig``'s) or a plain ``GRPOConfig``
     (its fields, its ``loss_type``'s objective)."""
@@ -67,7 +66,8 @@ class DGPOTrainer(FusedLoss, TRLMetrics, FusedModelCalls, NonfiniteGradientGuard
         if self.use_vllm:
             from .vllm_cpu import install_cpu_weight_sync
             install_cpu_weight_sync(self)  # colocated vLLM on CPU: TRL's weight sync can't load into vLLM-CPU
-        self._init_loss()  # self.loss_options: the other parts are passed what they read of it
+        # self.loss_options, then each part given what it reads of another
+        self._init_loss(after_metrics_read=self.report_skipped_steps)
         self.loss_options = self._init_model_calls(self.loss_options)  # with the model's projection
         self._init_scores(loss_reads_scores=self.loss_options.needs_scores,
                           smooth_advantages=self.args.advantage_estimator == "dcpo")

@@ -1,5 +1,7 @@
 """TRL's metrics in ``DGPOTrainer``: TRL's names and definitions for what the fused ops report, dgpo-ops'
-own metrics beside them (``tests/trainer/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s)."""
+own metrics beside them (``tests/trainer/test_trainer_conformance.py`` compares each with ``GRPOTrainer``'s).
+The base of ``loss.FusedLoss``, which calls them with the loss's method; they read nothing else of the trainer
+but ``GRPOTrainer``'s own state (``args``, ``accelerator``, ``_metrics``, ``beta``, ``get_gamma_weights``)."""
 
 from __future__ import annotations
 
@@ -31,13 +33,12 @@ LOGGED_METRICS = {
 
 
 class TRLMetrics:
-    """A mixin of ``GRPOTrainer`` (``DGPOTrainer``'s): the metrics of each loss call, logged in TRL's ``_metrics``."""
+    """The metrics of each loss call of a ``GRPOTrainer``, in TRL's ``_metrics``: ``FusedLoss``'s base."""
 
     @torch.no_grad()
-    def _log_vespo_weights(self, inputs, logps, old_logps, advantages, mask, mode):
+    def _log_vespo_weights(self, method, inputs, logps, old_logps, advantages, mask, mode):
         """TRL's ``vespo/phi_seq_mean``: its own gamma weights (``get_gamma_weights``) of the current log-probs,
         averaged over the sequences of every process."""
-        method = self.loss_options.method
         log_ratio = logps - (logps if old_logps is None else old_logps)
         phi = self.get_gamma_weights(
             per_token_advantages(advantages), log_ratio, mask,
@@ -48,7 +49,7 @@ class TRLMetrics:
         self._metrics[mode]["vespo/phi_seq_mean"].append((totals[0] / totals[1].clamp(min=1.0)).item())
 
     @torch.no_grad()
-    def _clip_fractions(self, logps, old_logps, advantages, scored):
+    def _clip_fractions(self, method, logps, old_logps, advantages, scored):
         """Per sequence, the fraction of its scored tokens below the trust region with A < 0 (the method's ln
         region: TRL's ``is_low_clipped``) and above it with A > 0 (hp: ``is_high_clipped``), NaN for a sequence
         without any (TRL's ``masked_seq_mean``); and each sequence's weight in TRL's global mean: its token count,
@@ -58,13 +59,13 @@ class TRLMetrics:
         log_ratio = logp - old
         sequence_level = self.args.importance_sampling_level == "sequence"  # TRL's coef_1
         if sequence_level:
-            log_ratio = gspo.mean_log_ratio(self.loss_options.method, SequenceInputs(log_ratio, None, scored, None))
-        delta = getattr(self.loss_options.method, "delta", None)
+            log_ratio = gspo.mean_log_ratio(method, SequenceInputs(log_ratio, None, scored, None))
+        delta = getattr(method, "delta", None)
         if delta is not None:  # TRL's metrics read the ratio its two-sided clip capped
             log_ratio = log_ratio.clamp(max=math.log(delta))
         adv = per_token_advantages(advantages).to(logp.dtype).expand_as(logp)
         # (a batch-level selection draws nothing here: the regions TRL's metrics read are PPO's)
-        region = token_terms(self.loss_options.method, log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), adv, old,
+        region = token_terms(method, log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), adv, old,
                              logp=logp, scored=torch.zeros_like(scored)).region
         counts = scored.sum(-1).float()
         low = ((region == Region.LN.value) & scored).sum(-1) / counts
@@ -73,25 +74,22 @@ class TRLMetrics:
             return low.nan_to_num(0.0), high.nan_to_num(0.0), torch.ones_like(counts)
         return low, high, counts
 
-    def _log_loss_metrics(self, stats, logps, old_logps, advantages, mask, mode):
+    def _log_loss_metrics(self, method, stats, logps, old_logps, advantages, mask, mode):
         """TRL's metrics under TRL's names and definitions, ours beside them. The masked means are reduced
         across processes as (sum, count) in one vector, like TRL's global_masked_mean: one reduction and
-        one host read (TRL's logging reads its metrics too), and one gather for the per-sequence extremes."""
+        one host read (TRL's logging reads its metrics too), and one gather for the per-sequence extremes.
+        Input errors the step's kernels found on the device (deferred validation) are raised after that read,
+        which waited for them: at no extra synchronisation."""
         scored = mask.bool()
         count = scored.sum().float()
-        low, high, weights = self._clip_fractions(logps, old_logps, advantages, scored)
+        low, high, weights = self._clip_fractions(method, logps, old_logps, advantages, scored)
         clip_sums = torch.stack([(low * weights).nansum(), (high * weights).nansum(), weights.sum()])
         local = torch.cat([stats * count, count[None], clip_sums])
         totals = self.accelerator.reduce(local, reduction="sum").tolist()
         n = len(METRIC_NAMES)
         means = {name: totals[i] / max(totals[n], 1.0) for i, name in enumerate(METRIC_NAMES)}
         low_mean, high_mean = totals[n + 1] / max(totals[n + 3], 1.0), totals[n + 2] / max(totals[n + 3], 1.0)
-        # The read above waited for this step's kernels: input errors they found on the device
-        # (deferred validation) are raised now, and earlier optimizer steps skipped on the device are
-        # reported (NonfiniteGradientGuard), at no extra synchronisation.
         raise_deferred_errors()
-        if mode == "train":
-            self.report_skipped_steps()
         metrics = self._metrics[mode]
         for name, logged in LOGGED_METRICS.items():
             metrics[logged].append(means[name])
@@ -102,5 +100,5 @@ class TRLMetrics:
         metrics["clip_ratio/region_mean"].append(low_mean + high_mean)
         metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(low)).item())
         metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(high)).item())
-        if self.loss_options.method.name == "cispo":  # TRL's CISPO metric: weights at the cap, A > 0
+        if method.name == "cispo":  # TRL's CISPO metric: weights at the cap, A > 0
             metrics["cispo_clip_ratio"].append(high_mean)
