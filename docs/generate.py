@@ -75,16 +75,12 @@ def framework_aggregations_markdown() -> str:
 
 def readme_methods_markdown() -> str:
     """The README's table of methods, parameters, accepted values and the ``DGPOConfig`` field each is read
-    from (``dgpo_ops.trainer.method_fields``), with the presets of ``dgpo-ops train``."""
+    from (``dgpo_ops.trainer.method_fields``), with the presets of ``dgpo-ops train`` (its ``presets``)."""
     from dgpo_ops.methods.catalog import format_value
     from dgpo_ops.methods.table import ALIASES, METHODS
-    from dgpo_ops.trainer.method_fields import (
-        ConfigParam,
-        config_method_params,
-        config_params,
-        none_means_default,
-        trainer_presets,
-    )
+    from dgpo_ops.trainer.app.presets import trainer_presets
+    from dgpo_ops.trainer.method_fields import (ConfigParam, config_method_params, config_params,
+                                                none_means_default)
 
     lines = ["| method | what it does | parameters: default, accepted values "
              "| `DGPOConfig` / `dgpo-ops train` field |", "|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """Where ``DGPOConfig`` (TRL's ``GRPOConfig`` and the fields it adds) reads each method parameter, and the views
-derived from that one mapping: the config fields and their defaults and help, and the presets of ``dgpo-ops
-train`` (``python docs/generate.py`` writes the README's method table from them).
+derived from that one mapping: the config fields and their defaults and help (``dgpo-ops train``'s presets and
+the README's method table, written by ``python docs/generate.py``, are made from them).
 
 A parameter keeps TRL's meaning where TRL has a field for it (``epsilon``, ``epsilon_high``, ``delta``); every
 other field is added to ``DGPOConfig`` from here (``config.py``). The method table itself knows no framework.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dgpo_ops.methods.base import ParamSpec
 from dgpo_ops.methods.catalog import MethodParam, method_params
-from dgpo_ops.methods.table import METHODS, resolve
+from dgpo_ops.methods.table import METHODS
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,6 @@ METHOD_FIELDS: dict[tuple[str, str], ConfigField | None] = {
     ("cispo", "eps_low"): None,
     ("cispo", "eps_high"): ConfigField("epsilon_high", fallback="epsilon", offset=1.0),
 }
-# Other DGPOConfig values dgpo-ops train applies for a method unless given.
-PRESETS: dict[str, dict] = {"dcpo": {"advantage_estimator": "dcpo"}}  # DCPO's smooth advantage standardisation
 
 
 @dataclass(frozen=True)
@@ -123,19 +121,3 @@ def config_help(params: list[ConfigParam]) -> str:
     if none_means_default(params):
         text += "; None: the method's default (" + ", ".join(f"{p.method} {p.default}" for p in params) + ")"
     return text + f"; {first.spec.describe()}"
-
-
-def trainer_presets(name: str) -> dict:
-    """``DGPOConfig`` values ``dgpo-ops train`` applies for a method or alias unless given: the defaults of
-    parameters read with an offset (TRL's default of their field means something else), the alias's
-    parameters, in config terms, then the method's own presets."""
-    method, alias_params = resolve(name)
-    presets = {}
-    for p in config_method_params(method):
-        if p.field is None:
-            continue
-        if p.name in alias_params:
-            presets[p.field.name] = p.field.to_config(alias_params[p.name])
-        elif p.field.offset:
-            presets[p.field.name] = p.field.to_config(p.default)
-    return {**presets, **PRESETS.get(method, {})}

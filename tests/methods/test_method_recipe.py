@@ -110,7 +110,9 @@ def test_a_parameter_without_a_listed_field_gets_one_named_after_its_method():
         derived = [p.name if p.name.startswith(p.method) else f"{p.method}_{p.name}" for p in readers]
         assert any(field.name != d for d in derived), f"FIELDS[{name!r}] is the field it would derive anyway"
     assert {method for method, _ in method_fields.METHOD_FIELDS} <= set(METHODS)
-    assert set(method_fields.PRESETS) <= set(METHODS)
+    from dgpo_ops.trainer.app import presets
+
+    assert set(presets.PRESETS) <= set(METHODS)
 
 
 def test_the_verl_mapping_names_only_parameters_of_the_table():
@@ -146,7 +148,9 @@ def test_each_config_field_reaches_its_parameter(trainer_modules, tmp_path, name
 
     config, _ = trainer_modules
     method, alias_params = catalog.resolve(name)
-    presets = {**method_fields.trainer_presets(name), **required_fields(name)}
+    from dgpo_ops.trainer.app.presets import trainer_presets
+
+    presets = {**trainer_presets(name), **required_fields(name)}
     params = method_fields.config_method_params(method)
     base = make_config(config, tmp_path, policy_loss=name, **presets).method()
     assert base.name == method
@@ -190,7 +194,8 @@ def test_policy_loss_and_method_choices_are_the_table(trainer_modules, tmp_path)
 
     assert METHODS == catalog.POLICY_LOSSES
     flags = {a.dest for a in parser._actions}
-    from dgpo_ops.trainer.method_fields import config_params, trainer_presets
+    from dgpo_ops.trainer.app.presets import trainer_presets
+    from dgpo_ops.trainer.method_fields import config_params
 
     for field_name in config_params():
         assert field_name in flags, f"dgpo-ops train has no flag for {field_name}"

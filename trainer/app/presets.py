@@ -5,12 +5,32 @@ them, ``run.py`` runs with them."""
 from __future__ import annotations
 
 from dgpo_ops.methods.catalog import POLICY_LOSSES
-from dgpo_ops.methods.table import NOT_METHODS
+from dgpo_ops.methods.table import NOT_METHODS, resolve
 
 from ..config import method_field_names
-from ..method_fields import trainer_presets
+from ..method_fields import config_method_params
 
 METHODS = POLICY_LOSSES
+
+# Other DGPOConfig values dgpo-ops train applies for a method unless given (DCPO's: its smooth advantage
+# standardisation).
+PRESETS: dict[str, dict] = {"dcpo": {"advantage_estimator": "dcpo"}}
+
+
+def trainer_presets(name: str) -> dict:
+    """``DGPOConfig`` values ``dgpo-ops train`` applies for a method or alias unless given: the defaults of
+    parameters read with an offset (TRL's default of their field means something else), the alias's
+    parameters, in config terms, then the method's own presets."""
+    method, alias_params = resolve(name)
+    presets = {}
+    for p in config_method_params(method):
+        if p.field is None:
+            continue
+        if p.name in alias_params:
+            presets[p.field.name] = p.field.to_config(alias_params[p.name])
+        elif p.field.offset:
+            presets[p.field.name] = p.field.to_config(p.default)
+    return {**presets, **PRESETS.get(method, {})}
 
 
 def unknown_methods(names: list[str]) -> str:
@@ -18,6 +38,7 @@ def unknown_methods(names: list[str]) -> str:
     for where it is one (``gspo``: ``--importance_sampling_level sequence`` with any method)."""
     hints = "".join(f"; {name}: {NOT_METHODS[name]}" for name in names if name in NOT_METHODS)
     return f"unknown method(s) {', '.join(names) or '(none given)'}{hints}; choose from {', '.join(METHODS)}"
+
 
 # Method presets, applied unless the option is given explicitly (from the method table: dapo's clip-higher,
 # cispo's cap in TRL's terms, dcpo's advantages).
