@@ -61,9 +61,15 @@ class LossInputs(NamedTuple):
     max_seqlen: int | None = None
 
     def tensors(self) -> tuple:
-        """The tensors in the order the custom ops of ``dgpo_ops.ops.compiled`` take them (the normaliser apart)."""
-        return (self.target_ids, self.advantages, self.mask, self.old_logps, self.ref_logps, self.rollout_weights,
-                self.scores)
+        """The tensors the custom ops of ``dgpo_ops.ops.compiled`` take (``OP_TENSORS``), in their order."""
+        return tuple(getattr(self, name) for name in OP_TENSORS)
+
+
+# The fields that cross the boundary of the torch.compile custom ops (dgpo_ops.ops.compiled), whose schemas
+# are made from this list: a new tensor input the kernels read is its field above and its name here. The
+# others are spent before the ops (rollout_logps, by the correction stage) or not taken by them (cu_seqlens
+# and entropy_weights are refused under compile; the generator stays on the host).
+OP_TENSORS = ("target_ids", "advantages", "mask", "old_logps", "ref_logps", "rollout_weights", "scores")
 
 
 @dataclass

@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from dgpo_ops.core.inputs import LossInputs, check_values, token_inputs
+from dgpo_ops.core.inputs import OP_TENSORS, LossInputs, check_values, token_inputs
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions, assume_constant_result
 from dgpo_ops.core.output import PolicyLossOutput
@@ -75,11 +75,20 @@ def split_normalizer(loss_normalizer) -> tuple[OptionalTensor, float | None]:
 # ----------------------------------------------------------------------------- the logits op
 
 
-def _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
-           normalizer_value) -> LossInputs:
-    """The op's flat arguments as the eager path's one object."""
-    return LossInputs(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights,
-                     _normalizer(normalizer, normalizer_value), scores=scores)
+# The ops' schemas name every tensor of OP_TENSORS in its order (a field without a default is required), so a
+# new tensor input reaches them as a field of LossInputs; the implementations take the schema's arguments by
+# position: the leading ones, the tensors (N_TENSORS), the normaliser as tensor or number, then the rest.
+N_TENSORS = len(OP_TENSORS)
+TENSORS_SCHEMA = ", ".join(f"Tensor{'' if name not in LossInputs._field_defaults else '?'} {name}"
+                           for name in OP_TENSORS) + ", Tensor? normalizer, float? normalizer_value"
+
+
+def _batch(args) -> tuple[LossInputs, tuple]:
+    """The op's arguments from its tensors on as the eager path's one object, and the arguments after them."""
+    tensors, (normalizer, normalizer_value, *rest) = args[:N_TENSORS], args[N_TENSORS:]
+    normalizer = _normalizer(normalizer, normalizer_value)
+    batch = LossInputs(**dict(zip(OP_TENSORS, tensors)), loss_normalizer=normalizer)
+    return batch, tuple(rest)
 
 
 def _logits_plan(logits, batch: LossInputs, spec, needs_grad, checked: bool):
@@ -88,17 +97,13 @@ def _logits_plan(logits, batch: LossInputs, spec, needs_grad, checked: bool):
     return logits_plan(logits, batch, options, needs_grad, checked)
 
 
-@torch.library.custom_op("dgpo_ops::fused_policy_loss", mutates_args=())
-def fused_policy_loss_op(
-    logits: torch.Tensor, target_ids: torch.Tensor, advantages: torch.Tensor, mask: OptionalTensor,
-    old_logps: OptionalTensor, ref_logps: OptionalTensor, rollout_weights: OptionalTensor, scores: OptionalTensor,
-    normalizer: OptionalTensor, normalizer_value: float | None, spec: str, needs_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
+@torch.library.custom_op("dgpo_ops::fused_policy_loss", mutates_args=(), schema=(
+    f"(Tensor logits, {TENSORS_SCHEMA}, str spec, bool needs_grad) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def fused_policy_loss_op(logits, *args):
     """(loss, per_token, stats, target_index, sequence_stats, seq_scale, status, dloss_dlogp)."""
 
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
-                   normalizer_value)
+    batch, (spec, needs_grad) = _batch(args)
     plan = _logits_plan(logits, batch, spec, needs_grad, checked=True)
     workspace, loss, stats, coefficient = forward_pass(logits, plan, zero_planes=True)
     if coefficient is None:
@@ -109,11 +114,9 @@ def fused_policy_loss_op(
 
 
 @fused_policy_loss_op.register_fake
-def _(logits, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
-      normalizer_value, spec, needs_grad):
+def _(logits, *args):
     # The structure checks (shapes, dtypes, devices) run here, at trace time, with the eager messages.
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
-                   normalizer_value)
+    batch, (spec, needs_grad) = _batch(args)
     plan = _logits_plan(logits, batch, spec, needs_grad, checked=False)
     dtype = compute_dtype(logits.dtype)
     workspace = RowWorkspace.allocate(logits.shape[:-1], plan.inputs.grid[0], logits.device, dtype)
@@ -144,7 +147,7 @@ def _(grad_loss, logits, per_token, target_index, sequence_stats, seq_scale, sta
 
 
 def _logits_setup_context(ctx, inputs, output):
-    ctx.spec = inputs[10]
+    ctx.spec = inputs[1 + N_TENSORS + 2]
     ctx.save_for_backward(inputs[0], *output[1:2], *output[3:])
 
 
@@ -152,7 +155,7 @@ def _logits_backward(ctx, grad_loss, *_grads_of_non_differentiable_outputs):
     logits, per_token, target_index, sequence_stats, seq_scale, status, coefficient = ctx.saved_tensors
     grad_logits = fused_policy_loss_backward_op(grad_loss, logits, per_token, target_index, sequence_stats,
                                                 seq_scale, status, coefficient, ctx.spec)
-    return (grad_logits,) + (None,) * 11
+    return (grad_logits,) + (None,) * (N_TENSORS + 4)
 
 
 fused_policy_loss_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
@@ -182,17 +185,13 @@ def _dtype(name: str) -> torch.dtype | None:
     return None if name == "" else getattr(torch, name)
 
 
-@torch.library.custom_op("dgpo_ops::fused_linear_policy_loss", mutates_args=())
-def fused_linear_policy_loss_op(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: OptionalTensor, target_ids: torch.Tensor,
-    advantages: torch.Tensor, mask: OptionalTensor, old_logps: OptionalTensor, ref_logps: OptionalTensor,
-    rollout_weights: OptionalTensor, scores: OptionalTensor, normalizer: OptionalTensor,
-    normalizer_value: float | None, spec: str, wants: list[bool], autocast: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("dgpo_ops::fused_linear_policy_loss", mutates_args=(), schema=(
+    f"(Tensor hidden, Tensor weight, Tensor? bias, {TENSORS_SCHEMA}, str spec, bool[] wants, "
+    "str autocast) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def fused_linear_policy_loss_op(hidden, weight, bias, *args):
     """(loss, per_token, stats, grad_hidden, grad_weight, grad_bias); a gradient not wanted is empty."""
 
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
-                   normalizer_value)
+    batch, (spec, wants, autocast) = _batch(args)
     plan = _linear_plan(weight, batch, spec, any(wants), checked=True)
     loss, per_token, stats, *grads = linear_forward_pass(hidden, weight, bias, plan, wants, _dtype(autocast),
                                                          zero_planes=True)
@@ -202,11 +201,9 @@ def fused_linear_policy_loss_op(
 
 
 @fused_linear_policy_loss_op.register_fake
-def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores,
-      normalizer, normalizer_value, spec, wants, autocast):
+def _(hidden, weight, bias, *args):
 
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
-                   normalizer_value)
+    batch, (spec, wants, autocast) = _batch(args)
     plan = _linear_plan(weight, batch, spec, any(wants), checked=False)
     precision = Precision.resolve(weight, plan.options.softcap, _dtype(autocast))
     token_shape = (hidden.shape[0],) if plan.inputs.flat else plan.inputs.grid
@@ -220,14 +217,14 @@ def _(hidden, weight, bias, target_ids, advantages, mask, old_logps, ref_logps, 
 def _linear_setup_context(ctx, inputs, output):
     hidden, weight, bias = inputs[:3]
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    ctx.wants = inputs[13]
+    ctx.wants = inputs[3 + N_TENSORS + 3]
     ctx.save_for_backward(*output[3:])
 
 
 def _linear_backward(ctx, grad_loss, *_grads_of_other_outputs):
     grads = [g * grad_loss if wanted else None for g, wanted in zip(ctx.saved_tensors, ctx.wants)]
     grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-    return (*grads,) + (None,) * 12
+    return (*grads,) + (None,) * (N_TENSORS + 5)
 
 
 fused_linear_policy_loss_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -249,16 +246,12 @@ def compiled_fused_linear_loss(flat_hidden, weight, bias, batch: LossInputs, opt
 # ----------------------------------------------------------------------------- the reference's value checks
 
 
-@torch.library.custom_op("dgpo_ops::checked_inputs", mutates_args=())
-def checked_inputs_op(
-    target_ids: torch.Tensor, advantages: torch.Tensor, mask: OptionalTensor, old_logps: OptionalTensor,
-    ref_logps: OptionalTensor, rollout_weights: OptionalTensor, scores: OptionalTensor, normalizer: OptionalTensor,
-    normalizer_value: float | None, logits_shape: list[int], logits_dtype: torch.dtype, spec: str,
-) -> torch.Tensor:
+@torch.library.custom_op("dgpo_ops::checked_inputs", mutates_args=(), schema=(
+    f"({TENSORS_SCHEMA}, SymInt[] logits_shape, ScalarType logits_dtype, str spec) -> Tensor"))
+def checked_inputs_op(*args):
+    batch, (logits_shape, logits_dtype, spec) = _batch(args)
     options = options_from_spec(spec)
-    device = target_ids.device
-    batch = _batch(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer,
-                   normalizer_value)
+    device = batch.target_ids.device
     inputs = token_inputs(torch.Size(logits_shape), logits_dtype, device, batch, options.aggregation,
                           options.sequence_reason)
     check_values(inputs, logits_shape[-1], batch.loss_normalizer, compute_dtype(logits_dtype))
@@ -266,6 +259,6 @@ def checked_inputs_op(
 
 
 @checked_inputs_op.register_fake
-def _(target_ids, advantages, mask, old_logps, ref_logps, rollout_weights, scores, normalizer, normalizer_value,
-      logits_shape, logits_dtype, spec):
-    return target_ids.new_empty((), dtype=compute_dtype(logits_dtype))
+def _(*args):
+    batch, (_, logits_dtype, _) = _batch(args)
+    return batch.target_ids.new_empty((), dtype=compute_dtype(logits_dtype))

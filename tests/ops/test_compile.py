@@ -193,6 +193,25 @@ def test_opcheck_every_custom_op():
         assert set(results.values()) == {"SUCCESS"}, (op, results)
 
 
+def test_the_custom_ops_take_the_call_objects_tensors_by_name():
+    """The ops' schemas are made from ``OP_TENSORS``: each names those fields of ``LossInputs``, in order, and
+    requires a tensor where the field has no default; a batch's ``tensors()`` fills them."""
+    from dgpo_ops.core.inputs import OP_TENSORS, LossInputs
+
+    assert set(OP_TENSORS) <= set(LossInputs._fields) and len(set(OP_TENSORS)) == len(OP_TENSORS)
+    for op in (fused_policy_loss_op, fused_linear_policy_loss_op, checked_inputs_op):
+        arguments = op._opoverload._schema.arguments
+        names = [a.name for a in arguments]
+        first = names.index(OP_TENSORS[0])
+        taken = arguments[first:first + len(OP_TENSORS)]
+        assert [a.name for a in taken] == list(OP_TENSORS), op
+        for argument in taken:
+            optional = argument.type.str().endswith("?")
+            assert optional == (argument.name in LossInputs._field_defaults), (op, argument)
+    batch = LossInputs(*[torch.zeros(1)] * 2, mask=torch.ones(1))
+    assert batch.tensors() == tuple(getattr(batch, name) for name in OP_TENSORS)
+
+
 # Each float option changed between two compiled calls (a trainer's schedule does): dynamo makes a float that
 # changed dynamic, and the options are a trace-time constant, so the new value must recompile, not fail. All
 # of them change at once: a value that did not reach the new graph leaves a result unequal to eager's.
