@@ -10,7 +10,9 @@
   ``<!-- skyrl-methods:start -->`` and ``<!-- skyrl-methods:end -->``: SkyRL's, and the field of its algorithm config
   each parameter is read from (``dgpo_ops/integrations/skyrl_params.py``);
 * docs/design.md, between ``<!-- method-files:start -->`` and ``<!-- method-files:end -->``: each method's file,
-  its Triton branch (``MethodId``) and the stage that evaluates it (``method_files_markdown`` below);
+  its Triton branch (``MethodId``) and the stage that evaluates it (``method_files_markdown`` below); between
+  ``<!-- package-layout:start -->`` and ``<!-- package-layout:end -->``: every folder and module of the
+  package and what its docstring says it is (``package_layout_markdown``);
 * docs/normalization.md, between ``<!-- framework-aggregations:start -->`` and ``<!-- framework-aggregations:end
   -->``: every framework's aggregation row (``dgpo_ops.FRAMEWORK_AGGREGATIONS``), what it divides by.
 
@@ -54,6 +56,50 @@ def method_files_markdown() -> str:
             branch, stage = "-", "the torch objective (it reads each response's score)"
         lines.append(f"| `{name}` | {path} | {branch} | {stage} |")
     return "\n".join(lines) + "\n"
+
+
+# The package's parts in the order they build on each other; a folder not named here follows them.
+PARTS = ("kernels", "dgpo_ops/methods", "dgpo_ops/corrections", "dgpo_ops/core", "dgpo_ops/layouts",
+         "dgpo_ops/ops", "dgpo_ops/distributed", "dgpo_ops", "dgpo_ops/integrations", "trainer",
+         "trainer/app")
+
+
+def _summary(path: Path, whole: bool) -> str:
+    """A module's docstring as markdown on one line: its first paragraph (``whole``) or first sentence."""
+    import ast
+
+    text = (ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0]
+    text = " ".join(text.split()).replace("``", "`").replace("|", "\\|")
+    if not whole:
+        sentence = re.match(r"(.+?)\.(?= [A-Z`(]|$)", text)
+        text = sentence.group(1) if sentence else text
+    text = text.rstrip(":")  # a paragraph that opens a list
+    if not text:
+        raise ValueError(f"{path.relative_to(REPO)} has no docstring: docs/design.md's layout is made of "
+                         "them")
+    return text
+
+
+def package_folders() -> list[Path]:
+    """The package's folders (``kernels/``, ``dgpo_ops/`` and ``trainer/`` and their packages), in ``PARTS``'
+    order."""
+    folders = {REPO / "kernels", REPO / "trainer", REPO / "dgpo_ops",
+               *(path for root in ("dgpo_ops", "trainer") for path in (REPO / root).iterdir()
+                 if (path / "__init__.py").is_file() and not path.is_symlink())}
+    order = {REPO / part: index for index, part in enumerate(PARTS)}
+    return sorted(folders, key=lambda path: (order.get(path, len(order)), str(path)))
+
+
+def package_layout_markdown() -> str:
+    """docs/design.md's layout of the package: each folder, its docstring (its ``__init__.py``'s first
+    paragraph), and each of its modules with the first sentence of its docstring."""
+    lines = []
+    for folder in package_folders():
+        lines += [f"**`{folder.relative_to(REPO)}/`**: {_summary(folder / '__init__.py', whole=True)}", ""]
+        lines += [f"* `{path.name}`: {_summary(path, whole=False)}"
+                  for path in sorted(folder.glob("*.py")) if path.name != "__init__.py"]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def framework_aggregations_markdown() -> str:
@@ -172,6 +218,8 @@ SECTIONS = (
     Section("docs/integrations.md", "<!-- skyrl-methods:start -->", "<!-- skyrl-methods:end -->",
             skyrl_methods_markdown),
     Section("docs/design.md", "<!-- method-files:start -->", "<!-- method-files:end -->", method_files_markdown),
+    Section("docs/design.md", "<!-- package-layout:start -->", "<!-- package-layout:end -->",
+            package_layout_markdown),
     Section("docs/normalization.md", "<!-- framework-aggregations:start -->", "<!-- framework-aggregations:end -->",
             framework_aggregations_markdown),
 )

@@ -1,3 +1,6 @@
+"""``PolicyLossOutput``: what every policy-loss entry point returns (the loss, per-token log-probs and
+entropies, the call's metrics)."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
