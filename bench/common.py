@@ -42,7 +42,7 @@ METHODS = ("dgpo", "grpo")
 COMPETITORS = tuple(REGISTRY)
 LABELS = {name: competitor.label for name, competitor in REGISTRY.items()}
 
-# The grid: N tokens x V vocabulary, both methods. CUDA runs all of it.
+# The full grid: N tokens x V vocabulary, both methods. CUDA runs all of it.
 FULL_SIZES = [(n, v) for n in (1024, 4096, 8192) for v in (32000, 151936, 262144)]
 # The CPU grid (2 cores, 24 GiB, the whole run in about 10 minutes). Everything else of the full grid
 # is dropped on CPU with the reason below, which the results and docs/benchmarks.md repeat.

@@ -119,10 +119,14 @@ def framework_aggregations_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_value(value) -> str:
+    """A parameter value as the tables write it."""
+    return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def readme_methods_markdown() -> str:
     """The README's table of methods, parameters, accepted values and the ``DGPOConfig`` field each is read
     from (``dgpo_ops.trainer.method_fields``), with the presets of ``dgpo-ops train`` (its ``presets``)."""
-    from dgpo_ops.methods.catalog import format_value
     from dgpo_ops.methods.table import ALIASES, METHODS
     from dgpo_ops.trainer.app.presets import trainer_presets
     from dgpo_ops.trainer.method_fields import (ConfigParam, config_method_params, config_params,
@@ -164,7 +168,7 @@ def framework_methods_markdown(framework: str, name_field: str, config_path: str
     """A framework's table of loss names (``loss_name(method)``), papers and where each parameter is read
     from: ``field_text(param)`` describes the field of the framework's config at ``config_path`` that means it
     (None: ``params_field``, the ``method_params`` mapping, with the table's default)."""
-    from dgpo_ops.methods.catalog import format_value, method_params
+    from dgpo_ops.methods.catalog import method_params
     from dgpo_ops.methods.table import ALIASES, METHODS
 
     lines = [f"| `{name_field}` | paper | from `{config_path}` | from `{params_field}` (default) |",

@@ -66,9 +66,10 @@ class LossInputs(NamedTuple):
 
 
 # The fields that cross the boundary of the torch.compile custom ops (dgpo_ops.ops.compiled), whose schemas
-# are made from this list: a new tensor input the kernels read is its field above and its name here. The
-# others are spent before the ops (rollout_logps, by the correction stage) or not taken by them (cu_seqlens
-# and entropy_weights are refused under compile; the generator stays on the host).
+# are made from this list: a new tensor input reaches the compiled route by its name here (where its values
+# are checked, laid out per token and read by the math is its own code: token_inputs, check_values,
+# TokenBatch). The others are spent before the ops (rollout_logps, by the correction stage) or not taken by
+# them (cu_seqlens and entropy_weights are refused under compile; the generator stays on the host).
 OP_TENSORS = ("target_ids", "advantages", "mask", "old_logps", "ref_logps", "rollout_weights", "scores")
 
 

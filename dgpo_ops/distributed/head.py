@@ -15,8 +15,8 @@ its FSDP2 unit with other modules (accelerate's ``[final norm, lm_head]`` and ``
 lm_head]``, a tied ``[embedding, lm_head]``) is the one case this needs more than the call: that unit's
 forward has ended, so FSDP2 would take the call for a new, partial forward of the unit and reduce and
 reshard the unit's parameters where the call's input gets its gradient. That is before the final
-norm's backward, which then reads a freed weight (on the CPU both processes die with SIGSEGV; the
-issue saw a hang), and before a tied weight's gradient exists (autograd accumulates a shared leaf's
+norm's backward, which then reads a freed weight (on the CPU both processes die with SIGSEGV, or hang),
+and before a tied weight's gradient exists (autograd accumulates a shared leaf's
 gradient once, after its last use, the embedding's backward), which FSDP2 then never reduces
 (``grad`` stays ``None``). ``head_forward`` runs the call instead as the last module of the unit's
 forward (``_unit_forward_continued``): FSDP2 gathers the unit if it resharded, registers no

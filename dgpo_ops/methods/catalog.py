@@ -4,8 +4,8 @@
 names a user may pass (``POLICY_LOSSES``), each method's parameters with their specs (``method_params``), the
 parameters a call by name must add (``required_params``) and the parameter sets the tests run (``variants``).
 What a framework's config reads each parameter from lives with that integration (``trainer/method_fields.py``,
-``dgpo_ops.integrations.verl_params``); each hands back its table as markdown, which ``docs/generate.py`` writes
-into the README and docs/integrations.md.
+``dgpo_ops.integrations.verl_params``, ``dgpo_ops.integrations.skyrl_params``); ``docs/generate.py`` writes the
+README's and docs/integrations.md's tables from those mappings.
 """
 
 from __future__ import annotations
@@ -47,8 +47,3 @@ def required_params(name: str) -> dict:
 def variants() -> list[tuple[str, dict]]:
     """(method, parameters) of every test variant, in table order."""
     return [(name, dict(params)) for name, spec in METHODS.items() for params in spec.variants]
-
-
-def format_value(value) -> str:
-    """A parameter value as the generated tables write it."""
-    return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
