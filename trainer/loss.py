@@ -112,8 +112,9 @@ class FusedLoss(TRLMetrics):
         weights = self._rollout_weights(inputs, mask)
         if weights is not None:
             weights = weights.expand(mask.shape)
-        batch = LossInputs(targets, advantages, scored, old_logps, ref_logps, weights, normalizer,
-                          scores=inputs.get("scores"))  # ResponseScores' (None where the loss reads none)
+        batch = LossInputs(target_ids=targets, advantages=advantages, mask=scored, old_logps=old_logps,
+                           ref_logps=ref_logps, rollout_weights=weights, loss_normalizer=normalizer,
+                           scores=inputs.get("scores"))  # ResponseScores' (None where the loss reads none)
 
         def complete(current_logps=None, entropies=None) -> LossInputs:
             """The loss call's batch with TRL's masks on the current log-probs and entropies (from the call's own

@@ -127,8 +127,9 @@ def skyrl_policy_loss(policy_loss_type: str, log_probs, old_log_probs, advantage
         rejected = (off_policy_weights == 0).reshape(mask.shape)
         kept = mask & ~rejected
         weights = torch.where(rejected, 1.0, off_policy_weights.reshape(mask.shape))
-    inputs = LossInputs(None, grid_tensor("advantages", advantages, log_probs), mask,
-                        grid_tensor(*behaviour, log_probs), rollout_weights=weights)
+    inputs = LossInputs(target_ids=None, mask=mask,
+                        advantages=grid_tensor("advantages", advantages, log_probs),
+                        old_logps=grid_tensor(*behaviour, log_probs), rollout_weights=weights)
     out = policy_loss(inputs, options, logps=log_probs, token_scales=torch.where(kept, token_weights, 0.0))
     metrics = {"clip_ratio": out.metrics["ln_fraction"] + out.metrics["hp_fraction"],
                **{f"dgpo_ops/{name}": out.metrics[name] for name in OWN_METRICS}}

@@ -85,8 +85,9 @@ def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mas
     mask = grid_tensor("response_mask", response_mask, log_prob).bool()
     loss_agg_mode = aggregation_mode(options.method.name, loss_agg_mode)
     scale = verl_token_scales(mask, loss_agg_mode, read_field(config, "global_batch_info", default=None), dtype)
-    inputs = LossInputs(None, grid_tensor("advantages", advantages, log_prob), mask,
-                        grid_tensor("old_log_prob", old_log_prob, log_prob),
+    inputs = LossInputs(target_ids=None, mask=mask,
+                        advantages=grid_tensor("advantages", advantages, log_prob),
+                        old_logps=grid_tensor("old_log_prob", old_log_prob, log_prob),
                         rollout_weights=None if rollout_is_weights is None else grid_tensor(
                             "rollout_is_weights", rollout_is_weights, log_prob))
     out = policy_loss(inputs, options, logps=log_prob, token_scales=scale)
