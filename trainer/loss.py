@@ -24,7 +24,7 @@ from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.objective import entropy_weight_term
 
 from .advantages import per_token_advantages
-from .model_call import MULTIMODAL_INPUTS, FusedModelCall, Head
+from .model_call import MULTIMODAL_INPUTS, Head
 from .trl_metrics import TRLMetrics
 
 
@@ -32,13 +32,14 @@ class FusedLoss(TRLMetrics):
     """A mixin of ``GRPOTrainer`` (``DGPOTrainer``'s): ``_compute_loss`` on the fused ops, and TRL's metrics
     of each call (its base, ``TRLMetrics``)."""
 
-    def _init_loss(self, after_metrics_read) -> None:
-        """``after_metrics_read``: what else waits for the device's values of a training step, called
-        right after the metrics' host read (the non-finite-gradient guard's report: no synchronisation of its
-        own)."""
+    def _init_loss(self, model_call, after_metrics_read) -> None:
+        """``model_call(model, logits_to_keep, head_fn)``: the model call the loss runs on
+        (``model_call.FusedModelCall`` of this trainer). ``after_metrics_read``: what else waits for the
+        device's values of a training step, called right after the metrics' host read (the non-finite-gradient
+        guard's report: no synchronisation of its own)."""
         # The entropy bonus is TRL's (a token mean, scaled only for accumulation), added by _compute_loss.
         self.loss_options = dataclasses.replace(self.args.loss_options(), entropy_coef=0.0)
-        self._after_metrics_read = after_metrics_read
+        self._model_call, self._after_metrics_read = model_call, after_metrics_read
 
     def _loss_normalizer(self, inputs, mask, mode):
         """The denominator TRL's `_compute_loss` uses for this aggregation and loss_type, already
@@ -154,7 +155,7 @@ class FusedLoss(TRLMetrics):
 
         # GRPOTrainer's own chunking and slicing around the loss's call (the trainer's override of this method
         # would wrap the call in a log-prob call).
-        call = FusedModelCall(self, model, logits_to_keep, loss_terms)
+        call = self._model_call(model, logits_to_keep, loss_terms)
         _, _, aux_loss = GRPOTrainer._get_per_token_logps_and_entropies(
             self, call, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled, **{name: inputs.get(name) for name in MULTIMODAL_INPUTS})

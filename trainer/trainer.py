@@ -23,12 +23,14 @@ reads of another as an argument.
 
 from __future__ import annotations
 
+import functools
+
 from trl import GRPOConfig, GRPOTrainer
 
 from .config import DGPOConfig
 from .gradient_guard import NonfiniteGradientGuard
 from .loss import FusedLoss
-from .model_call import FusedModelCalls
+from .model_call import FusedModelCall, FusedModelCalls
 from .scores import ResponseScores
 
 
@@ -67,7 +69,8 @@ class DGPOTrainer(FusedLoss, FusedModelCalls, NonfiniteGradientGuard, ResponseSc
             from .vllm_cpu import install_cpu_weight_sync
             install_cpu_weight_sync(self)  # colocated vLLM on CPU: TRL's weight sync can't load into vLLM-CPU
         # self.loss_options, then each part given what it reads of another
-        self._init_loss(after_metrics_read=self.report_skipped_steps)
+        self._init_loss(model_call=functools.partial(FusedModelCall, self),
+                        after_metrics_read=self.report_skipped_steps)
         self.loss_options = self._init_model_calls(self.loss_options)  # with the model's projection
         self._init_scores(loss_reads_scores=self.loss_options.needs_scores,
                           smooth_advantages=self.args.advantage_estimator == "dcpo")
