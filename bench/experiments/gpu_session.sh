@@ -28,7 +28,7 @@
 #              head, Liger's fused linear, the three-GEMM floor                                   (limit 120 s)
 #   trainstep  train_step.py: one update of Qwen2.5-1.5B's architecture at completions of 2k and 8k,
 #              DGPOTrainer(fused="linear") and GRPOTrainer                                        (limit 170 s)
-#   passes     passes.py: the GEMM passes over the lm_head weight, per method and path, on CUDA   (limit 120 s)
+#   passes     passes.py: the GEMM passes over the lm_head weight, per method and path, on CUDA (limit 120 s)
 # Other stages, by name only (not in the dry run): bench (the benchmark suite, its results JSON as bench.json),
 # onchip (on_chip_split.py: the on-chip fused linear's kernels one by one, and other tiles of its gradient kernel:
 # ONCHIP_GRAD_SHAPES, ONCHIP_SETTINGS), host (host_overhead.py), repro (the bf16 cuDNN attention repro), mainjob
