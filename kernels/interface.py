@@ -147,6 +147,9 @@ class InputError(enum.IntFlag):
     # Found by the layouts (dgpo_ops.layouts), not by the prologue kernel:
     CU_SEQLENS = 128  # cu_seqlens does not describe the packed tokens
     VOCAB_SHARES = 256  # the processes of vocab_parallel_group hold unequal shares or different tokens
+    # Found beside the prologue, by torch ops on the device: a per-token float that only the torch objective
+    # reads (each response's score) is non-finite on a scored token; Status.BAD_INPUT says which
+    OBJECTIVE_INPUT = 512
 
 
 class Plane(enum.IntEnum):
@@ -185,6 +188,7 @@ class Status(enum.IntEnum):
     BAD_TARGET = 1  # the first out-of-range target id in row-major order
     TOKENS = 2  # scored tokens of the whole call
     ARRIVED = 3  # prologue programs done (the last one to arrive reduces over the responses)
+    BAD_INPUT = 4  # with InputError.OBJECTIVE_INPUT: which input (dgpo_ops.core.inputs.OBJECTIVE_FLOATS[i])
 
 
 NUM_STATUS = len(Status)

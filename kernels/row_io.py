@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,7 +41,9 @@ class RowInputs:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     rollout_weights: torch.Tensor | None = None
-    scores: torch.Tensor | None = None  # read by the torch objective only (LossInputs.scores)
+    # the per-token floats the kernels do not read (each response's score), by their LossInputs name, None
+    # where not passed or not carried: what the torch objective reads beside the fields above
+    objective_inputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
     def strides(self, tensor: torch.Tensor) -> tuple[int, int]:
         """(response stride, time stride) of a per-token or per-response tensor on the grid."""

@@ -7,14 +7,14 @@ Three steps, each usable alone:
 * ``check_values``: the values (target ids in range, a 0/1 mask, finite per-token floats) with torch
   ops and host reads, raising ``ValueError`` at once. On CUDA tensors this synchronises, so by
   default it runs only on the CPU; on CUDA the prologue kernel checks the values on the device
-  instead (``dgpo_ops.core.validation``).
+  instead, and ``objective_input_errors`` those of the floats it does not read (``dgpo_ops.core.validation``).
 * ``canonical_batch``: the contiguous fp32 ``(B, T)`` layout the torch objective works on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Annotated, NamedTuple, get_type_hints
 
 import torch
 
@@ -30,7 +30,19 @@ from dgpo_ops.kernels.row_io import RowInputs, compute_dtype, on_token_grid
 from dgpo_ops.methods.table import METHODS
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-PER_TOKEN_FLOATS = ("advantages", "old_logps", "ref_logps", "rollout_weights")
+
+
+@dataclass(frozen=True)
+class TokenFloat:
+    """The mark of a ``LossInputs`` field that holds a float per token: the shape of the logits' token axes,
+    or with ``per_response`` also one value per response (``(B,)``, ``(n_seqs,)`` packed), the same on its
+    tokens. The mark is all a new one needs outside its own math: every route then checks its structure and
+    its finite values on scored tokens (on the host, or on the device under deferred validation), pads it
+    for packed sequences, lays it on the grid (``RowInputs``, ``TokenBatch``) and passes it through the
+    compiled ops. The kernels read the fields ``RowInputs`` names; the others reach the torch objective
+    only."""
+
+    per_response: bool = False
 
 
 class LossInputs(NamedTuple):
@@ -41,18 +53,18 @@ class LossInputs(NamedTuple):
     kernel) their values."""
 
     target_ids: torch.Tensor
-    advantages: torch.Tensor
+    advantages: Annotated[torch.Tensor, TokenFloat(per_response=True)]
     mask: torch.Tensor | None = None
-    old_logps: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
-    rollout_weights: torch.Tensor | None = None
+    old_logps: Annotated[torch.Tensor | None, TokenFloat()] = None
+    ref_logps: Annotated[torch.Tensor | None, TokenFloat()] = None
+    rollout_weights: Annotated[torch.Tensor | None, TokenFloat()] = None
     loss_normalizer: float | torch.Tensor | None = None
     generator: torch.Generator | None = None  # what a random token selection draws from (clip_cov)
     # the inference engine's per-token log-probs: read by the rollout-correction stage (dgpo_ops.corrections),
     # which runs before every route and hands them on as rollout_weights and a mask, never further
     rollout_logps: torch.Tensor | None = None
     # each response's score (its reward), for the methods that split responses by its sign (topr); no gradient
-    scores: torch.Tensor | None = None
+    scores: Annotated[torch.Tensor | None, TokenFloat(per_response=True)] = None
     # w_t of an entropy term outside the aggregation, loss -= sum over scored t of w_t H_t (TRL's entropy bonus,
     # with its own tokens and normaliser); fused ops on padded or flat tokens, eager (dgpo_ops.ops.pipeline)
     entropy_weights: torch.Tensor | None = None
@@ -65,12 +77,23 @@ class LossInputs(NamedTuple):
         return tuple(getattr(self, name) for name in OP_TENSORS)
 
 
+def _token_floats() -> dict[str, TokenFloat]:
+    hints = get_type_hints(LossInputs, include_extras=True)
+    return {name: mark for name in LossInputs._fields
+            for mark in getattr(hints[name], "__metadata__", ()) if isinstance(mark, TokenFloat)}
+
+
+# The fields marked TokenFloat, in field order, and those the kernels read (RowInputs' own fields); the others
+# travel in RowInputs.objective_inputs and TokenBatch.objective_inputs, by name, to the torch objective.
+TOKEN_FLOATS: dict[str, TokenFloat] = _token_floats()
+KERNEL_FLOATS = tuple(name for name in TOKEN_FLOATS if name in {f.name for f in fields(RowInputs)})
+OBJECTIVE_FLOATS = tuple(name for name in TOKEN_FLOATS if name not in KERNEL_FLOATS)
 # The fields that cross the boundary of the torch.compile custom ops (dgpo_ops.ops.compiled), whose schemas
-# are made from this list: a new tensor input reaches the compiled route by its name here (where its values
-# are checked, laid out per token and read by the math is its own code: token_inputs, check_values,
-# TokenBatch). The others are spent before the ops (rollout_logps, by the correction stage) or not taken by
-# them (cu_seqlens and entropy_weights are refused under compile; the generator stays on the host).
-OP_TENSORS = ("target_ids", "advantages", "mask", "old_logps", "ref_logps", "rollout_weights", "scores")
+# are made from this list: the target ids, the mask and every per-token float. The others are spent before
+# the ops (rollout_logps, by the correction stage) or not taken by them (cu_seqlens and entropy_weights are
+# refused under compile; the generator stays on the host).
+OP_TENSORS = tuple(name for name in LossInputs._fields
+                   if name in ("target_ids", "mask") or name in TOKEN_FLOATS)
 
 
 @dataclass
@@ -87,7 +110,8 @@ class TokenBatch:
     rollout_weights: torch.Tensor | None
     scale: torch.Tensor  # s_t, 0 on tokens not scored
     flat: bool  # the caller passed (N, V) logits: outputs are (N,)
-    scores: torch.Tensor | None = None  # each response's score on its tokens (LossInputs.scores)
+    # the other per-token floats (OBJECTIVE_FLOATS: each response's score), by name, None where not passed
+    objective_inputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
     def unflatten(self, per_token: torch.Tensor) -> torch.Tensor:
         return per_token.reshape(-1) if self.flat else per_token.reshape(self.mask.shape)
@@ -166,15 +190,17 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregat
             raise ValueError(f"mask must be boolean, integer or floating point, got {mask.dtype}")
     if advantages is None:
         raise ValueError("advantages are required")
-    floats = {
-        name: _check_float_input(name, value, token_shape, device,
-                                 allow_per_response=(name == "advantages" and not flat), source=source)
-        for name, value in ((name, getattr(batch, name)) for name in PER_TOKEN_FLOATS)
-    }
-    scores = _check_float_input("scores", batch.scores, token_shape, device, allow_per_response=not flat,
-                                source=source)
+    floats = {name: _check_float_input(name, getattr(batch, name), token_shape, device,
+                                       allow_per_response=mark.per_response and not flat, source=source)
+              for name, mark in TOKEN_FLOATS.items()}
     return RowInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
-                       mask=None if mask is None else mask.detach(), scores=scores, **floats)
+                     mask=None if mask is None else mask.detach(),
+                     objective_inputs={name: floats.pop(name) for name in OBJECTIVE_FLOATS}, **floats)
+
+
+def token_float(inputs: RowInputs, name: str) -> torch.Tensor | None:
+    """The per-token float ``name`` of ``inputs``, a field the kernels read or one of its objective inputs."""
+    return inputs.objective_inputs[name] if name in OBJECTIVE_FLOATS else getattr(inputs, name)
 
 
 def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.Tensor | None]:
@@ -207,19 +233,46 @@ def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torc
         if inputs.mask.dtype != torch.bool and ((inputs.mask != 0) & (inputs.mask != 1)).any():
             raise ValueError(MESSAGES[InputError.MASK])
         scored = scored & (inputs.mask != 0)
-    for name in PER_TOKEN_FLOATS:
-        value = getattr(inputs, name)
+    for name in TOKEN_FLOATS:
+        value = token_float(inputs, name)
         if value is None:
             continue
         value = on_token_grid(value, inputs.flat, scored.shape)
         if not torch.isfinite(value[scored].to(dtype)).all():
-            raise ValueError(MESSAGES[InputError[name.upper()]])
-    if inputs.scores is not None and not torch.isfinite(
-            on_token_grid(inputs.scores, inputs.flat, scored.shape)[scored].to(dtype)).all():
-        raise ValueError("scores has non-finite values on unmasked tokens")
+            raise ValueError(non_finite_message(name))
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
     if kind == Normalizer.TENSOR:
         check_normalizer_value(float(tensor))
+
+
+def non_finite_message(name: str) -> str:
+    """The error of the per-token float ``name`` with a non-finite value on a scored token: the message of the
+    prologue kernel's bit for a field the kernels read, of ``InputError.OBJECTIVE_INPUT`` for the others."""
+    if name in OBJECTIVE_FLOATS:
+        return MESSAGES[InputError.OBJECTIVE_INPUT].format(input=name)
+    return MESSAGES[InputError[name.upper()]]
+
+
+def objective_input_errors(inputs: RowInputs, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Deferred validation of the objective inputs (the prologue kernel checks the floats the kernels read),
+    on the device with no host read: ``InputError.OBJECTIVE_INPUT`` (or 0), and the position in
+    ``OBJECTIVE_FLOATS`` of the first with a non-finite value on a scored token (``Status.BAD_INPUT``), as
+    int64 scalars; None when the call passes none of them."""
+    present = [(position, inputs.objective_inputs[name]) for position, name in enumerate(OBJECTIVE_FLOATS)
+               if inputs.objective_inputs[name] is not None]
+    if not present:
+        return None
+    B, T = inputs.grid
+    scored = inputs.target_ids.reshape(B, T) != IGNORE_INDEX
+    if inputs.mask is not None:
+        scored = scored & (inputs.mask.reshape(B, T) != 0)
+    errors = torch.zeros((), dtype=torch.int64, device=scored.device)
+    position = torch.zeros_like(errors)
+    for at, value in reversed(present):  # the first bad one is written last
+        bad = (scored & ~torch.isfinite(on_token_grid(value, inputs.flat, (B, T)).to(dtype))).any()
+        errors = torch.where(bad, int(InputError.OBJECTIVE_INPUT), errors)
+        position = torch.where(bad, at, position)
+    return errors, position
 
 
 def canonical_batch(inputs: RowInputs, scored: torch.Tensor, scale: torch.Tensor, dtype) -> TokenBatch:
@@ -236,13 +289,10 @@ def canonical_batch(inputs: RowInputs, scored: torch.Tensor, scale: torch.Tensor
     return TokenBatch(
         target_ids=torch.where(scored, target_ids, 0).contiguous(),
         mask=scored.contiguous(),
-        advantages=on_grid(inputs.advantages),
-        old_logps=on_grid(inputs.old_logps),
-        ref_logps=on_grid(inputs.ref_logps),
-        rollout_weights=on_grid(inputs.rollout_weights),
         scale=scale,
         flat=inputs.flat,
-        scores=on_grid(inputs.scores),
+        objective_inputs={name: on_grid(value) for name, value in inputs.objective_inputs.items()},
+        **{name: on_grid(getattr(inputs, name)) for name in KERNEL_FLOATS},
     )
 
 

@@ -41,7 +41,7 @@ def check_kl_inputs(batch, options: LossOptions) -> None:
     ``batch``: anything with both (a ``TokenBatch`` or the kernels' ``RowInputs``)."""
     if options.beta != 0.0 and batch.ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps")
-    if options.positive_nll_coef != 0.0 and batch.scores is None:
+    if options.positive_nll_coef != 0.0 and batch.objective_inputs["scores"] is None:
         raise ValueError("positive_nll_coef > 0 needs scores (each response's reward: its positive responses are "
                          "the correct ones)")
 
@@ -49,7 +49,7 @@ def check_kl_inputs(batch, options: LossOptions) -> None:
 def positive_nll(logp: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
     """VAPO's positive-example NLL as NeMo-RL's ClippedPGLossFn forms it: the mean of ``-l`` over the scored tokens
     of the responses whose score is > 0, over this call's count of them plus 1e-8 (0 where there is none)."""
-    correct = batch.mask & (batch.scores > 0)
+    correct = batch.mask & (batch.objective_inputs["scores"] > 0)
     return -torch.where(correct, logp, 0.0).sum() / (correct.sum() + 1e-8)
 
 
@@ -75,7 +75,7 @@ def policy_objective(
         if statistic is gspo.mean_log_ratio:
             importance_log_ratio = log_ratio
     tokens = token_terms(options.method, log_ratio, batch.advantages, old_logp, logp=logp, scored=batch.mask,
-                         generator=generator, score=batch.scores)
+                         generator=generator, score=batch.objective_inputs["scores"])
     per_token = tokens.loss
     if batch.rollout_weights is not None and not options.folds_rollout_weights:
         per_token = per_token * batch.rollout_weights

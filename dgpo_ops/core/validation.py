@@ -1,17 +1,18 @@
 """Input errors found on the device, raised on the host without a synchronisation per call.
 
 A fused op checks its inputs' structure (shapes, dtypes, devices) on the host, always. Their
-values (target ids in range, a 0/1 mask, finite advantages and log-probs on scored tokens, a
-positive loss normalizer) are checked one of two ways, chosen by ``validation=``:
+values (target ids in range, a 0/1 mask, finite per-token floats on scored tokens, a positive
+loss normalizer) are checked one of two ways, chosen by ``validation=``:
 
 * ``"immediate"``: with torch ops and host reads before anything runs; the ``ValueError`` comes
   from the call itself. On CUDA tensors this costs a host-device synchronisation per call.
-* ``"deferred"``: by the prologue kernel on the device, which sets ``InputError`` bits in the
-  call's status vector and makes the loss and gradient NaN, so nothing downstream is quietly
-  wrong. The status is copied to pinned host memory without waiting; the ``ValueError`` naming the
-  argument is raised by the first of: any later fused-op call after the GPU has finished the bad
-  one (a non-blocking check), ``raise_deferred_errors()`` (which waits), or ``DGPOTrainer`` once
-  per logging step (after the read its logging already does).
+* ``"deferred"``: by the prologue kernel on the device (and torch ops beside it for the per-token
+  floats the kernels do not read), which sets ``InputError`` bits in the call's status vector and
+  makes the loss and gradient NaN, so nothing downstream is quietly wrong. The status is copied to
+  pinned host memory without waiting; the ``ValueError`` naming the argument is raised by the first
+  of: any later fused-op call after the GPU has finished the bad one (a non-blocking check),
+  ``raise_deferred_errors()`` (which waits), or ``DGPOTrainer`` once per logging step (after the
+  read its logging already does).
 * ``"auto"`` (the default): immediate on the CPU, deferred on CUDA.
 """
 
@@ -53,6 +54,7 @@ MESSAGES = {
                            "hold no sequence longer than max_seqlen",
     InputError.VOCAB_SHARES: "vocab_parallel_group: every process must hold an equal share of the vocabulary (in rank "
                              "order) and the same tokens",
+    InputError.OBJECTIVE_INPUT: "{input} has non-finite values on unmasked tokens",
 }
 
 # A layout's errors first: a wrong vocabulary share or grid also makes in-range targets look out of range.
@@ -68,14 +70,19 @@ def resolve_mode(validation: str, device: torch.device) -> str:
     return validation
 
 
-def error_message(status, vocab: int, normalizer: torch.Tensor | None = None, op: str = "") -> str | None:
-    """The message of the first error bit set in a host copy of a status vector (None when clean)."""
+def error_message(status, vocab: int, normalizer: torch.Tensor | None = None, op: str = "",
+                  objective_inputs: tuple[str, ...] = ()) -> str | None:
+    """The message of the first error bit set in a host copy of a status vector (None when clean);
+    ``objective_inputs``: the names ``Status.BAD_INPUT`` counts in
+    (``dgpo_ops.core.inputs.OBJECTIVE_FLOATS``)."""
     errors = InputError(int(status[Status.ERRORS]))
     if not errors:
         return None
     bit = next(b for b in ERROR_ORDER if b in errors)
+    bad_input = int(status[Status.BAD_INPUT])
+    name = objective_inputs[bad_input] if bad_input < len(objective_inputs) else "an objective input"
     fields = dict(vocab=vocab, ignore=IGNORE_INDEX, bad_target=int(status[Status.BAD_TARGET]),
-                  normalizer=None if normalizer is None else float(normalizer))
+                  normalizer=None if normalizer is None else float(normalizer), input=name)
     where = f" (found on the device in an earlier {op} call)" if op else ""
     return MESSAGES[bit].format(**fields) + where
 
@@ -87,6 +94,7 @@ class _PendingCheck:
     vocab: int
     normalizer: torch.Tensor | None
     op: str
+    objective_inputs: tuple[str, ...]
     ring: "_PinnedRing | None" = None  # the ring whose slot holds `status`, freed once read
     slot: int = -1
 
@@ -143,12 +151,14 @@ def running_per_token_function() -> str | None:
     return _PER_TOKEN_FUNCTION.get()
 
 
-def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op: str) -> None:
+def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op: str,
+          objective_inputs: tuple[str, ...] = ()) -> None:
     """Queue a call's device status for a later check; starts its copy to the host, never waits. ``op``: the
-    function its error names."""
+    function its error names; ``objective_inputs``: as ``error_message`` reads them (none where the call's
+    objective inputs are not checked)."""
     if not status.is_cuda:
         with _lock:
-            _pending.append(_PendingCheck(status, None, vocab, normalizer, op))
+            _pending.append(_PendingCheck(status, None, vocab, normalizer, op, objective_inputs))
         return
     with _lock:
         key = (status.device, tuple(status.shape), status.dtype)
@@ -163,7 +173,7 @@ def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op:
     host.copy_(status, non_blocking=True)  # on the status device's current stream
     done.record(torch.cuda.current_stream(status.device))  # that stream, whichever device is current
     with _lock:
-        _pending.append(_PendingCheck(host, done, vocab, normalizer, op, ring, slot))
+        _pending.append(_PendingCheck(host, done, vocab, normalizer, op, objective_inputs, ring, slot))
 
 
 def _read_and_release(checks: list[_PendingCheck]) -> list:
@@ -178,7 +188,7 @@ def _read_and_release(checks: list[_PendingCheck]) -> list:
 
 def _raise_first(checks: list[_PendingCheck]) -> None:
     for check, status in zip(checks, _read_and_release(checks)):
-        message = error_message(status, check.vocab, check.normalizer, check.op)
+        message = error_message(status, check.vocab, check.normalizer, check.op, check.objective_inputs)
         if message is not None:
             raise ValueError(message)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.core.inputs import PER_TOKEN_FLOATS, LossInputs
+from dgpo_ops.core.inputs import TOKEN_FLOATS, LossInputs
 from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError
 
 
@@ -84,25 +84,26 @@ class PackedLayout:
         """int64 ``(n_tokens,)``: the sequence each packed token belongs to."""
         return self.grid_index // self.max_seqlen
 
-    def advantages_per_sequence(self, advantages) -> bool:
-        """Whether ``advantages`` hold one value per sequence: shape ``(B, 1)``, or ``(B,)`` where that
-        is not also the number of tokens. Shape ``(n,)`` with ``n`` sequences over ``n`` tokens (empty
-        sequences allow it with lengths other than 1) has two readings that differ: an error."""
-        if not torch.is_tensor(advantages):
+    def per_sequence(self, name: str, value) -> bool:
+        """Whether the per-response float ``name`` (``TokenFloat(per_response=True)``: the advantages, the
+        scores) holds one value per sequence: shape ``(B, 1)``, or ``(B,)`` where that is not also the number
+        of tokens. Shape ``(n,)`` with ``n`` sequences over ``n`` tokens (empty sequences allow it with
+        lengths other than 1) has two readings that differ: an error."""
+        if not torch.is_tensor(value):
             return False
-        if advantages.shape == (self.n_seqs, 1):
+        if value.shape == (self.n_seqs, 1):
             return True
-        if advantages.shape == (self.n_seqs,) and self.n_seqs == self.n_tokens:
+        if value.shape == (self.n_seqs,) and self.n_seqs == self.n_tokens:
             raise ValueError(
-                f"advantages of shape ({self.n_seqs},) are ambiguous: cu_seqlens holds {self.n_seqs} sequences over "
-                f"{self.n_tokens} packed tokens. Pass advantages[:, None] (shape ({self.n_seqs}, 1)) for one "
-                f"advantage per sequence, or advantages[None] (shape (1, {self.n_tokens})) for one per token")
-        return advantages.shape == (self.n_seqs,)
+                f"{name} of shape ({self.n_seqs},) are ambiguous: cu_seqlens holds {self.n_seqs} sequences "
+                f"over {self.n_tokens} packed tokens. Pass {name}[:, None] (shape ({self.n_seqs}, 1)) for "
+                f"one value per sequence, or {name}[None] (shape (1, {self.n_tokens})) for one per token")
+        return value.shape == (self.n_seqs,)
 
     def padded_batch(self, batch: LossInputs) -> LossInputs:
         """The per-token inputs on the padded grid: target ids -100 and the mask 0 where there is no
-        token. Per-sequence advantages (``advantages_per_sequence``) stay ``(B,)``; per-token ones may
-        also be ``(1, n_tokens)``, the spelling that is never ambiguous."""
+        token. A per-response float given per sequence (``per_sequence``) stays ``(B,)``; given per token it
+        may also be ``(1, n_tokens)``, the spelling that is never ambiguous."""
         def check_token_shape(name, value, per_sequence=False):
             if torch.is_tensor(value) and value.shape != (self.n_tokens,):
                 also = f" or ({self.n_seqs},) per sequence" if per_sequence else ""
@@ -114,16 +115,16 @@ class PackedLayout:
         if batch.mask is not None:
             check_token_shape("mask", batch.mask)
             padded["mask"] = self.pad(batch.mask, 0)
-        for name in (*PER_TOKEN_FLOATS, "scores"):
+        for name, mark in TOKEN_FLOATS.items():
             value = getattr(batch, name)
             if value is None or not torch.is_tensor(value):
                 continue
-            if name in ("advantages", "scores"):
-                if self.advantages_per_sequence(value):
+            if mark.per_response:
+                if self.per_sequence(name, value):
                     padded[name] = value.reshape(self.n_seqs)
                     continue
                 if value.shape == (1, self.n_tokens):
                     value = value.reshape(self.n_tokens)
-            check_token_shape(name, value, per_sequence=name in ("advantages", "scores"))
+            check_token_shape(name, value, per_sequence=mark.per_response)
             padded[name] = self.pad(value.detach(), 0.0)
         return batch._replace(**padded, cu_seqlens=None, max_seqlen=None)  # padded: no longer packed

@@ -96,7 +96,8 @@ class RowLayout:
         if self.packed is None:
             return grid_inputs
         return RowInputs((1, self.packed.n_tokens), True, batch.target_ids.detach(), grid_inputs.advantages,
-                           None if batch.mask is None else batch.mask.detach())
+                         None if batch.mask is None else batch.mask.detach(),
+                         objective_inputs=dict.fromkeys(grid_inputs.objective_inputs))
 
     def merge(self, workspace: RowWorkspace) -> None:
         """After the row forward: a split vocabulary's partials merged over the group (nothing otherwise)."""

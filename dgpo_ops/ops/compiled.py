@@ -76,7 +76,7 @@ def split_normalizer(loss_normalizer) -> tuple[OptionalTensor, float | None]:
 
 
 # The ops' schemas name every tensor of OP_TENSORS in its order (a field without a default is required), so a
-# new tensor input reaches them by its name there; the implementations take the schema's arguments by
+# new per-token float reaches them by its TokenFloat mark; the implementations take the schema's arguments by
 # position: the leading ones, the tensors (N_TENSORS), the normaliser as tensor or number, then the rest.
 N_TENSORS = len(OP_TENSORS)
 TENSORS_SCHEMA = ", ".join(f"Tensor{'' if name not in LossInputs._field_defaults else '?'} {name}"

@@ -59,7 +59,9 @@ def flat_token_inputs(inputs: RowInputs) -> RowInputs:
         return None if value is None else on_token_grid(value, inputs.flat, grid).reshape(-1)
 
     return RowInputs((1, grid[0] * grid[1]), True, flat(inputs.target_ids), flat(inputs.advantages),
-                       flat(inputs.mask), flat(inputs.old_logps), flat(inputs.ref_logps), flat(inputs.rollout_weights))
+                     flat(inputs.mask), flat(inputs.old_logps), flat(inputs.ref_logps),
+                     flat(inputs.rollout_weights),
+                     {name: flat(value) for name, value in inputs.objective_inputs.items()})
 
 
 def rows_of(inputs: RowInputs, at: slice) -> RowInputs:
@@ -68,7 +70,8 @@ def rows_of(inputs: RowInputs, at: slice) -> RowInputs:
         return None if value is None else value[at]
 
     return RowInputs((1, at.stop - at.start), True, inputs.target_ids[at], inputs.advantages[at], take(inputs.mask),
-                       take(inputs.old_logps), take(inputs.ref_logps), take(inputs.rollout_weights))
+                     take(inputs.old_logps), take(inputs.ref_logps), take(inputs.rollout_weights),
+                     {name: take(value) for name, value in inputs.objective_inputs.items()})
 
 
 class TwinEpilogue:

@@ -28,10 +28,12 @@ import torch
 
 from dgpo_ops.core.aggregation import aggregation_codes
 from dgpo_ops.core.inputs import (
+    OBJECTIVE_FLOATS,
     LossInputs,
     canonical_batch,
     check_values,
     normalizer_spec,
+    objective_input_errors,
     token_inputs,
 )
 from dgpo_ops.core.metrics import policy_metrics
@@ -145,6 +147,14 @@ def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False
     if errors is not None:  # never with finalize: a layout's rows are finished after the row forward
         workspace.status[Status.ERRORS] |= errors
         workspace.seq_scale.copy_(torch.where(errors != 0, float("nan"), workspace.seq_scale))
+    found = objective_input_errors(plan.inputs, workspace.seq_scale.dtype) if plan.deferred else None
+    if found is not None:  # the per-token floats the prologue kernel does not check
+        errors, position = found
+        workspace.status[Status.ERRORS] |= errors
+        workspace.status[Status.BAD_INPUT] = position
+        workspace.seq_scale.copy_(torch.where(errors != 0, float("nan"), workspace.seq_scale))
+        if finalize:  # the loss is reduced already (by a method that reads none of them): NaN all the same
+            workspace.loss.copy_(torch.where(errors != 0, float("nan"), workspace.loss))
 
 
 RowForward = Callable[..., None]  # (rows, inv_scale, token_offset=0): the row forward over some of the call's rows
@@ -197,7 +207,7 @@ def forward_rows(plan: CallPlan, workspace: RowWorkspace, sweep: Callable[[RowFo
         function = running_per_token_function()
         if function is not None:  # its results are the per-token values (a loss op's, its loss and gradient)
             nan_rows_on_error(workspace)
-        defer(workspace.status, plan.vocab, plan.normalizer_tensor, function or op)
+        defer(workspace.status, plan.vocab, plan.normalizer_tensor, function or op, OBJECTIVE_FLOATS)
     result.plan = plan
     return result
 

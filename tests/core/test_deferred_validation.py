@@ -10,6 +10,7 @@ import torch
 from helpers import logits_batch
 
 import dgpo_ops
+from dgpo_ops.core.inputs import TOKEN_FLOATS
 from dgpo_ops.core.validation import pending_deferred_checks
 
 BACKENDS = ["triton", "torch"]
@@ -35,6 +36,9 @@ def bad_inputs(kind: str) -> dict:
         inputs["rollout_weights"][0, 0] = float("nan")
     elif kind == "loss_normalizer":
         inputs["loss_normalizer"] = torch.tensor(0.0)
+    elif kind in TOKEN_FLOATS:  # any other per-token float (each response's score): found by its mark alone
+        inputs[kind] = torch.rand(2, 5) + 0.5
+        inputs[kind][1, 3] = float("nan")
     else:
         raise AssertionError(kind)
     inputs["mask"] = inputs["mask"] if kind == "mask" else torch.ones(2, 5, dtype=torch.bool)  # every token scored
@@ -43,6 +47,7 @@ def bad_inputs(kind: str) -> dict:
 
 KINDS = ["target_ids", "negative_target_ids", "mask", "advantages", "per_token_advantages", "old_logps", "ref_logps",
          "rollout_weights", "loss_normalizer"]
+KINDS += [name for name in TOKEN_FLOATS if name not in KINDS]
 ARGUMENT = {"negative_target_ids": "target_ids", "per_token_advantages": "advantages"}
 
 
