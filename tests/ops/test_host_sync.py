@@ -153,15 +153,18 @@ def test_reading_the_metrics_costs_one_op_each_and_no_sync(recorder):
     assert rec.syncs == [] and len(rec.ops) == len(values)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence", "vespo", "geo_mean", "clip_cov", "kl_cov"])
+@pytest.mark.parametrize("level", ["token", "sequence", "vespo", "geo_mean", "clip_cov", "kl_cov", "topr"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_every_route_is_sync_free(recorder, backend, level):
     """Token level, GSPO's sequence ratio, the methods' own sequence statistics (vespo's and geo_mean's, with
-    rollout weights folded in) and the batch-level selections (clip_cov draws at random, kl_cov ranks: the
-    counts stay on the device)."""
+    rollout weights folded in), the batch-level selections (clip_cov draws at random, kl_cov ranks: the
+    counts stay on the device) and the responses' scores (topr's split, the positive-example NLL; their
+    deferred check runs beside the prologue)."""
     inputs = loss_inputs()
     options = dict(aggregation="seq_mean_token_mean", entropy_coef=0.01, beta=0.02)
-    if level in ("vespo", "geo_mean", "clip_cov", "kl_cov"):
+    if level == "topr":
+        options.update(method="topr", scores=torch.tensor([1.0, -1.0]), positive_nll_coef=0.1)
+    elif level in ("vespo", "geo_mean", "clip_cov", "kl_cov"):
         options.update(method=level, rollout_weights=torch.rand(inputs["target_ids"].shape) + 0.5)
         if level == "clip_cov":
             options.update(generator=torch.Generator().manual_seed(0), clip_cov_lb=-2.0, clip_cov_ub=2.0)
