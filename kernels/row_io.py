@@ -43,7 +43,7 @@ class RowInputs:
     rollout_weights: torch.Tensor | None = None
     # the per-token floats the kernels do not read (each response's score), by their LossInputs name, None
     # where not passed or not carried: what the torch objective reads beside the fields above
-    objective_inputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    objective_inputs: dict[str, torch.Tensor | None] = field(kw_only=True)
 
     def strides(self, tensor: torch.Tensor) -> tuple[int, int]:
         """(response stride, time stride) of a per-token or per-response tensor on the grid."""

@@ -13,7 +13,7 @@ Three steps, each usable alone:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Annotated, NamedTuple, get_type_hints
 
 import torch
@@ -111,7 +111,7 @@ class TokenBatch:
     scale: torch.Tensor  # s_t, 0 on tokens not scored
     flat: bool  # the caller passed (N, V) logits: outputs are (N,)
     # the other per-token floats (OBJECTIVE_FLOATS: each response's score), by name, None where not passed
-    objective_inputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    objective_inputs: dict[str, torch.Tensor | None]
 
     def unflatten(self, per_token: torch.Tensor) -> torch.Tensor:
         return per_token.reshape(-1) if self.flat else per_token.reshape(self.mask.shape)
@@ -253,6 +253,12 @@ def non_finite_message(name: str) -> str:
     return MESSAGES[InputError[name.upper()]]
 
 
+def scored_tokens(inputs: RowInputs) -> torch.Tensor:
+    """bool ``(B, T)``: the tokens the loss scores (a target id other than IGNORE_INDEX, the mask not 0)."""
+    scored = inputs.target_ids.reshape(inputs.grid) != IGNORE_INDEX
+    return scored if inputs.mask is None else scored & (inputs.mask.reshape(inputs.grid) != 0)
+
+
 def objective_input_errors(inputs: RowInputs, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Deferred validation of the objective inputs (the prologue kernel checks the floats the kernels read),
     on the device with no host read: ``InputError.OBJECTIVE_INPUT`` (or 0), and the position in
@@ -262,14 +268,11 @@ def objective_input_errors(inputs: RowInputs, dtype) -> tuple[torch.Tensor, torc
                if inputs.objective_inputs[name] is not None]
     if not present:
         return None
-    B, T = inputs.grid
-    scored = inputs.target_ids.reshape(B, T) != IGNORE_INDEX
-    if inputs.mask is not None:
-        scored = scored & (inputs.mask.reshape(B, T) != 0)
+    scored = scored_tokens(inputs)
     errors = torch.zeros((), dtype=torch.int64, device=scored.device)
     position = torch.zeros_like(errors)
     for at, value in reversed(present):  # the first bad one is written last
-        bad = (scored & ~torch.isfinite(on_token_grid(value, inputs.flat, (B, T)).to(dtype))).any()
+        bad = (scored & ~torch.isfinite(on_token_grid(value, inputs.flat, inputs.grid).to(dtype))).any()
         errors = torch.where(bad, int(InputError.OBJECTIVE_INPUT), errors)
         position = torch.where(bad, at, position)
     return errors, position
@@ -306,8 +309,5 @@ def prepare_batch(logits_shape, logits_dtype, device, batch: LossInputs, aggrega
     loss_normalizer = batch.loss_normalizer
     if check:
         check_values(inputs, logits_shape[-1], loss_normalizer, dtype)
-    B, T = inputs.grid
-    scored = inputs.target_ids.reshape(B, T) != IGNORE_INDEX
-    if inputs.mask is not None:
-        scored = scored & (inputs.mask.reshape(B, T) != 0)
+    scored = scored_tokens(inputs)
     return canonical_batch(inputs, scored, token_scales(scored, aggregation, loss_normalizer, dtype), dtype)

@@ -61,7 +61,7 @@ def flat_token_inputs(inputs: RowInputs) -> RowInputs:
     return RowInputs((1, grid[0] * grid[1]), True, flat(inputs.target_ids), flat(inputs.advantages),
                      flat(inputs.mask), flat(inputs.old_logps), flat(inputs.ref_logps),
                      flat(inputs.rollout_weights),
-                     {name: flat(value) for name, value in inputs.objective_inputs.items()})
+                     objective_inputs={name: flat(value) for name, value in inputs.objective_inputs.items()})
 
 
 def rows_of(inputs: RowInputs, at: slice) -> RowInputs:
@@ -71,7 +71,7 @@ def rows_of(inputs: RowInputs, at: slice) -> RowInputs:
 
     return RowInputs((1, at.stop - at.start), True, inputs.target_ids[at], inputs.advantages[at], take(inputs.mask),
                      take(inputs.old_logps), take(inputs.ref_logps), take(inputs.rollout_weights),
-                     {name: take(value) for name, value in inputs.objective_inputs.items()})
+                     objective_inputs={name: take(value) for name, value in inputs.objective_inputs.items()})
 
 
 class TwinEpilogue:

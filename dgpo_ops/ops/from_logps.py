@@ -61,4 +61,8 @@ def logps_loss(logps: torch.Tensor, inputs: LossInputs, options: LossOptions, to
         batch.scale = torch.where(batch.mask, scales.to(dtype), 0.0)
     entropy = torch.zeros(logps.shape, dtype=dtype, device=logps.device)
     loss, logp, _, metrics = masked_objective(logps.to(dtype), entropy, batch, options, inputs.generator)
+    if not check:  # a score is compared, not multiplied in: a non-finite one makes the loss NaN here
+        for value in batch.objective_inputs.values():
+            if value is not None:
+                loss = loss * torch.where(torch.isfinite(value).all(), 1.0, float("nan"))
     return PolicyLossOutput(loss, logp.detach().float(), None, metrics)

@@ -40,7 +40,7 @@ from dgpo_ops.core.metrics import policy_metrics
 from dgpo_ops.core.objective import check_kl_inputs, entropy_weight_term, policy_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, poll_deferred_errors, resolve_mode, running_per_token_function
-from dgpo_ops.kernels.interface import Plane, Status
+from dgpo_ops.kernels.interface import InputError, Plane, Status
 from dgpo_ops.kernels.row_io import RowWorkspace, RowInputs, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
 from dgpo_ops.ops.backends import RowKernels, select_kernels
@@ -138,8 +138,8 @@ def entropy_gradient(plan: CallPlan, backward_view: tuple[RowWorkspace, int]) ->
 def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False) -> None:
     """The prologue; with ``finalize`` (after the row forward's epilogue) its last program also
     reduces the loss and metrics into the workspace, in the same launch. Errors the layout found on
-    the device join the prologue's: the call's status names them, and NaN scales make the loss and
-    gradient NaN, as for bad values."""
+    the device, and those of the per-token floats the kernel does not read, join the prologue's: the
+    call's status names them, and NaN scales make the loss and gradient NaN, as for bad values."""
     extra = dict(finalize=(workspace, plan.has_kl)) if finalize else {}
     plan.kernels.prologue(plan.inputs, workspace.sequence_stats, workspace.seq_scale, workspace.status, plan.vocab,
                           aggregation_codes(plan.options.aggregation), plan.normalizer, **extra)
@@ -147,14 +147,23 @@ def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False
     if errors is not None:  # never with finalize: a layout's rows are finished after the row forward
         workspace.status[Status.ERRORS] |= errors
         workspace.seq_scale.copy_(torch.where(errors != 0, float("nan"), workspace.seq_scale))
+    check_objective_inputs(plan, workspace, finalize)
+
+
+def check_objective_inputs(plan: CallPlan, workspace: RowWorkspace, finalized: bool = False) -> None:
+    """Deferred validation of the per-token floats the prologue kernel does not read
+    (``objective_input_errors``) into the call's status and scales; ``finalized``: the loss is reduced
+    already (by a method that reads none of them), and is made NaN all the same."""
     found = objective_input_errors(plan.inputs, workspace.seq_scale.dtype) if plan.deferred else None
-    if found is not None:  # the per-token floats the prologue kernel does not check
-        errors, position = found
-        workspace.status[Status.ERRORS] |= errors
-        workspace.status[Status.BAD_INPUT] = position
-        workspace.seq_scale.copy_(torch.where(errors != 0, float("nan"), workspace.seq_scale))
-        if finalize:  # the loss is reduced already (by a method that reads none of them): NaN all the same
-            workspace.loss.copy_(torch.where(errors != 0, float("nan"), workspace.loss))
+    if found is None:
+        return
+    errors, position = found
+    named = (workspace.status[Status.ERRORS] & int(InputError.OBJECTIVE_INPUT)) != 0  # by an earlier check
+    workspace.status[Status.BAD_INPUT] = torch.where(named, workspace.status[Status.BAD_INPUT], position)
+    workspace.status[Status.ERRORS] |= errors
+    workspace.seq_scale.copy_(torch.where(errors != 0, float("nan"), workspace.seq_scale))
+    if finalized:
+        workspace.loss.copy_(torch.where(errors != 0, float("nan"), workspace.loss))
 
 
 RowForward = Callable[..., None]  # (rows, inv_scale, token_offset=0): the row forward over some of the call's rows
@@ -193,6 +202,8 @@ def forward_rows(plan: CallPlan, workspace: RowWorkspace, sweep: Callable[[RowFo
     plan.rows.merge(workspace)
     if plan.complete is not None:
         plan = plan.complete(plan, workspace)
+        if prologue_first:  # the completed inputs were not there when the prologue ran
+            check_objective_inputs(plan, workspace)
     if not prologue_first:
         run_prologue(plan, workspace, finalize=uses_epilogue)
     elif uses_epilogue:

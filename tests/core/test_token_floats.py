@@ -1,15 +1,26 @@
-"""Every per-token float of ``LossInputs`` (a field marked ``TokenFloat``) is checked, laid out and carried by its
-mark alone: these tests run over ``TOKEN_FLOATS``, so a new field is tested on every route without an edit here,
-once ``READS_ALL`` names an option that reads it."""
+"""Every per-token float of ``LossInputs`` (a field marked ``TokenFloat``) is checked, laid out and carried by
+its mark alone: these tests run over ``TOKEN_FLOATS`` on the fused logits op, the fused-linear op, the
+reference, the packed layout and the loss from log-probs, immediate and deferred, so a new field is tested
+there without an edit here once ``READS_ALL`` names an option that reads it. (The compiled ops take ``OP_TENSORS``:
+tests/ops/test_compile.py; the split vocabulary reads the grid's inputs as the whole one does.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from dgpo_ops.kernels.interface import NUM_STATUS, InputError, Status
 from helpers import logits_batch
 
 import dgpo_ops
-from dgpo_ops.core.inputs import OBJECTIVE_FLOATS, OP_TENSORS, TOKEN_FLOATS, LossInputs
+from dgpo_ops.core.inputs import (
+    OBJECTIVE_FLOATS,
+    OP_TENSORS,
+    TOKEN_FLOATS,
+    LossInputs,
+    TokenFloat,
+)
+from dgpo_ops.core.options import LossOptions
+from dgpo_ops.core.validation import error_message
 
 B, T, V, H = 3, 5, 17, 8
 LENGTHS = (5, 3, 4)
@@ -46,9 +57,13 @@ def per_response(value: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_marks_derive_the_tensors_of_every_route():
-    assert set(TOKEN_FLOATS) <= set(LossInputs._fields)
-    assert OP_TENSORS == tuple(name for name in LossInputs._fields if name in ("target_ids", "mask", *TOKEN_FLOATS))
-    assert "scores" in OBJECTIVE_FLOATS and "advantages" not in OBJECTIVE_FLOATS
+    """The marks as written on LossInputs (a mark dropped would shrink every grid below without a failure)."""
+    assert TOKEN_FLOATS == {"advantages": TokenFloat(per_response=True), "old_logps": TokenFloat(),
+                            "ref_logps": TokenFloat(), "rollout_weights": TokenFloat(),
+                            "scores": TokenFloat(per_response=True)}
+    assert OP_TENSORS == ("target_ids", "advantages", "mask", "old_logps", "ref_logps", "rollout_weights",
+                          "scores")
+    assert OBJECTIVE_FLOATS == ("scores",)
 
 
 @pytest.mark.parametrize("name", TOKEN_FLOATS)
@@ -102,3 +117,99 @@ def test_packed_sequences_pad_each_as_the_padded_grid_reads_it(name):
     else:
         with pytest.raises(ValueError, match=f"{name} must have shape .* for packed tokens"):
             dgpo_ops.fused_dgpo_loss(**flat_one, cu_seqlens=cu, **READS_ALL)
+
+
+@pytest.fixture
+def no_pending_checks():
+    dgpo_ops.raise_deferred_errors()  # nothing left over from another test
+    yield
+    try:
+        dgpo_ops.raise_deferred_errors()
+    except ValueError:
+        pass
+
+
+def logps_route(batch: dict, **options):
+    """The loss from log-probs (verl's and SkyRL's call), its log-probs the logits' own."""
+    batch = dict(batch)
+    logits, target_ids = batch.pop("logits"), batch.pop("target_ids")
+    mask = batch.pop("mask") & (target_ids != -100)
+    logps = torch.log_softmax(logits, -1).gather(-1, target_ids.clamp(min=0)[..., None])[..., 0]
+    logps = logps.detach().requires_grad_(True)
+    options = {**READS_ALL, **options}
+    out = dgpo_ops.policy_loss(LossInputs(target_ids=None, mask=mask, **batch),
+                               LossOptions.build(options.pop("method"), **options), logps=logps)
+    return out.loss, logps
+
+
+def deferred(route: str, batch: dict, **options):
+    """``(loss, the gradient of the input that carries it)`` of one call under deferred validation."""
+    options = {**READS_ALL, **options, "validation": "deferred"}
+    if route == "logps":
+        loss, leaf = logps_route(batch, **options)
+    elif route == "linear":
+        hidden, weight = projection()
+        leaf = hidden.requires_grad_(True)
+        fields = {k: v for k, v in batch.items() if k != "logits"}
+        loss = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **fields, **options).loss
+    else:
+        leaf = batch["logits"].requires_grad_(True)
+        if route == "packed":
+            flat, cu = packed(batch)
+            loss = dgpo_ops.fused_dgpo_loss(**flat, cu_seqlens=cu, **options).loss
+        else:
+            loss = dgpo_ops.fused_dgpo_loss(**batch, **options).loss
+    loss.backward()
+    return loss, leaf.grad
+
+
+DEFERRED_ROUTES = ["fused", "linear", "packed", "logps"]
+
+
+@pytest.mark.usefixtures("no_pending_checks")
+@pytest.mark.parametrize("name", TOKEN_FLOATS)
+@pytest.mark.parametrize("route", DEFERRED_ROUTES)
+def test_deferred_a_non_finite_value_gives_nan_now_and_names_it_later(route, name):
+    batch = inputs(seed=7)
+    batch["mask"] = batch["mask"].clone()
+    batch["mask"][1, 0] = False
+    unscored = batch[name].clone()
+    unscored[1, 0] = float("nan")  # where no token is scored: not an error
+    unscored_loss, _ = deferred(route, dict(batch, **{name: unscored}))
+    assert torch.isfinite(unscored_loss)
+    dgpo_ops.raise_deferred_errors()
+    bad = batch[name].clone()
+    bad[1, 1] = float("nan")  # a scored token
+    loss, grad = deferred(route, dict(batch, **{name: bad}))
+    assert torch.isnan(loss) and torch.isnan(grad).any()
+    if route == "logps":  # as the frameworks' own losses: no error queued, a NaN loss
+        return
+    with pytest.raises(ValueError, match=f"^{name} .*non-finite values on unmasked tokens"):
+        dgpo_ops.raise_deferred_errors()
+
+
+@pytest.mark.usefixtures("no_pending_checks")
+@pytest.mark.parametrize("name", OBJECTIVE_FLOATS)
+def test_deferred_checks_the_inputs_a_completed_batch_brings(name):
+    """The fused-linear op runs its prologue before the first sweep; inputs made from that sweep
+    (``complete_batch``: a trainer's) are checked when they arrive."""
+    batch = inputs(seed=9)
+    hidden, weight = projection()
+    fields = {k: v for k, v in batch.items() if k != "logits"}
+    options = LossOptions.build(**{**READS_ALL, "validation": "deferred"})
+    bad = batch[name].clone()
+    bad[0, 0] = float("nan")
+    first = LossInputs(**fields)
+    batch_with_bad = first._replace(**{name: bad})
+    loss = dgpo_ops.policy_loss(first, options, hidden=hidden, weight=weight,
+                                complete_batch=lambda logps, entropy: batch_with_bad).loss
+    assert torch.isnan(loss)
+    with pytest.raises(ValueError, match=f"^{name} has non-finite values"):
+        dgpo_ops.raise_deferred_errors()
+
+
+def test_a_deferred_error_names_the_objective_input_at_its_place():
+    status = torch.zeros(NUM_STATUS, dtype=torch.int64)
+    status[Status.ERRORS] = int(InputError.OBJECTIVE_INPUT)
+    status[Status.BAD_INPUT] = 1
+    assert error_message(status, 10, objective_inputs=("first", "second")).startswith("second has non-finite")
