@@ -134,7 +134,9 @@ def fused_policy_loss_backward_op(
 
     options = options_from_spec(spec)
     kernels = select_kernels(options.backend, logits)
-    uses_epilogue = options.token_local  # both kernel sets evaluate it in the row forward
+    # the forward's plan used the epilogue (CallPlan.uses_epilogue) where it handed out no coefficients: the
+    # epilogue wrote them into the planes (with no token, either reading is the same empty gradient)
+    uses_epilogue = dloss_dlogp.numel() == 0
     workspace = RowWorkspace(per_token, target_index, sequence_stats, seq_scale, status,
                              stats=per_token.new_empty(0), loss=per_token.new_empty(()))
     return backward_pass(kernels, options, logits, torch.empty_like(logits), workspace,

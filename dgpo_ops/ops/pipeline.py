@@ -66,9 +66,12 @@ class CallPlan:
 
     @property
     def uses_epilogue(self) -> bool:
-        """Token-level methods are evaluated in the row forward's epilogue (both kernel sets), where it finishes its
-        rows, when their inputs are all known before it."""
-        return self.options.token_local and self.rows.finishes_rows_in_kernel and self.complete is None
+        """Token-level methods are evaluated in the row forward's epilogue (both kernel sets), where it
+        finishes its rows, when their inputs are all known before it and the kernels read them all: a call
+        that passes an input only the torch objective reads (``OBJECTIVE_FLOATS``) runs the objective,
+        whatever reads it."""
+        return (self.options.token_local and self.rows.finishes_rows_in_kernel and self.complete is None
+                and all(value is None for value in self.inputs.objective_inputs.values()))
 
     @property
     def has_kl(self) -> bool:

@@ -1,14 +1,16 @@
 """Every per-token float of ``LossInputs`` (a field marked ``TokenFloat``) is checked, laid out and carried by
 its mark alone: these tests run over ``TOKEN_FLOATS`` on the fused logits op, the fused-linear op, the
 reference, the packed layout and the loss from log-probs, immediate and deferred, so a new field is tested
-there without an edit here once ``READS_ALL`` names an option that reads it. (The compiled ops take ``OP_TENSORS``:
-tests/ops/test_compile.py; the split vocabulary reads the grid's inputs as the whole one does.)"""
+there without an edit here once ``READS_ALL`` names an option that reads it; the inputs only the torch
+objective reads also through the compiled ops. (The split vocabulary reads the grid's inputs as the whole one
+does.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from dgpo_ops.kernels.interface import NUM_STATUS, InputError, Status
+from dgpo_ops.ops.logits import logits_plan
 from helpers import logits_batch
 
 import dgpo_ops
@@ -57,13 +59,15 @@ def per_response(value: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_marks_derive_the_tensors_of_every_route():
-    """The marks as written on LossInputs (a mark dropped would shrink every grid below without a failure)."""
-    assert TOKEN_FLOATS == {"advantages": TokenFloat(per_response=True), "old_logps": TokenFloat(),
-                            "ref_logps": TokenFloat(), "rollout_weights": TokenFloat(),
-                            "scores": TokenFloat(per_response=True)}
-    assert OP_TENSORS == ("target_ids", "advantages", "mask", "old_logps", "ref_logps", "rollout_weights",
-                          "scores")
-    assert OBJECTIVE_FLOATS == ("scores",)
+    """The marks as written on LossInputs (one dropped would shrink every grid below without a failure); a new
+    one joins them, and the custom ops' tensors, where it stands among the fields."""
+    per_token, per_response = TokenFloat(), TokenFloat(per_response=True)
+    known = {"advantages": per_response, "old_logps": per_token, "ref_logps": per_token,
+             "rollout_weights": per_token, "scores": per_response}
+    assert {name: TOKEN_FLOATS.get(name) for name in known} == known
+    assert {"target_ids", "mask", *known} <= set(OP_TENSORS)
+    assert "scores" in OBJECTIVE_FLOATS
+    assert not {"advantages", "old_logps", "ref_logps"} & set(OBJECTIVE_FLOATS)
 
 
 @pytest.mark.parametrize("name", TOKEN_FLOATS)
@@ -213,3 +217,40 @@ def test_a_deferred_error_names_the_objective_input_at_its_place():
     status[Status.ERRORS] = int(InputError.OBJECTIVE_INPUT)
     status[Status.BAD_INPUT] = 1
     assert error_message(status, 10, objective_inputs=("first", "second")).startswith("second has non-finite")
+
+
+@pytest.mark.parametrize("name", OBJECTIVE_FLOATS)
+def test_a_call_passing_an_objective_input_runs_the_torch_objective(name):
+    """The kernels' epilogue reads none of them: a call that passes one takes the objective route, so no
+    option that reads it can be skipped by the epilogue (whatever ``LossOptions.token_local`` says of it)."""
+    batch = inputs()
+    logits = batch.pop("logits")
+    options = LossOptions.build("dgpo")
+    assert options.token_local
+    without = {key: value for key, value in batch.items() if key not in OBJECTIVE_FLOATS}
+    assert logits_plan(logits, LossInputs(**without), options, True, True).uses_epilogue
+    passed = LossInputs(**without, **{name: batch[name]})
+    assert not logits_plan(logits, passed, options, True, True).uses_epilogue
+
+
+@pytest.mark.parametrize("token_local", [True, False], ids=["token_local", "reads_all"])
+@pytest.mark.parametrize("name", OBJECTIVE_FLOATS)
+def test_compiled_calls_carry_each_objective_input_as_eager_ones(name, token_local):
+    """Through the custom ops (one graph): the loss and gradient of a call passing the input equal the eager
+    call's, also where the method alone would run the epilogue (the backward then reads the coefficients)."""
+    batch = inputs(seed=11)
+    logits = batch.pop("logits")
+    options = dict(method="dgpo", beta=0.1) if token_local else READS_ALL
+    without = {key: value for key, value in batch.items() if key not in OBJECTIVE_FLOATS or key == name}
+
+    def loss_of(x):
+        return dgpo_ops.fused_dgpo_loss(x * 1.0, **without, **options).loss
+
+    eager, compiled = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    want = loss_of(eager)
+    want.backward()
+    torch._dynamo.reset()
+    got = torch.compile(loss_of, fullgraph=True, backend="aot_eager")(compiled)
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled.grad, eager.grad)

@@ -11,6 +11,7 @@ import torch
 from helpers import METHOD_VARIANTS, ROUTE_VARIANTS, for_method, logits_batch, response_scores, variant_id
 
 import dgpo_ops
+from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.options import LossOptions, assume_constant_result
 from dgpo_ops.ops.compiled import (
     checked_inputs_op,
@@ -162,31 +163,30 @@ def test_inplace_is_refused_under_compile():
 def test_opcheck_every_custom_op():
     inputs = logits_batch(B, T, V, seed=7)
     logits = inputs.pop("logits").requires_grad_(True)
-    target_ids, advantages, mask, old_logps = (inputs[k] for k in ("target_ids", "advantages", "mask", "old_logps"))
+
+    def tensors(**fields):  # the schema's tensors, by their LossInputs names
+        return LossInputs(**{k: inputs[k] for k in ("target_ids", "advantages", "mask", "old_logps")},
+                          **fields).tensors()
+
     spec = options_spec(LossOptions.build("dgpo", beta=0.0))
     hidden, weight = torch.randn(B * T, H, requires_grad=True), (torch.randn(V, H) * 0.3).requires_grad_(True)
     scores = response_scores(B)
+    topr, grpo = options_spec(LossOptions.build("topr")), options_spec(LossOptions.build("grpo"))
+    on_chip = options_spec(LossOptions.build("grpo", backend="triton", logits_on_chip=True))
+    sequence = options_spec(LossOptions.build("grpo", importance_sampling_level="sequence"))
+    wants = [True, True, False]  # the gradients of hidden, weight, bias
     cases = [
-        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, None, None, None, spec,
-                                True)),
-        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, None, None, 7.0,
-                                options_spec(LossOptions.build("grpo", importance_sampling_level="sequence")), True)),
-        (fused_policy_loss_op, (logits, target_ids, advantages, mask, old_logps, None, None, scores, None, None,
-                                options_spec(LossOptions.build("topr")), True)),
-        (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
-                                       None, None, None, options_spec(LossOptions.build("grpo")),
-                                       [True, True, False], "")),
-        (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
-                                       None, None, None, options_spec(LossOptions.build("grpo", backend="triton",
-                                                                                       logits_on_chip=True)),
-                                       [True, True, False], "")),
-        (fused_linear_policy_loss_op, (hidden, weight, None, target_ids, advantages, mask, old_logps, None, None,
-                                       scores, None, None, options_spec(LossOptions.build("topr")),
-                                       [True, True, False], "")),
-        (checked_inputs_op, (target_ids, advantages, mask, old_logps, None, None, None, None, None, [B, T, V],
-                             torch.float32, spec)),
-        (checked_inputs_op, (target_ids, advantages, mask, old_logps, None, None, scores, None, None, [B, T, V],
-                             torch.float32, options_spec(LossOptions.build("topr")))),
+        (fused_policy_loss_op, (logits, *tensors(), None, None, spec, True)),
+        (fused_policy_loss_op, (logits, *tensors(), None, 7.0, sequence, True)),
+        (fused_policy_loss_op, (logits, *tensors(scores=scores), None, None, topr, True)),
+        # a token-local method with scores passed: the objective route, its coefficients in the backward
+        (fused_policy_loss_op, (logits, *tensors(scores=scores), None, None, spec, True)),
+        (fused_linear_policy_loss_op, (hidden, weight, None, *tensors(), None, None, grpo, wants, "")),
+        (fused_linear_policy_loss_op, (hidden, weight, None, *tensors(), None, None, on_chip, wants, "")),
+        (fused_linear_policy_loss_op, (hidden, weight, None, *tensors(scores=scores), None, None, topr, wants,
+                                       "")),
+        (checked_inputs_op, (*tensors(), None, None, [B, T, V], torch.float32, spec)),
+        (checked_inputs_op, (*tensors(scores=scores), None, None, [B, T, V], torch.float32, topr)),
     ]
     for op, args in cases:
         results = torch.library.opcheck(op, args)

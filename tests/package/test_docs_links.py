@@ -175,3 +175,14 @@ def test_the_api_page_names_every_aggregation():
     options = (REPO / "docs" / "api.md").read_text().split("## Options", 1)[1]
     missing = [name for name in AGGREGATIONS if f"`{name}`" not in options]
     assert missing == [], f"docs/api.md's options omit {missing}"
+
+
+def test_the_api_page_names_every_field_of_the_call_object():
+    """The call object's section lists both classes' fields by hand: a field added to either is named
+    there."""
+    from dgpo_ops.core.call import INPUT_FIELDS, OPTION_FIELDS
+
+    text = (REPO / "docs" / "api.md").read_text()
+    section = text.split("## The call object", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name in (*INPUT_FIELDS, *OPTION_FIELDS) if f"`{name}`" not in section]
+    assert missing == [], f"docs/api.md's call-object section omits {missing}"
