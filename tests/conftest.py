@@ -61,3 +61,16 @@ def pytest_collection_modifyitems(config, items):
     fixture) run first, the others after them; each keeps its place among its kind. With two workers, a long test
     that started last ran alone while the other worker had nothing left to do."""
     items[:] = sorted(items, key=lambda item: item.get_closest_marker("early") is None)
+
+
+@pytest.fixture
+def no_pending_checks():
+    """No deferred input check is left over from another test, and none of this test's is left for the next."""
+    import dgpo_ops
+
+    dgpo_ops.raise_deferred_errors()
+    yield
+    try:
+        dgpo_ops.raise_deferred_errors()
+    except ValueError:
+        pass

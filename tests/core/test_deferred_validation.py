@@ -14,6 +14,7 @@ from dgpo_ops.core.inputs import TOKEN_FLOATS
 from dgpo_ops.core.validation import pending_deferred_checks
 
 BACKENDS = ["triton", "torch"]
+pytestmark = pytest.mark.usefixtures("no_pending_checks")
 
 
 def bad_inputs(kind: str) -> dict:
@@ -55,16 +56,6 @@ def immediate_message(inputs) -> str:
     with pytest.raises(ValueError) as caught:
         dgpo_ops.fused_dgpo_loss(**inputs, beta=0.1, validation="immediate")
     return str(caught.value)
-
-
-@pytest.fixture(autouse=True)
-def no_pending_checks():
-    dgpo_ops.raise_deferred_errors()  # nothing left over from another test
-    yield
-    try:
-        dgpo_ops.raise_deferred_errors()
-    except ValueError:
-        pass
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -123,16 +123,6 @@ def test_packed_sequences_pad_each_as_the_padded_grid_reads_it(name):
             dgpo_ops.fused_dgpo_loss(**flat_one, cu_seqlens=cu, **READS_ALL)
 
 
-@pytest.fixture
-def no_pending_checks():
-    dgpo_ops.raise_deferred_errors()  # nothing left over from another test
-    yield
-    try:
-        dgpo_ops.raise_deferred_errors()
-    except ValueError:
-        pass
-
-
 def logps_route(batch: dict, **options):
     """The loss from log-probs (verl's and SkyRL's call), its log-probs the logits' own."""
     batch = dict(batch)
