@@ -1,6 +1,13 @@
 """dgpo-ops: fused, exact RL policy losses for LLM reasoning."""
 
-from dgpo_ops.api import DGPOLoss, fused_dgpo_loss, fused_linear_dgpo_loss, fused_linear_logprobs, policy_loss
+from dgpo_ops.api import (
+    DGPOLoss,
+    fused_dgpo_loss,
+    fused_linear_dgpo_loss,
+    fused_linear_logprobs,
+    policy_loss,
+    reference_loss,
+)
 from dgpo_ops.core.aggregation import AGGREGATIONS, FRAMEWORK_AGGREGATIONS, token_scales
 from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.metrics import LossMetrics
@@ -10,7 +17,6 @@ from dgpo_ops.core.validation import raise_deferred_errors
 from dgpo_ops.kernels.interface import Region
 from dgpo_ops.methods.base import MethodConfig, TokenTerms
 from dgpo_ops.methods.table import METHODS, method_config, token_terms
-from dgpo_ops.ops.reference import reference_loss
 
 
 def _version() -> str:

@@ -6,7 +6,8 @@
 * the lm_head module instead of its weight: the op runs as the module's own forward, so a sharding
   engine gathers the weight and reduces its gradient (``dgpo_ops.distributed.head``);
 * otherwise the eager op (``dgpo_ops.ops.logits``, ``dgpo_ops.ops.linear``);
-* per-token log-probs a framework computed: the torch objective on them (``dgpo_ops.ops.from_logps``).
+* per-token log-probs a framework computed: the torch objective on them (``dgpo_ops.ops.from_logps``);
+* ``reference=True``: the plain-PyTorch ground truth (``dgpo_ops.ops.reference``).
 
 Before any of them, the rollout-correction stage (``dgpo_ops.corrections.stage``) turns ``rollout_logps`` into
 rollout weights and a mask, so every route runs one copy of it.
@@ -32,6 +33,7 @@ from dgpo_ops.ops.compiled import compiled_fused_linear_loss, compiled_fused_los
 from dgpo_ops.ops.from_logps import check_logps, logps_loss
 from dgpo_ops.ops.linear import flatten_tokens, linear_loss
 from dgpo_ops.ops.logits import logits_loss
+from dgpo_ops.ops.reference import reference_route
 
 
 def refuse_under_compile(layout: CallLayout, batch: LossInputs) -> None:
@@ -49,7 +51,7 @@ def validates_now(options: LossOptions, device) -> bool:
 
 
 def policy_loss(inputs: LossInputs, options: LossOptions, *, logits=None, hidden=None, weight=None, bias=None,
-                logps=None, token_scales=None, complete_batch=None) -> PolicyLossOutput:
+                logps=None, token_scales=None, complete_batch=None, reference=False) -> PolicyLossOutput:
     """The one entry of every loss call: the policy loss of ``inputs`` under ``options``, from one source:
     ``logits``; ``hidden`` states and the lm_head ``weight`` (a tensor or the module) and ``bias``; or ``logps``,
     the sampled tokens' log-probs ``(B, T)`` that a framework computed (``inputs.target_ids`` None; the gradient
@@ -58,9 +60,10 @@ def policy_loss(inputs: LossInputs, options: LossOptions, *, logits=None, hidden
     ``LossOptions.build("grpo", eps_high=0.28)``) to call it yourself. ``token_scales`` (from ``logps`` only):
     per-token scales ``s_t`` of ``loss = sum_t s_t L_t`` in place of the aggregation, a framework's own
     normalisation. ``complete_batch`` (from hidden states, eager): ``dgpo_ops.ops.linear.CompleteBatch``, inputs
-    made from the call's own first sweep of log-probs and entropies. ``reference_loss``, the ground truth the
-    fused ops are tested against, takes the same two objects and the same correction stage, then its own
-    plain-PyTorch route (``dgpo_ops.ops.reference``)."""
+    made from the call's own first sweep of log-probs and entropies. ``reference`` (from ``logits``): the loss
+    by ``log_softmax``, gather and autograd, the ground truth the fused ops are tested against
+    (``reference_loss``; ``dgpo_ops.ops.reference``); it checks the values on the host (in a custom op under
+    ``torch.compile``) whatever ``validation`` says, and reads no ``backend`` or ``inplace``."""
     layout = CallLayout(options.vocab_parallel_group, inputs.cu_seqlens, inputs.max_seqlen)
     if (logits is not None) + (hidden is not None or weight is not None) + (logps is not None) != 1:
         raise ValueError("policy_loss takes one source: logits, hidden and weight (the lm_head), or logps")
@@ -69,17 +72,22 @@ def policy_loss(inputs: LossInputs, options: LossOptions, *, logits=None, hidden
                          "aggregation and loss_normalizer")
     if complete_batch is not None and hidden is None:
         raise ValueError("complete_batch applies to the loss from hidden states")
+    if reference and (logits is None or options.vocab_parallel_group is not None):
+        raise ValueError("reference=True is the loss from whole logits (logits=..., no vocab_parallel_group)")
     if hidden is None and any(getattr(options, name) != LossOptions.__dataclass_fields__[name].default
                               for name in PROJECTION_OPTIONS):
         raise ValueError(f"{', '.join(PROJECTION_OPTIONS)} apply to the loss from hidden states")
     if logps is not None:
         inputs = inputs._replace(target_ids=check_logps(logps, inputs, options))
-    immediate = validates_now(options, inputs.target_ids.device if torch.is_tensor(inputs.target_ids)
-                              else torch.device("cpu"))
+    device = inputs.target_ids.device if torch.is_tensor(inputs.target_ids) else torch.device("cpu")
+    immediate = reference or validates_now(options, device)
     if logits is not None:
         if not torch.is_tensor(logits):
             raise ValueError(f"logits must be a tensor, got {type(logits).__name__}")
-        route = lambda batch: _logits_route(logits, batch, options, layout)  # noqa: E731
+        if reference:
+            route = lambda batch: reference_route(logits, batch, options)  # noqa: E731
+        else:
+            route = lambda batch: _logits_route(logits, batch, options, layout)  # noqa: E731
     elif logps is not None:
         route = lambda batch: logps_loss(logps, batch, options, token_scales, immediate)  # noqa: E731
     else:
@@ -128,6 +136,14 @@ fused_dgpo_loss = public_function("fused_dgpo_loss", """Fused policy loss of ``m
 token's log-prob by an online log-sum-exp, the entropy in the same pass and d(loss)/d(logits) in one more, never a
 vocabulary-sized softmax. Same numbers as ``reference_loss``.""", LOGITS_CALL,
     lambda source, inputs, options: policy_loss(inputs, options, logits=source[0]))
+
+REFERENCE_CALL = CallSignature(source=("logits",), without=(*PROJECTION_OPTIONS, "inplace", "backend",
+                                                             "validation", "vocab_parallel_group"))
+
+reference_loss = public_function("reference_loss", """Policy loss of ``method`` from logits by
+``log_softmax``, gather, the method table and autograd: the ground truth of the fused ops. It materialises
+``(N, V)`` fp32 log-probs; not a path to train with.""", REFERENCE_CALL,
+    lambda source, inputs, options: policy_loss(inputs, options, logits=source[0], reference=True))
 
 fused_linear_dgpo_loss = public_function("fused_linear_dgpo_loss", """Policy loss of ``method`` from hidden states
 and the lm_head, as ``fused_dgpo_loss(softcap(logit_scale (hidden @ weight.T + bias)))`` without materialising the

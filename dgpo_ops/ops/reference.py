@@ -8,35 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.core.call import PROJECTION_OPTIONS, CallSignature, public_function
 from dgpo_ops.core.inputs import LossInputs, prepare_batch
 from dgpo_ops.core.objective import entropy_weight_term, masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.corrections.stage import with_rollout_correction
 from dgpo_ops.layouts.packed import PackedLayout
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.ops.compiled import checked_inputs_op, options_spec, split_normalizer
 
 
-REFERENCE_CALL = CallSignature(source=("logits",), without=(*PROJECTION_OPTIONS, "inplace", "backend", "validation",
-                                                             "vocab_parallel_group"))
-
-
-def _reference(source, batch: LossInputs, options: LossOptions) -> PolicyLossOutput:
-    (logits,) = source
-
-    def route(batch):
-        if batch.cu_seqlens is not None or batch.max_seqlen is not None:
-            return packed_reference_loss(logits, batch, options, batch.cu_seqlens, batch.max_seqlen)
-        return reference_loss_from_options(logits, batch, options)
-
-    return with_rollout_correction(batch, options.rollout_correction, batch.cu_seqlens, route)
-
-
-reference_loss = public_function("reference_loss", """Policy loss of ``method`` from logits by ``log_softmax``,
-gather, the method table and autograd: the ground truth of the fused ops. It materialises ``(N, V)`` fp32 log-probs;
-not a path to train with.""", REFERENCE_CALL, _reference)
+def reference_route(logits, batch: LossInputs, options: LossOptions) -> PolicyLossOutput:
+    """``policy_loss(..., logits=..., reference=True)``'s route (``reference_loss``): packed logits on their
+    padded grid, others as they are."""
+    if batch.cu_seqlens is not None or batch.max_seqlen is not None:
+        return packed_reference_loss(logits, batch, options, batch.cu_seqlens, batch.max_seqlen)
+    return reference_loss_from_options(logits, batch, options)
 
 
 def packed_reference_loss(logits, loss_batch: LossInputs, options: LossOptions, cu_seqlens, max_seqlen):

@@ -97,6 +97,12 @@ def test_every_public_function_is_policy_loss_on_the_same_objects():
     reference = dgpo_ops.reference_loss(logits.double(), **inputs, method="grpo", eps_high=0.28, beta=0.05,
                                         kl_ratio_correction=True)
     torch.testing.assert_close(direct.loss.double(), reference.loss, rtol=1e-5, atol=1e-6)
+    leaf = logits.double().requires_grad_(True)
+    by_entry = dgpo_ops.policy_loss(batch, options, logits=leaf, reference=True)
+    assert by_entry.loss.item() == reference.loss.item()
+    # the reference's graph: the fused ops refuse a gradient of their gradient
+    (grad,) = torch.autograd.grad(by_entry.loss, leaf, create_graph=True)
+    assert grad.requires_grad
 
 
 def test_policy_loss_takes_one_source_and_projection_options_only_from_hidden_states():
@@ -110,6 +116,9 @@ def test_policy_loss_takes_one_source_and_projection_options_only_from_hidden_st
     with pytest.raises(ValueError, match="apply to the loss from hidden states"):
         dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo", logit_scale=2.0), logits=logits)
     hidden, weight = torch.randn(1, 4, 6), torch.randn(9, 6)
+    with pytest.raises(ValueError, match="reference=True is the loss from whole logits"):
+        dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo"), hidden=hidden, weight=weight,
+                             reference=True)
     scaled = dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo", logit_scale=2.0), hidden=hidden,
                                   weight=weight)
     by_logits = dgpo_ops.policy_loss(batch, dgpo_ops.LossOptions.build("grpo"), logits=2.0 * hidden @ weight.T)
