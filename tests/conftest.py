@@ -65,7 +65,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def no_pending_checks():
-    """No deferred input check is left over from another test, and none of this test's is left for the next."""
+    """No deferred input check is left over from another test, and none of this test's is left for the
+    next."""
     import dgpo_ops
 
     dgpo_ops.raise_deferred_errors()

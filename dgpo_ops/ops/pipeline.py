@@ -150,13 +150,13 @@ def run_prologue(plan: CallPlan, workspace: RowWorkspace, finalize: bool = False
     if errors is not None:  # never with finalize: a layout's rows are finished after the row forward
         workspace.status[Status.ERRORS] |= errors
         workspace.seq_scale.copy_(torch.where(errors != 0, float("nan"), workspace.seq_scale))
-    check_objective_inputs(plan, workspace, finalize)
+    check_objective_inputs(plan, workspace)
 
 
-def check_objective_inputs(plan: CallPlan, workspace: RowWorkspace, finalized: bool = False) -> None:
+def check_objective_inputs(plan: CallPlan, workspace: RowWorkspace) -> None:
     """Deferred validation of the per-token floats the prologue kernel does not read
-    (``objective_input_errors``) into the call's status and scales; ``finalized``: the loss is reduced
-    already (by a method that reads none of them), and is made NaN all the same."""
+    (``objective_input_errors``) into the call's status and scales. A call that passes one runs the objective
+    (``CallPlan.uses_epilogue``), whose loss is reduced after this, from the NaN scales."""
     found = objective_input_errors(plan.inputs, workspace.seq_scale.dtype) if plan.deferred else None
     if found is None:
         return
@@ -165,8 +165,6 @@ def check_objective_inputs(plan: CallPlan, workspace: RowWorkspace, finalized: b
     workspace.status[Status.BAD_INPUT] = torch.where(named, workspace.status[Status.BAD_INPUT], position)
     workspace.status[Status.ERRORS] |= errors
     workspace.seq_scale.copy_(torch.where(errors != 0, float("nan"), workspace.seq_scale))
-    if finalized:
-        workspace.loss.copy_(torch.where(errors != 0, float("nan"), workspace.loss))
 
 
 RowForward = Callable[..., None]  # (rows, inv_scale, token_offset=0): the row forward over some of the call's rows

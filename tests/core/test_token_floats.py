@@ -26,7 +26,8 @@ from dgpo_ops.core.validation import error_message
 
 B, T, V, H = 3, 5, 17, 8
 LENGTHS = (5, 3, 4)
-# A call that reads every per-token float: the KL its reference log-probs, the positive-example NLL the scores.
+# A call that reads every per-token float: the KL its reference log-probs, the positive-example NLL the
+# scores.
 READS_ALL = dict(method="dgpo", beta=0.1, positive_nll_coef=0.2)
 
 
@@ -42,7 +43,8 @@ def inputs(seed=0) -> dict:
 
 def projection(seed=0):
     g = torch.Generator().manual_seed(seed + 2)
-    return torch.randn(B, T, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64)
+    float64 = dict(generator=g, dtype=torch.float64)
+    return torch.randn(B, T, H, **float64), torch.randn(V, H, **float64)
 
 
 ROUTES = {
@@ -117,7 +119,8 @@ def test_packed_sequences_pad_each_as_the_padded_grid_reads_it(name):
     flat_one = dict(flat, **{name: one})
     if TOKEN_FLOATS[name].per_response:
         want = dgpo_ops.fused_dgpo_loss(**dict(batch, **{name: one}), **READS_ALL).loss
-        torch.testing.assert_close(dgpo_ops.fused_dgpo_loss(**flat_one, cu_seqlens=cu, **READS_ALL).loss, want)
+        got = dgpo_ops.fused_dgpo_loss(**flat_one, cu_seqlens=cu, **READS_ALL).loss
+        torch.testing.assert_close(got, want)
     else:
         with pytest.raises(ValueError, match=f"{name} must have shape .* for packed tokens"):
             dgpo_ops.fused_dgpo_loss(**flat_one, cu_seqlens=cu, **READS_ALL)
