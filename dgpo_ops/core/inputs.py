@@ -228,16 +228,15 @@ def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torc
     if out_of_range.any():
         bad = target_ids[out_of_range][0].item()
         raise ValueError(MESSAGES[InputError.TARGET_IDS].format(vocab=vocab, ignore=IGNORE_INDEX, bad_target=bad))
-    scored = target_ids != IGNORE_INDEX
-    if inputs.mask is not None:
-        if inputs.mask.dtype != torch.bool and ((inputs.mask != 0) & (inputs.mask != 1)).any():
-            raise ValueError(MESSAGES[InputError.MASK])
-        scored = scored & (inputs.mask != 0)
+    mask = inputs.mask
+    if mask is not None and mask.dtype != torch.bool and ((mask != 0) & (mask != 1)).any():
+        raise ValueError(MESSAGES[InputError.MASK])
+    scored = scored_tokens(inputs)
     for name in TOKEN_FLOATS:
         value = token_float(inputs, name)
         if value is None:
             continue
-        value = on_token_grid(value, inputs.flat, scored.shape)
+        value = on_token_grid(value, inputs.flat, inputs.grid)
         if not torch.isfinite(value[scored].to(dtype)).all():
             raise ValueError(non_finite_message(name))
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
