@@ -17,7 +17,7 @@ def wait_passively() -> None:
     By default torch's OpenMP threads spin after each parallel region, waiting for the next; on a shared
     machine a spinning thread burns the core its partner needs, and the tiny model's many small ops turn that
     into most of the run: beside two busy loops on this project's 2-core CPU the shortened main job took
-    213 s with spinning threads and 53 s with passive ones (docs/train/timing/README.md). libgomp reads the
+    67-213 s with spinning threads and 53 s with passive ones (docs/train/timing/README.md). libgomp reads the
     policy once, when torch loads it, which importing dgpo_ops has done already: hence the same command again
     in this process (its PID, arguments and environment kept), before ``train`` imports TRL, so that only
     torch's and dgpo_ops' import (1-2 s) is repeated. Only the program itself does this, never a caller of
