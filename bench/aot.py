@@ -16,7 +16,8 @@ element in the backward's hot loop.
 The default covers every method (and sapo gate) x logits dtype with all epilogue inputs present,
 every combination of the epilogue flags for dgpo, the forward without epilogue (GSPO and forward
 only), the backward with and without the entropy term and with the objective's scaled
-coefficients, the prologue and the finalize kernel, and the on-chip fused-linear kernels
+coefficients, the prologue and the finalize kernel, the fused-linear backward's scale-and-cast (bf16 and fp16
+out, with 128-bit loads and stores: a copy's traffic), and the on-chip fused-linear kernels
 (``linear_logits.py``, ``linear_grad.py``) for bf16 weights and for fp32 weights rounded to bf16 in
 registers (autocast), with the tensor-core instructions (HGMMA on sm_90, HMMA on sm_80) their
 products compile to. A method id without a Triton branch fails
@@ -53,25 +54,29 @@ from dgpo_ops.kernels.linear_logits import (
 from dgpo_ops.kernels.logits_grad import logits_grad_kernel
 from dgpo_ops.kernels.logprob_entropy import BACKWARD_SHAPE, FORWARD_SHAPE, logprob_entropy_fwd_kernel
 from dgpo_ops.kernels.prologue import prologue_warps, token_prologue_kernel
+from dgpo_ops.kernels.scale_cast import BLOCK as SCALE_CAST_BLOCK
+from dgpo_ops.kernels.scale_cast import NUM_WARPS as SCALE_CAST_WARPS
+from dgpo_ops.kernels.scale_cast import scale_cast_kernel
 from triton.backends.compiler import GPUTarget
 
 KERNELS = {"forward": logprob_entropy_fwd_kernel, "backward": logits_grad_kernel, "prologue": token_prologue_kernel,
            "finalize": finalize_kernel, "linear_partials": linear_partials_kernel, "linear_rows": linear_rows_kernel,
-           "linear_grad": linear_grad_kernel}
+           "linear_grad": linear_grad_kernel, "scale_cast": scale_cast_kernel}
 # The production tiles (vocabularies at least that wide) and the launchers' shapes.
 LAUNCH = {"forward": dict(num_warps=FORWARD_SHAPE.num_warps, num_stages=FORWARD_SHAPE.num_stages),
           "backward": dict(num_warps=BACKWARD_SHAPE.num_warps, num_stages=BACKWARD_SHAPE.num_stages),
           "prologue": dict(num_warps=prologue_warps(False)), "finalize": dict(num_warps=FINALIZE_WARPS),
           "linear_partials": dict(num_warps=PARTIALS_SHAPE.num_warps, num_stages=PARTIALS_SHAPE.num_stages),
-          "linear_rows": dict(num_warps=1)}
+          "linear_rows": dict(num_warps=1), "scale_cast": dict(num_warps=SCALE_CAST_WARPS)}
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-LOGITS_LIKE = ("logits_ptr", "grad_logits_ptr", "hidden_ptr", "weight_ptr", "bias_ptr")  # pointers of the spec's dtype
+# pointers of the spec's dtype
+LOGITS_LIKE = ("logits_ptr", "grad_logits_ptr", "hidden_ptr", "weight_ptr", "bias_ptr", "out_ptr")
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 POINTER_TYPES = {"target_ids_ptr": "*i64", "mask_ptr": "*i64", "target_index_ptr": "*i64",
                  "sequence_stats_ptr": "*i64", "status_ptr": "*i64"}
 FLOAT_SCALARS = ("inv_temperature", "beta", "entropy_coef", "normalizer", "tanh_scale", "out_scale")
-DIVISIBLE_INTS = ("vocab", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "hidden_dim", "stride_hn",
-                  "stride_wv", "split_width")
+DIVISIBLE_INTS = ("vocab", "n_elements", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "hidden_dim",
+                  "stride_hn", "stride_wv", "split_width")
 UNIT_STRIDES = ("stride_v", "grad_stride_v", "stride_hk", "stride_wk", "stride_bias")
 FORWARD_FLAGS = ("HAS_OLD_LOGPS", "HAS_KL", "KL_TIMES_RATIO", "HAS_ROLLOUT_WEIGHTS")
 METHOD_VARIANTS = [(m.name.lower(), m, Gate.SIGMOID) for m in MethodId if m != MethodId.SAPO] + [
@@ -119,6 +124,8 @@ class Specialisation:
             return f"{self.kernel} {self.dtype} {operand}{grads}"
         if self.kernel == "linear_rows":
             return "linear_rows - dgpo epilogue old/kl/klr/w=1111"
+        if self.kernel == "scale_cast":
+            return f"scale_cast fp32->{self.dtype}"
         if c["WRITES_PARTIALS"]:
             return f"forward  {self.dtype} partials (split vocabulary)"
         if not c["HAS_EPILOGUE"]:
@@ -181,6 +188,11 @@ def _linear_rows():
     return Specialisation("linear_rows", "-", tuple(sorted(constexprs.items())))
 
 
+def _scale_cast(out: str):
+    """The fused-linear backward's scale-and-cast of an fp32 gradient into ``out``."""
+    return Specialisation("scale_cast", out, (("BLOCK", SCALE_CAST_BLOCK), ("ROUND_IN_FP32", False)))
+
+
 def _flag_sets():
     """Every combination of the epilogue flags the launcher can pass (the KL ratio needs the KL)."""
     combos = itertools.product((False, True), repeat=len(FORWARD_FLAGS))
@@ -192,6 +204,7 @@ def specialisations(full: bool = False) -> list[Specialisation]:
              _finalize(False), _finalize(True)]
     specs += [_linear("linear_partials", stored) for stored in ("bf16", "fp32")] + [_linear_rows()]
     specs += [_linear("linear_grad", stored, entropy) for stored in ("bf16", "fp32") for entropy in (False, True)]
+    specs += [_scale_cast(out) for out in ("bf16", "fp16")]  # an fp32 gradient is scaled in place
     for dtype in DTYPES:
         specs += [_forward(dtype, epilogue=False), _forward(dtype, epilogue=False, partials=True)]
         for _, method, gate in METHOD_VARIANTS:
@@ -411,6 +424,8 @@ def problems(rows: list[dict]) -> list[str]:
                          f"B a block may take on {row['arch']}: it would not launch")
         elif row["label"].startswith(("forward  bf16", "backward bf16")) and row["ldg128"] == 0:
             found.append(f"{where}: no 128-bit global loads in a bf16 row kernel")
+        elif row["kernel"] == "scale_cast" and (row["ldg128"] == 0 or row["stg128"] == 0):
+            found.append(f"{where}: the scale-and-cast moves its elements without 128-bit loads and stores")
         elif row["kernel"] in ("linear_partials", "linear_grad") and row["mma_ops"] != [MMA_OF_ARCH[row["arch"]]]:
             found.append(f"{where}: products compiled to {row['mma_ops'] or 'no tensor-core instructions'}, "
                          f"expected {MMA_OF_ARCH[row['arch']]}")

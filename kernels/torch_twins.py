@@ -231,3 +231,8 @@ def logits_grad_torch(logits, grad_logits, workspace, grid_seq_len: int, inv_tem
         grad.scatter_(1, index, torch.where(owned[rows, None], target_grad, grad.gather(1, index)))
         grad_chunk.copy_(torch.where(active[rows, None], grad, 0.0))
     return grad_logits
+
+
+def scale_cast_torch(accumulator, scale, out) -> None:
+    """Twin of ``scale_cast``: the product in the accumulator's dtype, rounded once to ``out``'s."""
+    torch.mul(accumulator, scale, out=out)

@@ -22,6 +22,8 @@ class RowKernels:
     # (CallPlan, RowWorkspace) -> what the row forward takes to evaluate a token-level method where it finishes
     # its rows (the Triton kernels: EpilogueInputs; the twins: the torch objective on the rows of each call)
     epilogue: Callable
+    # (accumulator, scale, out): the fused-linear backward's fp32 gradient, scaled and cast into the input's dtype
+    scale_cast: Callable
 
 
 @functools.cache  # TRITON_INTERPRET is read when the kernels are defined: the answer never changes
@@ -40,21 +42,24 @@ def _kernel_set(name: str) -> RowKernels:
             finalize_torch,
             logits_grad_torch,
             logprob_entropy_torch,
+            scale_cast_torch,
             token_prologue_torch,
         )
         from dgpo_ops.ops.epilogues import TwinEpilogue
 
         return RowKernels("torch", token_prologue_torch, logprob_entropy_torch, logits_grad_torch, finalize_torch,
-                          epilogue=TwinEpilogue)
+                          epilogue=TwinEpilogue, scale_cast=scale_cast_torch)
     if name == "triton":
         from dgpo_ops.kernels.finalize import finalize
         from dgpo_ops.kernels.logits_grad import logits_grad
         from dgpo_ops.kernels.logprob_entropy import logprob_entropy
         from dgpo_ops.kernels.prologue import token_prologue
+        from dgpo_ops.kernels.scale_cast import scale_cast
         from dgpo_ops.ops.epilogues import epilogue_inputs
 
         return RowKernels("triton", token_prologue, logprob_entropy, logits_grad, finalize,
-                          epilogue=lambda plan, workspace: epilogue_inputs(plan.options, workspace.per_token.device))
+                          epilogue=lambda plan, workspace: epilogue_inputs(plan.options, workspace.per_token.device),
+                          scale_cast=scale_cast)
     raise ValueError(f"no kernel set named {name!r}")
 
 

@@ -5,9 +5,10 @@ The logits are made one token chunk at a time, as ``chunk x V`` tiles. For a tok
 every token's loss, and so its gradient coefficient, is known as soon as its row is reduced, so
 the gradient tile is formed from the same logits tile the forward GEMM just wrote: three GEMM
 passes (logits, dH, dW) instead of TRL's four (its backward recomputes every tile). The gradients
-are computed in the forward; backward only scales them by the incoming gradient (read on the
-device) and casts them to each input's dtype. GSPO's sequence ratio needs every token's log-prob
-first, so it recomputes the tiles in a second sweep: four GEMM passes.
+are computed in the forward, each accumulator written by its first product (no zero-fill); backward
+only scales them by the incoming gradient (read on the device) and casts them to each input's dtype
+in one pass at copy bandwidth (``kernels/scale_cast.py``). GSPO's sequence ratio needs every token's
+log-prob first, so it recomputes the tiles in a second sweep: four GEMM passes.
 
 Precision follows the model's own ``lm_head``: the tile holds exactly the logits ``hidden @
 weight.T + bias`` the model would hand to ``fused_dgpo_loss``, in the same dtype. Under
@@ -20,9 +21,10 @@ operand reads (2 written by the GEMM, 2 + 2 read by the row kernels, 2 written b
 
 Every token goes through the GEMMs (picking the unmasked ones would need their count on the
 host); rows not scored read nothing in the row kernels and get a zero gradient. Peak extra memory:
-the tile buffers (``memory_budget`` bytes), the fp32 gradient accumulators, a copy of the weight
-in the compute dtype when it differs from the weight's (autocast over fp32 weights), and O(N)
-per-token vectors.
+the tile buffers (``memory_budget`` bytes), the fp32 gradient accumulators, one vocabulary block of
+the weight cast to the compute dtype when it differs from the weight's (autocast over fp32 weights:
+an eighth of ``memory_budget``, ``vocab_block_rows``; no copy of the whole weight), and O(N)
+per-token vectors. ``bench/outside_gemms.py`` counts every pass outside the GEMMs and row kernels.
 
 ``logits_on_chip=True`` replaces the tiles with the Triton kernels of ``kernels/linear_logits.py``
 and ``kernels/linear_grad.py``: the logits only ever in registers, operands rounded to the compute
@@ -79,57 +81,94 @@ class Precision:
 
 
 class TileProjection:
-    """The GEMMs: logits tiles, and the fp32-accumulated gradients of hidden, weight and bias."""
+    """The GEMMs: logits tiles, and the fp32-accumulated gradients of hidden, weight and bias.
 
-    def __init__(self, weight, bias, precision: Precision):
+    The weight is read where it is stored: a weight already in the GEMMs' dtype is multiplied whole, and one that
+    is not (autocast over fp32 weights; the CPU's fp32 products of low-precision operands) is cast one vocabulary
+    block at a time (``vocab_block_rows``), where the block is multiplied, so no copy of the whole weight exists
+    (the price: the fp32 weight is read once per token chunk in each of the two GEMMs that take it, logits and
+    d hidden)."""
+
+    def __init__(self, weight, bias, precision: Precision, memory_budget: int):
         self.precision = precision
         # On CUDA the GEMMs take the operands as they are (tensor cores, fp32 accumulation). A CPU
         # matmul of bf16 rounds differently, so there the operands are rounded to the compute
-        # dtype once and multiplied in fp32: what a GPU GEMM accumulates.
+        # dtype and multiplied in fp32: what a GPU GEMM accumulates.
         self.tensor_cores = weight.is_cuda and precision.operand in LOW_PRECISION and _HAS_FP32_OUT_MM
         self.gemm_dtype = precision.operand if weight.is_cuda else precision.accumulate
-        self.weight = weight.detach().to(precision.operand).to(self.gemm_dtype)
+        self.weight = weight.detach()
+        self.vocab = weight.shape[0]
+        cast = weight.dtype != precision.operand or precision.operand != self.gemm_dtype
+        self.block_rows = vocab_block_rows(memory_budget, weight) if cast else max(self.vocab, 1)
         self.bias = None if bias is None else bias.detach().to(precision.operand)
+
+    def weight_blocks(self):
+        """``(start, stop, block)``: the weight's vocabulary blocks in the GEMMs' dtype (rounded to the
+        operand dtype first), each cast as it is reached; the whole weight, uncast, when it needs no cast."""
+        for start in range(0, self.vocab, self.block_rows):
+            stop = min(start + self.block_rows, self.vocab)
+            yield start, stop, self.weight[start:stop].to(self.precision.operand).to(self.gemm_dtype)
+
+    def _matmul(self, a, b, out, accumulate: bool):
+        """``out = a @ b`` (``accumulate``: ``out += a @ b``), accumulated in ``out``'s dtype."""
+        if self.tensor_cores:  # tensor-core GEMMs on operands in the compute dtype, accumulated in fp32 (as TRL)
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            else:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
+        elif accumulate:
+            out.addmm_(a.to(out.dtype), b.to(out.dtype))
+        else:
+            torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
     def logits(self, hidden, out):
         """out = hidden @ weight^T + bias, accumulated in fp32, rounded once to the tile dtype."""
         hidden = hidden.to(self.precision.operand).to(self.gemm_dtype)
-        if self.tensor_cores and out.dtype == torch.float32:
-            out.copy_(self.bias.expand_as(out)) if self.bias is not None else out.zero_()
-            torch.addmm(out, hidden, self.weight.t(), out_dtype=torch.float32, out=out)
-        elif out.dtype == self.gemm_dtype:  # a GEMM that writes the tile dtype itself, bias in its epilogue
-            if self.bias is not None:
-                torch.addmm(self.bias.to(out.dtype), hidden, self.weight.t(), out=out)
-            else:
-                torch.mm(hidden, self.weight.t(), out=out)
-        else:  # CPU, low-precision tile: the fp32 product (and bias), rounded once
-            product = hidden @ self.weight.t()
-            if self.bias is not None:
-                product += self.bias.to(product.dtype)
-            out.copy_(product)
+        for start, stop, block in self.weight_blocks():
+            bias = None if self.bias is None else self.bias[start:stop]
+            part = out[:, start:stop]
+            if self.tensor_cores and part.dtype == torch.float32:
+                if bias is not None:
+                    part.copy_(bias.expand_as(part))
+                self._matmul(hidden, block.t(), part, accumulate=bias is not None)
+            elif part.dtype == self.gemm_dtype:  # a GEMM that writes the tile dtype itself, bias in its epilogue
+                if bias is not None:
+                    torch.addmm(bias.to(part.dtype), hidden, block.t(), out=part)
+                else:
+                    torch.mm(hidden, block.t(), out=part)
+            else:  # CPU, low-precision tile: the fp32 product (and bias), rounded once
+                product = hidden @ block.t()
+                if bias is not None:
+                    product += bias.to(product.dtype)
+                part.copy_(product)
 
-    def accumulate_grads(self, grad_tile, hidden, grad_hidden, grad_weight, grad_bias, scored=None):
-        """grad_hidden = G @ W, grad_weight += G^T @ H, grad_bias += sum G (fp32 accumulators). ``scored``
-        (the chunk's rows): the hidden states of tokens not scored are read as 0 in G^T @ H, where their zero
-        gradient rows would otherwise meet whatever a padded position holds (0 x NaN is NaN)."""
+    def accumulate_grads(self, grad_tile, hidden, grad_hidden, grad_weight, grad_bias, scored=None,
+                         first: bool = False):
+        """grad_hidden = G @ W, grad_weight += G^T @ H, grad_bias += sum G (fp32 accumulators); ``first``: the
+        first tile of the sweep writes grad_weight and grad_bias instead of adding to them, so they need no
+        zero-fill. ``scored`` (the chunk's rows): the hidden states of tokens not scored are read as 0 in G^T @ H,
+        where their zero gradient rows would otherwise meet whatever a padded position holds (0 x NaN is NaN)."""
         if grad_weight is not None and scored is not None:
             hidden = torch.where(scored[:, None], hidden, 0.0)
-        if self.tensor_cores:  # tensor-core GEMMs on operands in the compute dtype, accumulated in fp32 (as TRL)
-            grad_tile = grad_tile.to(self.gemm_dtype)
-            hidden = hidden.to(self.gemm_dtype)
-            if grad_hidden is not None:
-                torch.mm(grad_tile, self.weight, out_dtype=torch.float32, out=grad_hidden)
+        grad_tile = grad_tile.to(self.gemm_dtype)
+        hidden = hidden.to(self.precision.operand).to(self.gemm_dtype)
+        for start, stop, block in self.weight_blocks():
+            part = grad_tile[:, start:stop]
+            if grad_hidden is not None:  # summed over the vocabulary blocks: the first one writes
+                self._matmul(part, block, grad_hidden, accumulate=start > 0)
             if grad_weight is not None:
-                torch.addmm(grad_weight, grad_tile.t(), hidden, out_dtype=torch.float32, out=grad_weight)
-        else:
-            grad_tile = grad_tile.to(self.gemm_dtype)
-            hidden = hidden.to(self.precision.operand).to(self.gemm_dtype)
-            if grad_hidden is not None:
-                grad_hidden.copy_(grad_tile @ self.weight)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_tile.t().to(grad_weight.dtype), hidden.to(grad_weight.dtype))
+                self._matmul(part.t(), hidden, grad_weight[start:stop], accumulate=not first)
         if grad_bias is not None:
-            grad_bias += grad_tile.sum(dim=0, dtype=grad_bias.dtype)
+            if first:
+                torch.sum(grad_tile, dim=0, dtype=grad_bias.dtype, out=grad_bias)
+            else:
+                grad_bias += grad_tile.sum(dim=0, dtype=grad_bias.dtype)
+
+
+def vocab_block_rows(memory_budget: int, weight: torch.Tensor) -> int:
+    """Rows of one weight block ``TileProjection`` casts: an eighth of the tiles' budget in fp32, at least 128."""
+    rows = max(128, memory_budget // 8 // (4 * max(weight.shape[1], 1)))
+    return rows - rows % 128
 
 
 class Tiles:
@@ -176,6 +215,7 @@ class TileGradients:
     grad_bias: torch.Tensor | None
     backward_view: tuple | None = None  # RowLayout.backward_workspace, made at the first tile (after the prologue)
     entropy_grad: torch.Tensor | None = None  # pipeline.entropy_gradient of the plan's entropy weights, ditto
+    written: bool = False  # a tile's products are in the accumulators (the first one writes them)
 
     def add(self, start, stop, tile, entropy_coef: float, dloss_dlogp=None, dloss_dentropy=None):
         grad = self.tiles.grad[: stop - start]
@@ -192,7 +232,15 @@ class TileGradients:
         self.projection.accumulate_grads(grad, self.hidden[start:stop],
                                          None if self.grad_hidden is None else self.grad_hidden[start:stop],
                                          self.grad_weight, self.grad_bias,
-                                         scored=self.workspace.target_index[start:stop] >= 0)
+                                         scored=self.workspace.target_index[start:stop] >= 0, first=not self.written)
+        self.written = True
+
+    def finish(self):
+        """The accumulators of a sweep that met no tile (no token) hold zeros."""
+        if not self.written:
+            for grad in (self.grad_hidden, self.grad_weight, self.grad_bias):
+                if grad is not None:
+                    grad.zero_()
 
 
 # (log-probs, entropies) -> LossInputs: a call's inputs that need the current log-probs and entropies (a trainer's
@@ -274,16 +322,16 @@ def linear_forward_pass(hidden, weight, bias, call: CallPlan, wants, compute_aut
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     precision = Precision.resolve(weight, options.softcap, compute_autocast)
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
-        projection = TileProjection(weight, bias, precision)
+        projection = TileProjection(weight, bias, precision, options.memory_budget)
         tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, options)
         workspace = RowWorkspace.allocate(call.rows.token_shape, call.inputs.grid[0], hidden.device,
                                           compute_dtype(precision.tile), zero_planes)
         accumulate = precision.accumulate
 
-        def zeros_like(t, wanted):
-            return torch.zeros(t.shape, dtype=accumulate, device=t.device) if wanted else None
+        def accumulator(t, wanted):  # written by the first tile's products (TileGradients.finish: no tile)
+            return torch.empty(t.shape, dtype=accumulate, device=t.device) if wanted else None
 
-        grad_hidden, grad_weight, grad_bias = (zeros_like(t, w) for t, w in zip((hidden, weight, bias), wants))
+        grad_hidden, grad_weight, grad_bias = (accumulator(t, w) for t, w in zip((hidden, weight, bias), wants))
         gradients = TileGradients(call, tiles, projection, workspace, hidden, grad_hidden, grad_weight, grad_bias)
 
         def sweep(row_forward):
@@ -301,6 +349,8 @@ def linear_forward_pass(hidden, weight, bias, call: CallPlan, wants, compute_aut
             gradients = dataclasses.replace(gradients, plan=result.plan, backward_view=None)
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
                 start, stop, tile, options.entropy_coef, dloss_dlogp=result.dloss_dlogp))
+        if call.needs_grad:
+            gradients.finish()
         call.rows.reduce_hidden_grad(grad_hidden)
     return result.loss, workspace.per_token, result.stats, grad_hidden, grad_weight, grad_bias
 
@@ -315,6 +365,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                                                              autocast_dtype(hidden.device))
         ctx.save_for_backward(*grads)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.scale_cast = plan.kernels.scale_cast
         ctx.mark_non_differentiable(per_token, stats)
         return loss, per_token, stats
 
@@ -338,8 +389,11 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
             elif dtype == grad.dtype:
                 grads.append(grad.mul_(grad_loss) if in_place else grad * grad_loss)
             else:
-                # Scaled and cast in one pass; the incoming gradient stays on the device.
-                grads.append(torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device)))
+                # Scaled and cast in one pass at copy bandwidth (kernels/scale_cast.py); the incoming gradient
+                # stays on the device.
+                out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+                ctx.scale_cast(grad, grad_loss.reshape(1), out)
+                grads.append(out)
         return (*grads, None)
 
 

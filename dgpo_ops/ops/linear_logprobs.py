@@ -51,7 +51,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         precision = Precision.resolve(weight, None, autocast_dtype(hidden.device))
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
-            projection = TileProjection(weight, bias, precision)
+            projection = TileProjection(weight, bias, precision, plan.options.memory_budget)
             tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.options)
             workspace = RowWorkspace.allocate((n_tokens,), 1, hidden.device, compute_dtype(precision.tile))
             run_prologue(plan, workspace)
@@ -78,14 +78,15 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         dloss_dlogp = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device) if grad_logp is None \
             else grad_logp.detach().reshape(-1).to(dtype).contiguous()
         dloss_dentropy = None if grad_entropy is None else grad_entropy.detach().reshape(-1).to(dtype).contiguous()
-        grads = [torch.zeros(t.shape, dtype=precision.accumulate, device=t.device) if wanted else None
-                 for t, wanted in zip((hidden, weight, bias), wants)]
+        grads = [torch.empty(t.shape, dtype=precision.accumulate, device=t.device) if wanted else None
+                 for t, wanted in zip((hidden, weight, bias), wants)]  # the first tile writes them
         with torch.autocast(hidden.device.type, enabled=False):
-            projection = TileProjection(weight, bias, precision)
+            projection = TileProjection(weight, bias, precision, plan.options.memory_budget)
             tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, plan.options)
             gradients = TileGradients(plan, tiles, projection, workspace, hidden, *grads)
             sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
                 start, stop, tile, 0.0, dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy))
+            gradients.finish()
             plan.rows.reduce_hidden_grad(grads[0])
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))), None)
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-KINDS = {"forward", "backward", "prologue", "finalize", "linear_partials", "linear_rows", "linear_grad"}
+KINDS = {"forward", "backward", "prologue", "finalize", "linear_partials", "linear_rows", "linear_grad", "scale_cast"}
 ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
                  r"\s+(\d+)\s+([0-9.]+|-)\s+(\d+)$")
 
@@ -65,6 +65,8 @@ def test_no_local_memory_and_vectorised_bf16_loads(report):
             assert int(ldg128) > 0, f"no LDG.E.128 in {m.group(0)}"
         if kernel == "backward" and dtype == "bf16":
             assert int(stg128) > 0, f"no STG.E.128 in {m.group(0)}"
+        if kernel == "scale_cast":  # the fused-linear backward's cast at a copy's traffic: 16-byte vectors
+            assert int(ldg128) > 0 and int(stg128) > 0, m.group(0)
     assert "cvt.rn" in report.stdout
 
 

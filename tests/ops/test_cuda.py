@@ -169,3 +169,15 @@ def test_production_vocabulary_bf16():
     torch.testing.assert_close(out.loss.double().cpu(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
     relative = (leaf.grad.double().cpu() - ref_logits.grad).norm() / ref_logits.grad.norm()
     assert relative < 4e-3  # bf16 rounding of the stored gradient (2^-9 relative per element)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scale_cast_rounds_as_torch_does(dtype):
+    # the compiled kernel rounds to nearest even (cvt.rn), as the torch.mul into a low-precision output it replaces
+    from dgpo_ops.kernels.scale_cast import scale_cast
+
+    accumulator = torch.randn(1000, 77, device="cuda") * 5
+    scale = torch.tensor([0.37], device="cuda")
+    out = torch.empty(accumulator.shape, dtype=dtype, device="cuda")
+    scale_cast(accumulator, scale, out)
+    assert torch.equal(out, torch.mul(accumulator, scale, out=torch.empty_like(out)))

@@ -71,9 +71,10 @@ def rounded_like_the_model(logits: torch.Tensor, dtype) -> torch.Tensor:
     return logits + (logits.to(dtype).double() - logits).detach()
 
 
+@pytest.mark.parametrize("vocab", [70, 300])  # 300: the weight cast in three vocabulary blocks (vocab_block_rows)
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16_weights", "autocast_fp32_weights"])
 @pytest.mark.parametrize("backend", PATHS)
-def test_low_precision_products_equal_the_models_logits(backend, autocast):
+def test_low_precision_products_equal_the_models_logits(backend, autocast, vocab):
     # The tile is the model's own bf16 logits (the product accumulated in fp32, rounded once), under
     # autocast or with bf16 weights alike; the loss then keeps fp32 accuracy against an fp64
     # reference on those logits. Gradients are fp32-accumulated from bf16 operands and come back in
@@ -81,7 +82,7 @@ def test_low_precision_products_equal_the_models_logits(backend, autocast):
     # master weights) and the fp32 product is rounded to bf16 in registers: the same logits as the tiles
     # (an fp32 product kept on chip gives log-probs up to 1e-2 away from the tiles').
     on_chip = backend == "on_chip"
-    (hidden, weight, bias), inputs = linear_case(dtype=torch.float32 if autocast else torch.bfloat16)
+    (hidden, weight, bias), inputs = linear_case(V=vocab, dtype=torch.float32 if autocast else torch.bfloat16)
     operands = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
     ref_leaves = [t.detach().double().requires_grad_(True) for t in operands]
@@ -100,6 +101,23 @@ def test_low_precision_products_equal_the_models_logits(backend, autocast):
         # the gradient tile is rounded to bf16 before the fp32-accumulated GEMMs: 2^-8 relative per
         # element, averaging out over the V (or N) terms of each product
         torch.testing.assert_close(got.double(), want, rtol=2.0**-6, atol=2e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_a_call_without_tokens_hands_back_zero_gradients(autocast):
+    # the accumulators are written by the first tile's products, not zero-filled: a call that has no tile
+    # zeroes them itself (memory just freed, full of NaN, is what an unwritten one would hold)
+    H, V = 16, 300
+    dirty = torch.full((V, H), float("nan"))
+    del dirty
+    hidden = torch.randn(2, 0, H, requires_grad=True)
+    weight, bias = torch.randn(V, H, requires_grad=True), torch.randn(V, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, torch.zeros(2, 0, dtype=torch.long), torch.zeros(2),
+                                              bias=bias)
+    out.loss.backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
+    assert hidden.grad.shape == hidden.shape
 
 
 def test_tied_embeddings_accumulate_both_gradients():
