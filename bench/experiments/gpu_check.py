@@ -13,7 +13,10 @@
 * timings at N = 8192 bf16 logits (``--tokens``, ``--vocab``: V = 32,000, 151,936 and 262,144 by default): ours,
   Liger's triton_grpo_loss and TRL's kernel + loss, forward + backward and forward only, each as the median ms
   of ``triton.testing.do_bench`` (calls back to back), the wall time per call of a loop that synchronises once at
-  its end, and the median of calls each followed by a synchronisation (``sync_ms``); the fused-linear op against TRL's
+  its end, and the median of 50 calls each followed by a synchronisation (``sync_ms``; every call's time in
+  ``sync_calls_ms``); one such call of ours and of Liger's under ``torch.profiler`` (``call_traces``: each event's
+  host and device interval, the host time before the first kernel, the device's idle time between kernels,
+  ``--trace-vocab``); the fused-linear op against TRL's
   ChunkedLogProbFunction + loss, under bf16 autocast with fp32 parameters and with bf16 parameters,
   with peak memory.
 
@@ -226,8 +229,12 @@ def wall_ms(fn, iters=20):
     return (time.perf_counter() - start) / iters * 1e3
 
 
-def sync_ms(fn, iters=10):
-    """Median of calls each followed by a synchronisation: the host's time before the first launch counts."""
+SYNC_CALLS = 50  # synchronised calls per timing on CUDA, each call's time kept
+
+
+def sync_ms(fn, iters=SYNC_CALLS):
+    """Calls each followed by a synchronisation (the host's time before the first launch counts): their median, and
+    every call's time in milliseconds."""
     times = []
     for _ in range(iters):
         synchronize()
@@ -235,74 +242,122 @@ def sync_ms(fn, iters=10):
         fn()
         synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], times
 
 
 def bench(fn):
     if DEV != "cuda":  # the dry run: one call of each kind, so that every code path runs
-        return {"do_bench_ms": None, "wall_ms": wall_ms(fn, iters=1), "sync_ms": sync_ms(fn, iters=1)}
+        median, calls = sync_ms(fn, iters=1)
+        return {"do_bench_ms": None, "wall_ms": wall_ms(fn, iters=1), "sync_ms": median, "sync_calls_ms": calls}
     from triton.testing import do_bench
 
-    return {"do_bench_ms": do_bench(fn, return_mode="median"), "wall_ms": wall_ms(fn), "sync_ms": sync_ms(fn)}
+    median, calls = sync_ms(fn)
+    return {"do_bench_ms": do_bench(fn, return_mode="median"), "wall_ms": wall_ms(fn), "sync_ms": median,
+            "sync_calls_ms": calls}
+
+
+def logits_steps(logits, target, mask, old, adv) -> dict:
+    """impl -> a forward + backward (or forward only) of the logits op at these inputs, or the error that kept a
+    competitor from running: ours (dgpo, grpo, dgpo forward only), Liger's triton_grpo_loss, TRL's kernel + loss."""
+    V = logits.shape[-1]
+    steps = {}
+    for method in ("dgpo", "grpo"):
+        def step(method=method):
+            logits.grad = None
+            dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, method=method).loss.backward()
+
+        steps[f"ours-{method}"] = step
+
+    def forward_only():
+        with torch.no_grad():
+            dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, method="dgpo")
+
+    steps["ours-forward-no_grad"] = forward_only
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        padded = torch.zeros(logits.shape[0], logits.shape[1] + 1, V, dtype=logits.dtype, device=DEV)
+        padded[:, :-1] = logits.detach()
+        padded.requires_grad_(True)
+        cmask = mask.int()
+
+        def liger():
+            padded.grad = None
+            loss, _ = triton_grpo_loss(padded, old, None, target, adv, completion_mask=cmask, temperature=1.0,
+                                       beta=0.0, eps_low=0.2, eps_high=0.2, inplace=False, loss_type="bnpo",
+                                       reduce=True)
+            loss.backward()
+
+        steps["liger-grpo"] = liger
+    except Exception as error:  # noqa: BLE001
+        steps["liger-grpo"] = str(error)[:200]
+    try:
+        from trl.kernels import selective_log_softmax_and_entropy
+
+        def trl_step():
+            logits.grad = None
+            logp, _ = selective_log_softmax_and_entropy(logits, target, 1.0, mask)
+            ratio = torch.exp(logp - old)
+            a = adv[:, None]
+            per_token = -torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)
+            loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+            loss.backward()
+
+        steps["trl-grpo"] = trl_step
+    except Exception as error:  # noqa: BLE001
+        steps["trl-grpo"] = str(error)[:200]
+    return steps
 
 
 @section("logits_timing")
 def logits_timing(vocabularies=(32000, 151936, 262144), tokens=8192):
     rows = []
     for V in vocabularies:
-        logits, target, mask, old, adv = logits_inputs(tokens, V)
-        for method in ("dgpo", "grpo"):
-            def step(method=method):
-                logits.grad = None
-                dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, method=method).loss.backward()
-
-            rows.append({"V": V, "impl": f"ours-{method}", **bench(step)})
-
-        def forward_only():
-            with torch.no_grad():
-                dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, method="dgpo")
-
-        rows.append({"V": V, "impl": "ours-forward-no_grad", **bench(forward_only)})
-        try:
-            from liger_kernel.transformers.grpo_loss import triton_grpo_loss
-
-            padded = torch.zeros(logits.shape[0], logits.shape[1] + 1, V, dtype=logits.dtype, device=DEV)
-            padded[:, :-1] = logits.detach()
-            padded.requires_grad_(True)
-            cmask = mask.int()
-
-            def liger():
-                padded.grad = None
-                loss, _ = triton_grpo_loss(padded, old, None, target, adv, completion_mask=cmask, temperature=1.0,
-                                           beta=0.0, eps_low=0.2, eps_high=0.2, inplace=False, loss_type="bnpo",
-                                           reduce=True)
-                loss.backward()
-
-            rows.append({"V": V, "impl": "liger-grpo", **bench(liger)})
-            del padded
-        except Exception as error:  # noqa: BLE001
-            rows.append({"V": V, "impl": "liger-grpo", "error": str(error)[:200]})
-        try:
-            from trl.kernels import selective_log_softmax_and_entropy
-
-            def trl_step():
-                logits.grad = None
-                logp, _ = selective_log_softmax_and_entropy(logits, target, 1.0, mask)
-                ratio = torch.exp(logp - old)
-                a = adv[:, None]
-                per_token = -torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)
-                loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-                loss.backward()
-
-            rows.append({"V": V, "impl": "trl-grpo", **bench(trl_step)})
-        except Exception as error:  # noqa: BLE001
-            rows.append({"V": V, "impl": "trl-grpo", "error": str(error)[:200]})
-        del logits
+        steps = logits_steps(*logits_inputs(tokens, V))
+        for impl, step in steps.items():
+            rows.append({"V": V, "impl": impl, **(bench(step) if callable(step) else {"error": step})})
+            print("[logits]", {k: v for k, v in rows[-1].items() if k != "sync_calls_ms"}, flush=True)
+        del steps
         if DEV == "cuda":
             torch.cuda.empty_cache()
-        for row in rows[-5:]:
-            print("[logits]", row, flush=True)
     return rows
+
+
+@section("call_traces")
+def call_traces(V=151936, tokens=8192, impls=("ours-dgpo", "ours-grpo", "liger-grpo")):
+    """One synchronised forward + backward of each of ``impls`` under ``torch.profiler`` (after warm-up calls): every
+    event with its host (CPU) and device interval, relative to the call's start, and the host time before the first
+    device kernel and the device's idle time between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = logits_steps(*logits_inputs(tokens, V))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    traces = {}
+    for impl in impls:
+        step = steps[impl]
+        if not callable(step):
+            traces[impl] = {"error": step}
+            continue
+        for _ in range(3):
+            step()
+        synchronize()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            step()
+            synchronize()
+            wall = (time.perf_counter() - start) * 1e3
+        events = sorted(prof.events(), key=lambda e: e.time_range.start)
+        origin = events[0].time_range.start if events else 0
+        rows = [{"name": e.name[:80], "device": str(e.device_type).split(".")[-1],
+                 "start_us": e.time_range.start - origin, "end_us": e.time_range.end - origin} for e in events]
+        kernels = [r for r in rows if r["device"] == "CUDA"]
+        idle = sum(max(0.0, b["start_us"] - a["end_us"]) for a, b in zip(kernels, kernels[1:]))
+        traces[impl] = {"wall_ms": wall, "events": rows, "device_kernels": len(kernels),
+                        "host_before_first_kernel_us": kernels[0]["start_us"] if kernels else None,
+                        "device_idle_between_kernels_us": idle if kernels else None}
+        print(f"[trace] {impl}: {wall:.3f} ms, {len(kernels)} kernels, host before the first "
+              f"{traces[impl]['host_before_first_kernel_us']} us, idle between {idle:.0f} us", flush=True)
+    return traces
 
 
 def linear_inputs(H, N=8192, V=151936, dtype=torch.float32, seed=0):
@@ -391,6 +446,8 @@ def main():
     parser.add_argument("--timing-only", action="store_true", help="only the logits timings (and linear unless skipped)")
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936, 262144], help="V of the logits timings")
     parser.add_argument("--tokens", type=int, default=8192, help="N of the logits timings")
+    parser.add_argument("--trace-vocab", type=int, default=151936,
+                        help="V of one profiled synchronised call of ours and Liger's (0: none)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: the timing section only, at the sizes asked (a dry run of the script)")
     args = parser.parse_args()
@@ -408,6 +465,8 @@ def main():
         no_sync()
         deferred()
     logits_timing(tuple(args.vocab), args.tokens)
+    if args.trace_vocab:
+        call_traces(args.trace_vocab, args.tokens)
     if not args.skip_linear:
         linear_timing()
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:

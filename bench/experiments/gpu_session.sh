@@ -7,9 +7,13 @@
 #
 #   bash bench/experiments/gpu_session.sh fetch-wheels
 #
-# On the device (the device tool's run, carry [".whl"], timeout_s 600), from the repository root:
+# On the device (the device tool's run, carry [".whl"], timeout_s 600), from the repository root, with the commit
+# written out as a literal (the device's copy of the git metadata can be stale; the script refuses to run without it):
 #
-#   DGPO_OPS_COMMIT=$(git rev-parse --short HEAD) bash bench/experiments/gpu_session.sh
+#   DGPO_OPS_COMMIT=4bc7a51 bash bench/experiments/gpu_session.sh
+#
+# QuACK's cross-entropy (quack-kernels, an anchor for the logits op) is not among the wheels: its
+# nvidia-cutlass-dsl-libs-cu13 wheel is 92 MB, over the 64 MiB a call may carry, and the image has no CUTLASS DSL.
 #
 # Stages, in this order by default (each ends by writing its results to $OUT; a stage cut short loses only
 # itself; a stage starts only while the budget, GPU_SESSION_BUDGET_S = 540 s, has 20 s left, and runs for at
@@ -21,9 +25,13 @@
 #   tests      TRITON_INTERPRET=0 pytest -m cuda tests: 148 tests, 97 of them test_fused_parity's, mostly Triton
 #              compiles: 8 pytest-xdist workers where xdist is installed (the GPU image has it; the dry run: -n 0)
 #                                                                                                  (limit 210 s)
+#   floors     floors.py: copy bandwidth, the bf16 GEMM rate at the fused linear's shapes and 8192^3, and the
+#              backward's scale-and-cast kernel against torch.mul into bf16, in this command (limit 40 s)
 #   logits     gpu_check.py --timing-only: the logits op fwd + bwd at N = 8192, V = 151,936 bf16 against Liger's
-#              triton_grpo_loss and TRL's kernel + loss, back to back and synchronised per call; then V = 32,000,
-#              where the call is host-bound                                                       (limit 60 s)
+#              triton_grpo_loss and TRL's kernel + loss, back to back and synchronised per call (50 calls, each
+#              call's time kept); then V = 32,000, where the call is host-bound; then one synchronised call of ours
+#              and of Liger's under torch.profiler (host time before the first kernel, idle time between)
+#                                                                                                 (limit 90 s)
 #   linear     fused_linear.py at N = 8192, V = 151,936, H = 1,536 and 4,096, autocast and bf16: ours, TRL's chunked
 #              head, Liger's fused linear, the three-GEMM floor                                   (limit 120 s)
 #   trainstep  train_step.py: one update of Qwen2.5-1.5B's architecture at completions of 2k and 8k,
@@ -35,7 +43,8 @@
 # (20 bf16 runs of the main job), trainfit (the longest completion).
 #
 # $OUT receives at most 8 files (the device tool's limit): stages.tsv (stage, exit code, seconds, note),
-# session.log (everything printed), gpu_check.json, fused_linear.json, train_step.json, passes.json.
+# session.log (everything printed, and before each stage the load and nvidia-smi's reading), floors.json,
+# gpu_check.json, fused_linear.json, train_step.json, passes.json.
 #
 # GPU_SESSION_DRY_RUN=1 runs every default stage on the CPU at tiny sizes (the torch twins, no CUDA, no wheels
 # needed): tests/bench/test_gpu_session.py does, so that the script breaks in CI and not on the GPU.
@@ -103,6 +112,17 @@ EOF
   )
 }
 
+# The load and the GPU's state, logged before each stage: a stage slowed by something else shows it.
+machine_state() {
+  echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
+  if command -v nvidia-smi > /dev/null 2>&1; then
+    nvidia-smi --query-gpu=name,utilization.gpu,memory.used,temperature.gpu,clocks.sm,clocks.mem,power.draw \
+      --format=csv,noheader
+  else
+    echo "nvidia-smi: none (the dry run)"
+  fi
+}
+
 # run_stage NAME LIMIT_S RESULT_FILE COMMAND...: COMMAND in $RUN for at most min(LIMIT_S, the budget left); then the
 # result file (when the command wrote one, even cut short) is copied to $OUT.
 run_stage() {
@@ -116,6 +136,7 @@ run_stage() {
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   log "$name (at most $limit s)"
+  machine_state >> "$LOG" 2>&1
   local begun=$SECONDS lines
   lines=$(wc -l < "$LOG")
   (cd "$RUN" && timeout -k 10 "$limit" "$@") >> "$LOG" 2>&1
@@ -134,27 +155,33 @@ if [ "$DRY" = 1 ]; then
   # one process: on the CPU every CUDA test skips, and 8 workers (each importing torch) on the 2 cores of a CI
   # machine took 30-80 s to start; the stage's command line is the same but for the number
   TEST_WORKERS=0
-  LOGITS_ARGS=(--device cpu --vocab 1000 --tokens 256)
+  LOGITS_ARGS=(--device cpu --vocab 1000 --tokens 256 --trace-vocab 1000)
+  FLOORS_ARGS=(--device cpu --elements 100000 --shapes 64x32x500)
   LINEAR_ARGS=(--sizes 64x32x500 --settings fp32 --competitors ours gemm_floor --repeats 1)
   TRAINSTEP_ARGS=(--model tiny --completions 16 --paths dgpo_linear)
   PASSES_ARGS=(--methods gspo --options all --paths dgpo_linear)
 else
   TESTS=(tests)
   TEST_WORKERS=8
-  LOGITS_ARGS=(--vocab 151936 32000 --tokens 8192)
+  LOGITS_ARGS=(--vocab 151936 32000 --tokens 8192 --trace-vocab 151936)
+  FLOORS_ARGS=()
   LINEAR_ARGS=(--competitors ours ours_on_chip trl liger gemm_floor --repeats 3)
   TRAINSTEP_ARGS=(--completions 2048,8192 --paths dgpo_linear,trl)
   PASSES_ARGS=()
 fi
 
 STAGES=("$@")
-[ ${#STAGES[@]} = 0 ] && STAGES=(setup tests logits linear trainstep passes)
+[ ${#STAGES[@]} = 0 ] && STAGES=(setup tests floors logits linear trainstep passes)
 [ "${STAGES[0]}" = fetch-wheels ] && { fetch_wheels; exit $?; }
 [ "${STAGES[0]}" = setup ] || { echo "setup must be the first stage" >&2; exit 2; }
-KNOWN_STAGES=" setup tests logits linear trainstep passes bench onchip host repro trainfit mainjob "
+KNOWN_STAGES=" setup tests floors logits linear trainstep passes bench onchip host repro trainfit mainjob "
 for stage in "${STAGES[@]}"; do  # refused before the setup spends a minute of the lease
   [[ $KNOWN_STAGES == *" $stage "* ]] || { echo "unknown stage $stage (stages:$KNOWN_STAGES)" >&2; exit 2; }
 done
+if [ "$DRY" != 1 ] && [ -z "${DGPO_OPS_COMMIT:-}" ]; then
+  echo "pass the commit measured as a literal: DGPO_OPS_COMMIT=<hash> bash $0 (the device's git metadata can be stale)" >&2
+  exit 2
+fi
 : > "$OUT/stages.tsv"
 for stage in "${STAGES[@]}"; do
   case $stage in
@@ -173,8 +200,10 @@ for stage in "${STAGES[@]}"; do
     "$PYTHON" -c "import xdist" 2> /dev/null && WORKERS=(-n "$TEST_WORKERS")
     run_stage tests 210 "" env TRITON_INTERPRET=0 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider "${WORKERS[@]}" \
       "${TESTS[@]}" ;;
+  floors)
+    run_stage floors 40 floors.json "$PYTHON" bench/experiments/floors.py --out floors.json "${FLOORS_ARGS[@]}" ;;
   logits)
-    run_stage logits 60 gpu_check.json "$PYTHON" bench/experiments/gpu_check.py --timing-only --skip-linear --out . \
+    run_stage logits 90 gpu_check.json "$PYTHON" bench/experiments/gpu_check.py --timing-only --skip-linear --out . \
       "${LOGITS_ARGS[@]}" ;;
   linear)
     run_stage linear 120 fused_linear.json bash -c "$PYTHON bench/fused_linear.py --out-dir scratch-linear \

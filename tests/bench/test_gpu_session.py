@@ -16,7 +16,7 @@ pytest.importorskip("trl")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "experiments" / "gpu_session.sh"
-DEFAULT_STAGES = ["setup", "tests", "logits", "linear", "trainstep", "passes"]
+DEFAULT_STAGES = ["setup", "tests", "floors", "logits", "linear", "trainstep", "passes"]
 
 
 def run_session(tmp_path, *stages, **env):
@@ -40,8 +40,13 @@ def test_dry_run_of_every_stage(tmp_path):
     assert all(rc == "0" and note == "ok" for _, rc, _, note in stages), stages
     # the device tool brings back at most 8 files from $OUT
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["fused_linear.json", "gpu_check.json", "passes.json", "session.log", "stages.tsv",
+    assert files == ["floors.json", "fused_linear.json", "gpu_check.json", "passes.json", "session.log", "stages.tsv",
                      "train_step.json"]
+    assert log.count("load: ") == len(DEFAULT_STAGES) - 1  # the machine's state before every stage after setup
+
+    floors = json.loads((out / "floors.json").read_text())
+    assert floors["copy"]["tb_per_s"] > 0 and set(floors["scale_cast"]) == {"scale_cast kernel", "torch.mul into bf16"}
+    assert {row["product"] for row in floors["gemm"]} == {"logits", "d hidden", "d weight"}
     # the stages imported the install, which holds the three folders as pyproject.toml maps them
     site = work / "site"
     assert f"dgpo_ops from {site}/dgpo_ops/__init__.py" in log
@@ -52,7 +57,10 @@ def test_dry_run_of_every_stage(tmp_path):
     logits = json.loads((out / "gpu_check.json").read_text())
     ours = {row["impl"]: row for row in logits["logits_timing"] if row["impl"].startswith("ours")}
     assert set(ours) == {"ours-dgpo", "ours-grpo", "ours-forward-no_grad"}
-    assert all(row["sync_ms"] > 0 and row["wall_ms"] > 0 for row in ours.values())
+    assert all(row["sync_ms"] > 0 and row["wall_ms"] > 0 and row["sync_calls_ms"] for row in ours.values())
+    traces = logits["call_traces"]
+    assert traces["ours-dgpo"]["events"] and traces["ours-dgpo"]["wall_ms"] > 0
+    assert "liger-grpo" in traces  # traced, or the reason it could not run
     assert {row["impl"] for row in logits["logits_timing"]} >= {"liger-grpo", "trl-grpo"}  # each ran or says why
     assert logits["env"]["dgpo_ops_commit"]
 
@@ -76,6 +84,12 @@ def test_a_stage_without_budget_left_is_skipped_and_recorded(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert stages[0][:2] == ["setup", "0"]
     assert stages[1] == ["tests", "-", "0", "skipped: budget"]
+
+
+def test_the_commit_must_be_given_as_a_literal_on_the_device(tmp_path):
+    proc, out, _, stages = run_session(tmp_path, "setup", GPU_SESSION_DRY_RUN="0", DGPO_OPS_COMMIT="")
+    assert proc.returncode == 2 and "DGPO_OPS_COMMIT=<hash>" in proc.stderr
+    assert stages == []  # refused before the setup spent any of the lease
 
 
 def test_setup_comes_first_and_unknown_stages_are_refused(tmp_path):
