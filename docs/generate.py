@@ -14,7 +14,10 @@
   ``<!-- package-layout:start -->`` and ``<!-- package-layout:end -->``: every folder and module of the
   package and what its docstring says it is (``package_layout_markdown``);
 * docs/normalization.md, between ``<!-- framework-aggregations:start -->`` and ``<!-- framework-aggregations:end
-  -->``: every framework's aggregation row (``dgpo_ops.FRAMEWORK_AGGREGATIONS``), what it divides by.
+  -->``: every framework's aggregation row (``dgpo_ops.FRAMEWORK_AGGREGATIONS``), what it divides by;
+* docs/benchmarks.md, between ``<!-- headline:start -->`` and ``<!-- headline:end -->``: every GPU figure of the
+  headline, from the committed results files, with its card, run and commit (``docs/headline.py``; the README states
+  none and links there).
 
 A tool of the checkout, not of the package: the tables are written here from the mappings the library and
 the trainer hold; the package writes no markdown and reads no checkout path.
@@ -30,6 +33,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "docs") not in sys.path:  # headline.py beside this file, also when a test loads this one by path
+    sys.path.insert(0, str(REPO / "docs"))
+
+import headline  # noqa: E402
 
 
 class Section(NamedTuple):
@@ -226,6 +233,7 @@ SECTIONS = (
             package_layout_markdown),
     Section("docs/normalization.md", "<!-- framework-aggregations:start -->", "<!-- framework-aggregations:end -->",
             framework_aggregations_markdown),
+    Section("docs/benchmarks.md", "<!-- headline:start -->", "<!-- headline:end -->", headline.headline_markdown),
 )
 
 
