@@ -17,7 +17,9 @@
   -->``: every framework's aggregation row (``dgpo_ops.FRAMEWORK_AGGREGATIONS``), what it divides by;
 * docs/benchmarks.md, between ``<!-- headline:start -->`` and ``<!-- headline:end -->``: every GPU figure of the
   headline, from the committed results files, with its card, run and commit (``docs/headline.py``; the README states
-  none and links there).
+  none and links there);
+* docs/api.md, between ``<!-- signature-NAME:start -->`` and ``<!-- signature-NAME:end -->``: the signature of the
+  public function NAME, as ``inspect.signature`` gives it.
 
 A tool of the checkout, not of the package: the tables are written here from the mappings the library and
 the trainer hold; the package writes no markdown and reads no checkout path.
@@ -222,6 +224,18 @@ def skyrl_methods_markdown() -> str:
                                       field_text)
 
 
+def signature_markdown(name: str) -> Callable[[], str]:
+    """The public function ``name``'s signature as Python shows it (``inspect.signature``), in a code span."""
+    def body() -> str:
+        import inspect
+
+        import dgpo_ops
+
+        return f"`{name}{inspect.signature(getattr(dgpo_ops, name))}`\n"
+
+    return body
+
+
 SECTIONS = (
     Section("README.md", "<!-- methods:start -->", "<!-- methods:end -->", readme_methods_markdown),
     Section("docs/integrations.md", "<!-- verl-methods:start -->", "<!-- verl-methods:end -->",
@@ -234,6 +248,8 @@ SECTIONS = (
     Section("docs/normalization.md", "<!-- framework-aggregations:start -->", "<!-- framework-aggregations:end -->",
             framework_aggregations_markdown),
     Section("docs/benchmarks.md", "<!-- headline:start -->", "<!-- headline:end -->", headline.headline_markdown),
+    *(Section("docs/api.md", f"<!-- signature-{name}:start -->", f"<!-- signature-{name}:end -->",
+              signature_markdown(name)) for name in ("fused_linear_logprobs", "linear_logprob_entropy")),
 )
 
 

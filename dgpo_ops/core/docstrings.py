@@ -65,8 +65,10 @@ ARGUMENTS = {
                      "``target_ids``; NaN where the engine gave none, handled as the correction's framework does), "
                      "or None. With ``old_logps`` they give the mismatch metrics (``mismatch_kl_k1``, "
                      "``mismatch_kl_k3``, ``sampling_logp_difference_mean``/``_max``) and feed ``rollout_correction``.",
-    "rollout_correction": "a ``dgpo_ops.corrections.RolloutCorrection`` (TRL's, verl's, OpenRLHF's, NeMo-RL's, "
-                          "SkyRL's, AReaL's modes under their own names: docs/corrections.md), or None. It runs "
+    "rollout_correction": "a ``dgpo_ops.corrections.RolloutCorrection``, each framework's modes under their own "
+                          "names (``TrlCorrection``, ``VerlCorrection``, ``OpenRLHFCorrection``, "
+                          "``NemoRLCorrection``, ``SkyRLCorrection``, ``SwiftCorrection`` (ms-swift), "
+                          "``ArealCorrection``: docs/corrections.md), or None. It runs "
                           "before the loss on ``old_logps`` and ``rollout_logps`` (both required), giving the rollout "
                           "weights (so not together with ``rollout_weights``) and the rejections, which leave the "
                           "mask (the normaliser counts only the tokens kept).",

@@ -21,3 +21,11 @@ def test_an_undescribed_argument_fails_at_definition():
         @documented("x")
         def loss(logits, colour):  # noqa: ARG001
             pass
+
+
+def test_the_correction_argument_names_every_framework_family():
+    # a family added to dgpo_ops.corrections without its line here would leave the public docstrings behind
+    import dgpo_ops.corrections as corrections
+
+    families = [name for name in corrections.__all__ if name.endswith("Correction") and name != "RolloutCorrection"]
+    assert families and all(f"``{name}``" in ARGUMENTS["rollout_correction"] for name in families)
