@@ -275,8 +275,9 @@ def _eval_n(runs) -> str:
     return "?"
 
 
-# Arguments that may differ between runs merged into one result: which seeds ran, and where and how they logged.
-MERGE_FREE_ARGUMENTS = {"seed", "seeds", "output_dir", "no_progress"}
+# Arguments that may differ between runs merged into one result: which seeds ran, and where and how they logged
+# and kept their policies.
+MERGE_FREE_ARGUMENTS = {"seed", "seeds", "output_dir", "no_progress", "save_model"}
 
 
 def merge_results(results: list[dict]) -> dict:
