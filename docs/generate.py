@@ -19,10 +19,15 @@
   headline, from the committed results files, with its card, run and commit (``docs/headline.py``; the README states
   none and links there);
 * docs/api.md, between ``<!-- signature-NAME:start -->`` and ``<!-- signature-NAME:end -->``: the signature of the
-  public function NAME, as ``inspect.signature`` gives it.
+  public function NAME, as ``inspect.signature`` gives it;
+* README.md, docs/training.md and docs/train/README.md, between ``<!-- default-result:start -->`` and
+  ``<!-- default-result:end -->``: the plain ``dgpo-ops train``'s held-out accuracy before -> after RL, read
+  from its committed console log ``docs/train/default_run.log`` (``default_result``);
+* docs/integrations.md, between ``<!-- skyrl-cpu-install:start -->`` and ``<!-- skyrl-cpu-install:end -->``:
+  the install lines of SkyRL's CPU environment, read from ``.ci/skyrl_cpu.sh`` (``skyrl_cpu_packages``).
 
 A tool of the checkout, not of the package: the tables are written here from the mappings the library and
-the trainer hold; the package writes no markdown and reads no checkout path.
+the trainer hold, the logs and the CI scripts; the package writes no markdown and reads no checkout path.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -236,6 +243,72 @@ def signature_markdown(name: str) -> Callable[[], str]:
     return body
 
 
+DEFAULT_RUN_LOG = REPO / "docs" / "train" / "default_run.log"
+# The same command timed on an idle machine (docs/train/timing/README.md): another outcome of its warm start.
+TIMED_RUN_LOG = REPO / "docs" / "train" / "timing" / "idle.log"
+
+
+class DefaultResult(NamedTuple):
+    method: str
+    seeds: str
+    n: int
+    before: str
+    after: str
+
+
+def default_result(log: Path = DEFAULT_RUN_LOG) -> DefaultResult:
+    """The plain ``dgpo-ops train``'s result as its console log's summary states it: the method, the seeds,
+    the held-out problems and the accuracy before -> after RL, as printed (three decimals)."""
+    text = log.read_text()
+    header = re.search(r"^dgpo-ops train: (\S+) x seeds (\[[0-9, ]+\])", text, re.MULTILINE)
+    n = re.search(r"^held-out accuracy \(greedy, n=(\d+)\), before -> after RL:$", text, re.MULTILINE)
+    rows = re.findall(r"^ +(\S+): ([0-9.]+) -> ([0-9.]+) \(mean over", text, re.MULTILINE)
+    if not (header and n and len(rows) == 1 and rows[0][0] == header[1]):
+        raise ValueError(f"{log.name} does not end on one method's summary of a dgpo-ops train run")
+    return DefaultResult(header[1], header[2], int(n[1]), rows[0][1], rows[0][2])
+
+
+def default_result_markdown(train_folder: str) -> str:
+    """The sentences every page states the default run's result in, from its log and the timed run's;
+    ``train_folder``: docs/train/, relative to the page."""
+    result, timed = default_result(), default_result(TIMED_RUN_LOG)
+    text = (f"The plain `dgpo-ops train` ({result.method}, seed {result.seeds.strip('[]')}) takes greedy "
+            f"held-out accuracy on the {result.n} problems from **{result.before} -> {result.after}** "
+            f"(before -> after RL; its console log: [default_run.log]({train_folder}default_run.log)).")
+    if (timed.before, timed.after) != (result.before, result.after):
+        text += (" Its warm start on a CPU is not bitwise reproducible from run to run (the SFT losses part "
+                 "in the fourth decimal), so a run can end elsewhere: the timed idle run gave "
+                 f"{timed.before} -> {timed.after} ([timing/idle.log]({train_folder}timing/idle.log)).")
+    return textwrap.fill(text, width=110, break_long_words=False, break_on_hyphens=False) + "\n"
+
+
+SKYRL_CPU_SCRIPT = REPO / ".ci" / "skyrl_cpu.sh"
+
+
+def skyrl_cpu_packages(script: Path = SKYRL_CPU_SCRIPT) -> list[str]:
+    """The pinned packages ``.ci/skyrl_cpu.sh`` installs without dependencies: its ``SKYRL_IMPORTS`` array."""
+    body = re.search(r"^SKYRL_IMPORTS=\((.*?)^\)", script.read_text(), re.MULTILINE | re.DOTALL)
+    if body is None:
+        raise ValueError(f"{script.relative_to(REPO)} has no SKYRL_IMPORTS=( ... ) array")
+    return body[1].split()
+
+
+def skyrl_cpu_install_markdown() -> str:
+    """docs/integrations.md's install lines of SkyRL's CPU environment: each ``pip_quiet install`` of
+    ``.ci/skyrl_cpu.sh`` in its order, with its ``SKYRL_IMPORTS`` written out."""
+    commands = re.findall(r"^ *pip_quiet (install .*)$", SKYRL_CPU_SCRIPT.read_text(), re.MULTILINE)
+    lines = []
+    for command in commands:
+        words = command.replace('"${SKYRL_IMPORTS[@]}"', " ".join(skyrl_cpu_packages())).split()
+        lines.append("pip")
+        for word in words:
+            if len(lines[-1]) + len(word) > 104:
+                lines[-1] += " \\"
+                lines.append("   ")
+            lines[-1] += f" {word}"
+    return "```bash\n" + "\n".join(lines) + "\n```\n"
+
+
 SECTIONS = (
     Section("README.md", "<!-- methods:start -->", "<!-- methods:end -->", readme_methods_markdown),
     Section("docs/integrations.md", "<!-- verl-methods:start -->", "<!-- verl-methods:end -->",
@@ -250,6 +323,14 @@ SECTIONS = (
     Section("docs/benchmarks.md", "<!-- headline:start -->", "<!-- headline:end -->", headline.headline_markdown),
     *(Section("docs/api.md", f"<!-- signature-{name}:start -->", f"<!-- signature-{name}:end -->",
               signature_markdown(name)) for name in ("fused_linear_logprobs", "linear_logprob_entropy")),
+    Section("README.md", "<!-- default-result:start -->", "<!-- default-result:end -->",
+            partial(default_result_markdown, "docs/train/")),
+    Section("docs/training.md", "<!-- default-result:start -->", "<!-- default-result:end -->",
+            partial(default_result_markdown, "train/")),
+    Section("docs/train/README.md", "<!-- default-result:start -->", "<!-- default-result:end -->",
+            partial(default_result_markdown, "")),
+    Section("docs/integrations.md", "<!-- skyrl-cpu-install:start -->", "<!-- skyrl-cpu-install:end -->",
+            skyrl_cpu_install_markdown),
 )
 
 

@@ -3,7 +3,8 @@ run as ``__main__``, in an empty folder, with nothing from a model hub. A block 
 "__main__":`` guard or a trainer (whose worker pools start processes) runs in a fresh interpreter of its own,
 as a reader would run it; the library's blocks run one after another in one fresh interpreter
 (``snippet_runner.py``), sparing a second of imports each. A block that cannot run here says why in the
-markdown, on the line before its fence: ``<!-- not run: needs CUDA -->``; such a block must still parse."""
+markdown, on the line before its fence: ``<!-- not run: needs CUDA -->``; such a block must still parse. A block
+that runs ends by printing what it computes, so that run as a script it shows its result."""
 
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def test_block_runs_as_written(code, tmp_path):
                             capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, \
         f"the block failed:\n{code}\n--- stderr (tail) ---\n{result.stderr[-4000:]}"
+    assert result.stdout.strip(), f"the block printed nothing:\n{code}"
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +109,27 @@ def library_blocks(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("block_id, code", [pytest.param(block_id, code, id=block_id)
                                             for block_id, code in RUN if not runs_alone(code)])
 def test_library_block_runs_as_written(block_id, code, library_blocks):
-    error = library_blocks[block_id]
+    error, output = library_blocks[block_id]["error"], library_blocks[block_id]["output"]
     assert error is None, f"the block failed:\n{code}\n--- traceback ---\n{error}"
+    assert output.strip(), f"the block printed nothing:\n{code}"
+
+
+def last_statement(code: str) -> ast.stmt:
+    """A block's last statement; inside its ``if __name__ == "__main__":`` body where it ends on one."""
+    statement = ast.parse(code).body[-1]
+    while isinstance(statement, ast.If) and "__main__" in ast.unparse(statement.test):
+        statement = statement.body[-1]
+    return statement
+
+
+@pytest.mark.parametrize("code", [pytest.param(code, id=block_id) for block_id, code in RUN])
+def test_block_ends_by_printing_what_it_computes(code):
+    """Run as a script, a block whose last line is a bare expression (``out.loss, out.metrics["eur"]``) shows
+    nothing: each ends on a print of its result."""
+    statement = last_statement(code)
+    assert (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
+            and getattr(statement.value.func, "id", None) == "print"), \
+        f"the block ends on `{ast.unparse(statement)}`, not on a print of what it computes:\n{code}"
 
 
 @pytest.mark.parametrize("code,reason", [pytest.param(code, reason, id=f"{page}:{line}")

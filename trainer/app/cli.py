@@ -8,7 +8,8 @@ in-process, Qwen2.5's tokenizer restricted to the task's tokens, 1-2 digit addit
 reasoning-gym (disjoint train and held-out splits from ``--data-seed``), a short SFT warm start on
 solutions of which half are worked and half the bare ``\boxed{}`` answer, then RL with DGPOTrainer on
 the math-verify accuracy reward (+ a format reward). It logs one line per step, measures greedy held-out accuracy before, during and
-after RL, and writes ``run.json`` and ``curves.png`` into the output directory it names at the end.
+after RL, and writes ``run.json``, ``curves.png`` and each trained policy into the output directory it names
+at the end.
 
 The same command is the real run on a GPU::
 
@@ -81,7 +82,9 @@ def build_parser(with_method_fields: bool = True) -> argparse.ArgumentParser:
                      help="also sample K completions per held-out problem at temperature 1 at every evaluation and "
                           "report the unbiased pass@1 and pass@K (default: 0, greedy accuracy only)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
-    run.add_argument("--save-model", action="store_true", help="save each trained policy under the output dir")
+    run.add_argument("--save-model", action=argparse.BooleanOptionalAction, default=True,
+                     help="save each trained policy and its tokenizer to OUTPUT_DIR/seed-S/METHOD/, as TRL saves "
+                          "to its output_dir (default: on; --no-save-model: off)")
 
     model = parser.add_argument_group("model (default: a tiny Qwen2 LM built in-process)")
     model.add_argument("--model", default=None, help="local path or hub name of a causal LM (skips the tiny model)")

@@ -1,5 +1,6 @@
-"""What ``dgpo-ops train`` prints: log lines (main process only), tqdm progress bars, one line per RL
-step with the held-out accuracy every ``--eval-every`` steps, and the closing summary."""
+"""What ``dgpo-ops train`` prints: log lines (main process only), tqdm progress bars, before the first step
+what its terms mean and how steps share a generation, one line per RL step with the held-out accuracy every
+``--eval-every`` steps, and the closing summary with where the trained policies are."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ class Console:
 
     def __init__(self, enabled: bool, progress: bool):
         self.enabled, self.progress_enabled = enabled, progress and enabled
+        self.said: set[str] = set()
+
+    def once(self, message: str) -> None:
+        """``log``, unless this message was logged before: an explanation is given once per invocation."""
+        if message not in self.said:
+            self.said.add(message)
+            self.log(message)
 
     def log(self, message: str) -> None:
         if not self.enabled:
@@ -46,6 +54,36 @@ def step_line(step: int, total: int, logs: dict, last_reward: dict) -> str:
             f"entropy {fmt(logs.get('entropy'))} | regions ln/hp/lp/hn {regions} | EUR {fmt(logs.get('eur'))} | "
             f"ratio {fmt(logs.get('ratio_mean'))} | len {fmt(logs.get('completions/mean_length'), '.1f')} | "
             f"loss {fmt(logs.get('loss'), '.4f')}")
+
+
+# What the step line's terms mean, said once before the first step line (docs/math.md: "Regions", "Metrics").
+TERMS = ("terms: regions ln/hp/lp/hn = fractions of tokens whose importance ratio r = p/p_old left the method's "
+         "trust region [1-eps_low, 1+eps_high]: ln r below with A<0, hp r above with A>0 (the two grpo clips), "
+         "lp r below with A>0, hn r above with A<0; EUR = effective update ratio mean(psi/r), the share of the "
+         "plain policy gradient the loss keeps (1: all of it); ratio = mean r (docs/math.md)")
+
+
+def updates_per_generation(config) -> float:
+    """Optimizer steps one generation serves, as TRL's GRPOTrainer schedules it: it generates every
+    ``steps_per_generation * num_iterations`` micro-batches, ``gradient_accumulation_steps`` to a step."""
+    return config.steps_per_generation * config.num_iterations / config.gradient_accumulation_steps
+
+
+def generation_text(config) -> str:
+    """Why consecutive step lines share a reward: how many optimizer steps each generation serves."""
+    updates = updates_per_generation(config)
+    sampled = (f"one generation ({config.generation_batch_size // config.num_generations} prompts x "
+               f"{config.num_generations} completions)")
+    fields = (f"num_iterations {config.num_iterations} x steps_per_generation {config.steps_per_generation} / "
+              f"gradient_accumulation_steps {config.gradient_accumulation_steps}")
+    if updates == 1:
+        return f"steps: each optimizer step samples {sampled} anew ({fields})"
+    if updates != int(updates) or updates < 1:
+        return f"steps: {sampled} serves {updates:g} optimizer steps ({fields})"
+    group = "pairs" if updates == 2 else f"groups of {int(updates)}"
+    return (f"steps: {sampled} serves {int(updates)} optimizer steps ({fields}), so the step lines come in "
+            f"{group} with that generation's reward, its length on the first (len - after it); the first step of "
+            "each is on-policy (ratio 1, regions 0), the later ones see the policy move")
 
 
 def curve_point(step: int, result: dict) -> dict:
@@ -120,7 +158,20 @@ def summary_text(result: dict) -> str:
     lines.append(f"wall time {result['wall_time_s']:.0f} s")
     files = [result["output_dir"] + "/run.json"] + ([result["figure"]] if result.get("figure") else [])
     lines.append(f"outputs written to {result['output_dir']}/ ({', '.join(pathlib.Path(f).name for f in files)})")
+    lines.append(saved_models_text(result["runs"], result["output_dir"]))
     return "\n".join(lines)
+
+
+def saved_models_text(runs: list[dict], output_dir: str) -> str:
+    """Where the trained policies are (``AutoModelForCausalLM.from_pretrained`` loads each), or that they
+    were not saved and the option that saves them."""
+    saved = [run["saved_model"] for run in runs if run.get("saved_model")]
+    if not saved:
+        return "trained policy not saved (--no-save-model; without it: <output>/seed-<seed>/<method>/)"
+    if len(saved) == 1:
+        return f"trained policy saved to {saved[0]}/ (AutoModelForCausalLM.from_pretrained loads it)"
+    return (f"trained policies saved to {output_dir}/seed-<seed>/<method>/, {len(saved)} of them "
+            "(AutoModelForCausalLM.from_pretrained loads each)")
 
 
 def quiet_libraries() -> None:

@@ -33,7 +33,9 @@ TRAIN_PANELS = (
     ("completions/mean_length", "completion length (tokens, sampled)"),
 )
 SMOOTH = 5
-LOG_SCALE = {"eur", "grad_norm"}  # a diverging method (EUR in the thousands) must not flatten the others
+# Drawn on a log axis where their curves span a decade or more: a diverging method (EUR in the thousands) must
+# not flatten the others. Within a decade a log axis only relabels a linear one, with ticks like 9.995x10^-1.
+LOG_SCALE = {"eur", "grad_norm"}
 # Final numbers: the mean of the last FINAL_WINDOW logged steps of each run.
 FINAL_WINDOW = 5
 
@@ -146,6 +148,21 @@ def _band(per_seed: list[dict[int, float]]):
     return steps, mean, low, high
 
 
+def spans_a_decade(values) -> bool:
+    """Whether a log axis helps: every value positive and the largest at least 10 times the smallest."""
+    values = [float(v) for v in values]
+    return bool(values) and min(values) > 0 and max(values) >= 10 * min(values)
+
+
+def use_log_axis(ax) -> None:
+    """A log y axis labelled in plain numbers (0.1, 1, 10, 100), its minor ticks unlabelled."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def plot_runs(result: dict, path) -> pathlib.Path:
     """Held-out accuracy, the training curves (mean over seeds, min-max band), per-seed before ->
     after, and the final numbers; one colour and dash per method (``dgpo_ops.trainer.app.styles``)."""
@@ -181,15 +198,16 @@ def plot_runs(result: dict, path) -> pathlib.Path:
         ax.set_xlabel("RL step")
     axes.flat[0].set_ylim(-0.02, 1.02)
 
-    ax = next(panels)  # pass@k, where the run measured it (--eval-pass-k): solid pass@K, dotted pass@1
     measured = pass_keys(runs)
-    for key in measured:
-        for method in methods:
-            draw(ax, [{e["step"]: e[key] for e in r["eval_curve"] if key in e} for r in runs if r["method"] == method],
-                 method, marker="o", label=f"{method} {key}", **({"linestyle": ":"} if key == "pass@1" else {}))
-    ax.set_title("held-out pass@k (sampled, temperature 1)" if measured else "pass@k: not measured (--eval-pass-k)")
-    ax.set_xlabel("RL step")
-    if measured:
+    if measured:  # pass@k, where the run measured it (--eval-pass-k): solid pass@K, dotted pass@1
+        ax = next(panels)
+        for key in measured:
+            for method in methods:
+                draw(ax, [{e["step"]: e[key] for e in r["eval_curve"] if key in e} for r in runs
+                          if r["method"] == method],
+                     method, marker="o", label=f"{method} {key}", **({"linestyle": ":"} if key == "pass@1" else {}))
+        ax.set_title("held-out pass@k (sampled, temperature 1)")
+        ax.set_xlabel("RL step")
         ax.set_ylim(-0.02, 1.02)
         ax.legend(fontsize=7)
 
@@ -197,12 +215,12 @@ def plot_runs(result: dict, path) -> pathlib.Path:
         ax = next(panels)
         for method in methods:
             draw(ax, [_smooth(_series(r, key), SMOOTH) for r in runs if r["method"] == method], method)
-        # a log scale needs a positive value (a short run's grad_norm may be all zero: matplotlib would warn)
-        log = key in LOG_SCALE and any((numpy.asarray(line.get_ydata()) > 0).any() for line in ax.lines)
+        # a log scale needs positive values (a short run's grad_norm may be all zero: matplotlib would warn)
+        log = key in LOG_SCALE and spans_a_decade(numpy.concatenate([line.get_ydata() for line in ax.lines] or [[]]))
         ax.set_title(f"{title}, {SMOOTH}-step mean" + (" (log scale)" if log else ""), fontsize=10)
         ax.set_xlabel("RL step")
         if log:
-            ax.set_yscale("log")
+            use_log_axis(ax)
 
     ax = next(panels)
     summary = result["summary"]
@@ -257,8 +275,9 @@ def _eval_n(runs) -> str:
     return "?"
 
 
-# Arguments that may differ between runs merged into one result: which seeds ran, and where and how they logged.
-MERGE_FREE_ARGUMENTS = {"seed", "seeds", "output_dir", "no_progress"}
+# Arguments that may differ between runs merged into one result: which seeds ran, and where and how they logged
+# and kept their policies.
+MERGE_FREE_ARGUMENTS = {"seed", "seeds", "output_dir", "no_progress", "save_model"}
 
 
 def merge_results(results: list[dict]) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from dgpo_ops.trainer.app.environment import code_commit
 
-from .console import Console, curve_point, make_callback, pass_text, summary_text
+from .console import TERMS, Console, curve_point, generation_text, make_callback, pass_text, summary_text
 from .presets import (
     GPU_RL_DEFAULTS,
     METHOD_FIELDS,
@@ -188,6 +188,8 @@ def run_one(ctx: RunContext, method: str, seed: int, model, train_rows, eval_row
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(make_callback(console, eval_fn if eval_rows else None, args.eval_every, config.max_steps,
                                        record))
+    console.once(TERMS)
+    console.once(generation_text(config))
     rl_started = time.perf_counter()
     trainer.train()
     record["rl_time_s"] = time.perf_counter() - rl_started
@@ -198,11 +200,21 @@ def run_one(ctx: RunContext, method: str, seed: int, model, train_rows, eval_row
                     f"({after.get('correct', '?')}/{after['n']}, format {after['format']:.3f}, "
                     f"length {after['length']:.1f}{pass_text(after)}); "
                     f"before: {before['accuracy']:.3f}")
-    if args.save_model and main_process:
-        trainer.save_model(str(output_dir / "model"))
+    record["saved_model"] = save_policy(trainer, tokenizer, output_dir) if args.save_model else None
+    if not args.save_model and main_process and output_dir.is_dir() and not any(output_dir.iterdir()):
+        output_dir.rmdir()  # the trainer makes its output_dir at the start; nothing was written there
     record.update(before=before, after=after, steps=trainer.state.global_step, run_time_s=time.perf_counter() - started,
                   config={k: v for k, v in config.to_dict().items() if k in _RECORDED_FIELDS})
     return record
+
+
+def save_policy(trainer, tokenizer, output_dir: pathlib.Path) -> str:
+    """The trained policy and its tokenizer in the trainer's ``output_dir``, as TRL's scripts end
+    (``trainer.save_model()``: on every process, which ZeRO-3 needs to gather the weights); returns the path."""
+    trainer.save_model()
+    if trainer.args.should_save and getattr(tokenizer, "qwen_ids", None) is not None:
+        (output_dir / "qwen_ids.json").write_text(json.dumps(tokenizer.qwen_ids))  # as the warm start's
+    return str(output_dir.resolve())
 
 
 _RECORDED_FIELDS = set(METHOD_FIELDS) | set(TINY_RL_DEFAULTS) | set(GPU_RL_DEFAULTS) | {

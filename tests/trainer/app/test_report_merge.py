@@ -1,10 +1,11 @@
 """``python -m dgpo_ops.trainer.app.report`` over several run JSONs: runs of one command on disjoint seeds (run in
 several sittings or on several machines) merge into one result, and anything else is refused; the figure's
-log-scale panels."""
+panels: log scales only where they help, with readable ticks, and no panel without data."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from dgpo_ops.trainer.app.report import final_numbers, final_table, main, merge_results
@@ -139,25 +140,60 @@ def test_horizon_tables_average_over_seeds_with_their_range():
     assert clipped[2] == "| 1-4 | - | - |"  # the fake runs log no regions: no number is made up
 
 
-def test_a_log_scale_panel_stays_linear_where_nothing_is_positive(tmp_path, monkeypatch):
-    """EUR and the gradient norm are drawn on a log scale, unless a (short) run logged no positive value
-    there: matplotlib would warn and draw nothing."""
+def drawn_panels(result, tmp_path, monkeypatch) -> dict:
+    """The figure of ``result`` as ``{panel title before its comma: its axes}``, drawn with every warning an
+    error (matplotlib warns of a log axis without positive values)."""
     import warnings
 
     import matplotlib.pyplot as plt
-
     from dgpo_ops.trainer.app.report import plot_runs
 
-    result = fake_result([0])
-    for run in result["runs"]:
-        for entry in run["log_history"]:
-            entry.update(eur=2.0, grad_norm=0.0)
     figures, matplotlib_close = [], plt.close
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its panels
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plot_runs(result, tmp_path / "curves.png")
-    scales = {ax.get_title().split(",")[0]: ax.get_yscale() for ax in figures[0].axes if ax.get_title()}
-    matplotlib_close(figures[0])
-    assert scales["EUR (effective update ratio)"] == "log", scales
-    assert scales["gradient norm (before clipping)"] == "linear", scales
+    figures[0].canvas.draw()  # the tick labels are made at drawing
+    monkeypatch.setattr(plt, "close", matplotlib_close)
+    return {ax.get_title().split(",")[0]: ax for ax in figures[0].axes if ax.get_title()}
+
+
+def test_a_log_scale_panel_stays_linear_where_nothing_is_positive(tmp_path, monkeypatch):
+    """EUR and the gradient norm are drawn on a log scale where they span a decade, but not where a (short)
+    run logged no positive value: matplotlib would warn and draw nothing."""
+    result = fake_result([0])
+    for run in result["runs"]:
+        for entry in run["log_history"]:
+            entry.update(eur=10.0 ** entry["step"], grad_norm=0.0)
+    panels = drawn_panels(result, tmp_path, monkeypatch)
+    assert panels["EUR (effective update ratio)"].get_yscale() == "log"
+    assert panels["gradient norm (before clipping)"].get_yscale() == "linear"
+
+
+def test_log_axes_only_beyond_a_decade_and_their_ticks_plain_numbers(tmp_path, monkeypatch):
+    """EUR within 0.998-1 (every on-policy run) reads on a linear axis, not as ticks 9.995x10^-1; a gradient
+    norm over four decades gets a log axis labelled 0.1, 1, 10, 100."""
+    result = fake_result([0])
+    for run in result["runs"]:
+        for entry in run["log_history"]:
+            entry.update(eur=1.0 - entry["step"] / 2000, grad_norm=10.0 ** (entry["step"] - 2))
+    panels = drawn_panels(result, tmp_path, monkeypatch)
+    eur, grad_norm = panels["EUR (effective update ratio)"], panels["gradient norm (before clipping)"]
+    assert eur.get_yscale() == "linear" and "log scale" not in eur.get_title()
+    assert grad_norm.get_yscale() == "log"
+    labels = [label.get_text() for label in grad_norm.get_yticklabels(which="both") if label.get_text()]
+    assert labels and all(re.fullmatch(r"[0-9.]+", label) for label in labels), labels
+
+
+def test_pass_at_k_panel_only_where_pass_at_k_was_measured(tmp_path, monkeypatch):
+    """A run without --eval-pass-k draws no pass@k panel (an empty frame titled "not measured"); one with it
+    draws the panel."""
+    measured = drawn_panels(fake_result([0]), tmp_path, monkeypatch)
+    assert "held-out pass@k (sampled" in measured
+    result = fake_result([0])
+    for run in result["runs"]:
+        run["after"] = {key: value for key, value in run["after"].items() if not key.startswith("pass@")}
+        run["eval_curve"] = [{key: value for key, value in point.items() if not key.startswith("pass@")}
+                             for point in run["eval_curve"]]
+    titles = drawn_panels(result, tmp_path, monkeypatch)
+    assert not [title for title in titles if "pass@" in title], list(titles)

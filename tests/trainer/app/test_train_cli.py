@@ -537,3 +537,59 @@ def test_step_line_shows_each_logged_value_and_a_dash_for_missing_ones():
                              "clip_ratio/high_mean": 0.25, "eur": 1.5}, {"acc": 0.375})
     assert line.startswith("step    3/10 | reward 0.500 (acc 0.375, fmt 0.875)")
     assert "regions ln/hp/lp/hn -/0.250/-/-" in line and "EUR 1.500" in line and "loss 0.1250" in line
+
+
+# ----------------------------------------------------------------------------- what the console says
+
+
+def test_the_step_lines_follow_their_terms_and_why_steps_pair_and_end_on_the_saved_policy(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """Before the first step line the console says once what ln/hp/lp/hn, EUR and ratio mean and why steps
+    come in pairs (num_iterations 2: one generation, two optimizer steps); the trained policy is saved to
+    OUTPUT/seed-0/dgpo/, as TRL saves to its output_dir, and the last line says where."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    args = ["--max-steps", "2", "--eval-every", "0", "--eval-size", "4", *tiny_run_args(out)]
+    code, stdout, stderr = run_here(args, tmp_path, monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    lines = stdout.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if re.match(r"step +1/2 \| reward", line))
+    terms = [i for i, line in enumerate(lines) if line.startswith("terms: regions ln/hp/lp/hn")]
+    pairs = [i for i, line in enumerate(lines) if line.startswith("steps: one generation")]
+    assert len(terms) == len(pairs) == 1 and max(terms + pairs) < first_step, stdout
+    assert "EUR = effective update ratio" in lines[terms[0]] and "ln r below with A<0" in lines[terms[0]]
+    assert "serves 2 optimizer steps (num_iterations 2 x steps_per_generation 1" in lines[pairs[0]]
+    assert "come in pairs" in lines[pairs[0]]
+    saved = out / "seed-0" / "dgpo"
+    assert lines[-1] == f"trained policy saved to {saved.resolve()}/ (AutoModelForCausalLM.from_pretrained loads it)"
+    assert AutoModelForCausalLM.from_pretrained(saved).num_parameters() > 0
+    (run,) = json.loads((out / "run.json").read_text())["runs"]
+    assert run["saved_model"] == str(saved.resolve())
+
+
+def test_without_save_model_no_empty_folder_is_left_and_the_last_line_names_the_option(tmp_path, capsys,
+                                                                                       monkeypatch):
+    out = tmp_path / "run"
+    args = ["--max-steps", "1", "--eval-every", "0", "--eval-size", "0", "--no-save-model", *tiny_run_args(out)]
+    code, stdout, stderr = run_here(args, tmp_path, monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    assert sorted(path.name for path in (out / "seed-0").iterdir()) == ["warm_start"]
+    assert stdout.splitlines()[-1].startswith("trained policy not saved (--no-save-model")
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"steps_per_generation": 1, "num_iterations": 1, "gradient_accumulation_steps": 1}, "samples"),
+    ({"steps_per_generation": 2, "num_iterations": 2, "gradient_accumulation_steps": 1}, "in groups of 4"),
+    ({"steps_per_generation": 4, "num_iterations": 2, "gradient_accumulation_steps": 4}, "in pairs"),
+])
+def test_the_steps_line_counts_optimizer_steps_per_generation_as_trl_schedules_them(fields, says):
+    """TRL generates every steps_per_generation x num_iterations micro-batches, gradient_accumulation_steps of
+    them to an optimizer step."""
+    from types import SimpleNamespace
+
+    from dgpo_ops.trainer.app.console import generation_text
+
+    config = SimpleNamespace(generation_batch_size=256, num_generations=8, **fields)
+    text = generation_text(config)
+    assert text.startswith("steps: ") and "32 prompts x 8 completions" in text and says in text, text
