@@ -53,6 +53,18 @@ def check_order(low_name: str, low, high_name: str, high) -> None:
         raise ValueError(f"{low_name} ({low}) must be <= {high_name} ({high})")
 
 
+def check_branches(field: str, values, branches) -> None:
+    """Refuse (``AssertionError``) a dispatch table whose keys are not exactly ``values``, the values ``field``
+    takes. Each correction module builds its modes, levels and gates as such tables and checks them when it is
+    imported, so a value added to a field's list without its own branch stops the import instead of taking
+    another value's math at a call."""
+    missing = [value for value in values if value not in branches]
+    unknown = [key for key in branches if key not in values]
+    if missing or unknown:
+        raise AssertionError(f"{field}: no branch for {missing}, a branch for no value {unknown} (the values: "
+                             f"{tuple(values)})")
+
+
 class CorrectionInputs(NamedTuple):
     """One call's tokens, flat ``(N,)``: a padded ``(B, T)`` grid row by row, packed tokens in packed order."""
 
