@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import (CorrectionInputs, CorrectionResult, RolloutCorrection, check_branches,
-                                       check_number, kl_estimates)
+from dgpo_ops.corrections.core import (KL_ESTIMATORS, CorrectionInputs, CorrectionResult, RolloutCorrection,
+                                       check_branches, check_known, check_number, kl_estimates)
 
 LEVELS = ("token", "sequence")
 ACTIONS = ("mask", "clamp")
@@ -45,6 +45,8 @@ def check_dispatch() -> None:
                                     ("metric", METRICS, METRIC_ESTIMATORS),
                                     ("agg", AGGREGATIONS, SEQUENCE_AGGREGATIONS)):
         check_branches(f"AReaL's rejection_sampling.{field}", values, branches)
+    check_known("AReaL's KL metrics", [name for name in METRIC_ESTIMATORS.values() if name is not None],
+                KL_ESTIMATORS)
 
 
 check_dispatch()

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from dgpo_ops.corrections.core import (CorrectionInputs, CorrectionResult, RolloutCorrection, check_branches,
-                                       check_number, check_order)
+                                       check_known, check_number, check_order)
 
 TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
 
@@ -81,7 +81,7 @@ def check_dispatch() -> None:
     taken = [(level, mode) for level in OPENRLHF_LEVELS for mode in OPENRLHF_MODES
              if not refused_clip(level, mode, "ratio")]
     check_branches("(is_correction_level, is_correction_mode) of the ratio gating", taken, RATIO_SCHEMES)
-    check_branches("the ratio gating's kinds", TIS_TYPES, dict.fromkeys(RATIO_SCHEMES.values()))
+    check_known("the ratio gating's kinds", RATIO_SCHEMES.values(), TRUNCATIONS)
 
 
 check_dispatch()

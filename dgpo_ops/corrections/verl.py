@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import (SAFETY_BOUND, CorrectionInputs, CorrectionResult, RolloutCorrection,
-                                       check_branches, clamped_exp, kl_estimates)
+from dgpo_ops.corrections.core import (KL_ESTIMATORS, SAFETY_BOUND, CorrectionInputs, CorrectionResult,
+                                       RolloutCorrection, check_branches, check_known, clamped_exp, kl_estimates)
 
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -31,8 +31,8 @@ RS_LEVELS = {
     "seq_mean": lambda x, values, what: x.to_tokens(x.sequence_mean(values, what, eps=1e-8)),
     "seq_max": lambda x, values, what: x.to_tokens(x.sequence_max(values)),
 }
-# each estimator's threshold: "L_U" bounds on the log-ratio's scale (k1, whose values have either sign), or
-# a single upper bound (k2, k3: never negative)
+# whether an estimator's threshold is two ratio bounds "L_U", compared with it in log space (k1, the negated
+# log-ratio: either sign), or a single upper bound (k2, k3: never negative)
 RS_TWO_SIDED = {"k1": True, "k2": False, "k3": False}
 
 
@@ -48,6 +48,7 @@ def check_dispatch() -> None:
     check_branches("rollout_rs levels", dict.fromkeys(rs_parts(option)[0] for option in RS_OPTIONS), RS_LEVELS)
     check_branches("rollout_rs estimators", dict.fromkeys(rs_parts(option)[1] for option in RS_OPTIONS),
                    RS_TWO_SIDED)
+    check_known("rollout_rs estimators", RS_TWO_SIDED, KL_ESTIMATORS)
 
 
 check_dispatch()

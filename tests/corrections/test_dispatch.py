@@ -39,6 +39,17 @@ def test_a_value_without_its_branch_stops_the_import(monkeypatch, module, field,
         module.check_dispatch()
 
 
+@pytest.mark.parametrize("module,patch", [
+    (verl, lambda monkeypatch: monkeypatch.setattr(verl, "KL_ESTIMATORS", ("k1", "k2"))),  # k3 not computed
+    (areal, lambda monkeypatch: monkeypatch.setitem(areal.METRIC_ESTIMATORS, "kl_k3", "k4")),
+    (tis, lambda monkeypatch: monkeypatch.setitem(tis.RATIO_SCHEMES, ("token", "mask"), "icepop2")),
+], ids=["verl", "areal", "openrlhf"])
+def test_a_branch_naming_what_does_not_exist_stops_the_import(monkeypatch, module, patch):
+    patch(monkeypatch)
+    with pytest.raises(AssertionError, match="are not among"):
+        module.check_dispatch()
+
+
 def test_a_branch_for_no_value_is_refused_too():
     check_branches("mode", ("a", "b"), {"a": 1, "b": 2})
     with pytest.raises(AssertionError, match=r"a branch for no value \['c'\]"):
