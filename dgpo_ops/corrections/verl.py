@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from dgpo_ops.corrections.core import (KL_ESTIMATORS, SAFETY_BOUND, CorrectionInputs, CorrectionResult,
-                                       RolloutCorrection, check_branches, check_known, clamped_exp, kl_estimates)
+                                       RolloutCorrection, check_branches, check_known, clamped_exp,
+                                       kl_estimates)
 
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
