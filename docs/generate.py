@@ -219,6 +219,9 @@ def skyrl_methods_markdown() -> str:
                                       field_text)
 
 
+LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length
+
+
 def _wrapped(text: str, indent: str) -> list[str]:
     """``text`` re-wrapped within the line length at ``indent``: each paragraph, and each list item (a line
     opening with ``* ``, its later lines under its text), joined and filled again."""
@@ -243,9 +246,6 @@ def _wrapped(text: str, indent: str) -> list[str]:
     return lines
 
 
-LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length
-
-
 def _literal(value) -> str:
     """A default as source text, strings in double quotes (the package's style)."""
     return f'"{value}"' if isinstance(value, str) and '"' not in value and "\\" not in value else repr(value)
@@ -260,13 +260,12 @@ def public_functions_source(module: str) -> str:
 
     from dgpo_ops.core.docstrings import documented
 
-    PUBLIC_FUNCTIONS = importlib.import_module(module).PUBLIC_FUNCTIONS
-
+    functions = importlib.import_module(module).PUBLIC_FUNCTIONS
     lines = ["# Written by `python docs/generate.py` from PUBLIC_FUNCTIONS and the fields of LossInputs and",
              "# LossOptions: what an IDE, a type checker and grep see. Each call runs the function that",
              "# PublicFunction.define makes (the call's split, then its body), whose signature and docstring",
              "# are these."]
-    for name, public in PUBLIC_FUNCTIONS.items():
+    for name, public in functions.items():
         lines += ["", "", f'@PUBLIC_FUNCTIONS["{name}"].define', f"def {name}("]
         keyword_only = False
         for parameter in public.signature.parameters.values():
@@ -278,6 +277,7 @@ def public_functions_source(module: str) -> str:
             default = "" if empty else f" = {_literal(parameter.default)}"
             lines.append(f"    {prefix}{parameter.name}: {parameter.annotation}{default},")
         lines.append(f") -> {public.signature.return_annotation}:")
+
         def declared():
             pass
 
