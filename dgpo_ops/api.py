@@ -16,19 +16,22 @@ rollout weights and a mask, so every route runs one copy of it.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
-from dgpo_ops.core.call import OPTION_FIELDS, PROJECTION_OPTIONS, CallSignature, public_function
+from dgpo_ops.core.call import OPTION_FIELDS, PROJECTION_OPTIONS, CallSignature, PublicFunction
 from dgpo_ops.core.docstrings import documented
 from dgpo_ops.core.inputs import LossInputs, check_generator
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import per_token_function, resolve_mode
+from dgpo_ops.corrections.core import RolloutCorrection
 from dgpo_ops.corrections.stage import with_rollout_correction
 from dgpo_ops.distributed.head import head_forward
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
+from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.ops.compiled import compiled_fused_linear_loss, compiled_fused_loss
 from dgpo_ops.ops.from_logps import check_logps, logps_loss
 from dgpo_ops.ops.linear import flatten_tokens, linear_loss
@@ -132,26 +135,8 @@ LOGITS_CALL = CallSignature(source=("logits",), without=PROJECTION_OPTIONS, refu
 LINEAR_CALL = CallSignature(source=("hidden", "weight"), keyword_source=("bias",), without=("inplace",), refusals={
     "inplace": "inplace applies to fused_dgpo_loss; the linear op never holds whole logits"})
 
-fused_dgpo_loss = public_function("fused_dgpo_loss", """Fused policy loss of ``method`` from logits: the sampled
-token's log-prob by an online log-sum-exp, the entropy in the same pass and d(loss)/d(logits) in one more, never a
-vocabulary-sized softmax. Same numbers as ``reference_loss``.""", LOGITS_CALL,
-    lambda source, inputs, options: policy_loss(inputs, options, logits=source[0]))
-
 REFERENCE_CALL = CallSignature(source=("logits",), without=(*PROJECTION_OPTIONS, "inplace", "backend",
                                                              "validation", "vocab_parallel_group"))
-
-reference_loss = public_function("reference_loss", """Policy loss of ``method`` from logits by
-``log_softmax``, gather, the method table and autograd: the ground truth of the fused ops. It materialises
-``(N, V)`` fp32 log-probs; not a path to train with.""", REFERENCE_CALL,
-    lambda source, inputs, options: policy_loss(inputs, options, logits=source[0], reference=True))
-
-fused_linear_dgpo_loss = public_function("fused_linear_dgpo_loss", """Policy loss of ``method`` from hidden states
-and the lm_head, as ``fused_dgpo_loss(softcap(logit_scale (hidden @ weight.T + bias)))`` without materialising the
-logits: token chunks of logits tiles within ``memory_budget``. Under ``torch.autocast`` the products run in the
-autocast dtype, as the model's own lm_head would. Tied embeddings need nothing special.""", LINEAR_CALL,
-    lambda source, inputs, options: policy_loss(inputs, options, hidden=source[0], weight=source[1],
-                                                bias=source[2]))
-
 LOGPROBS_CALL = CallSignature(source=("hidden", "weight"), keyword_source=("bias",), positional=("target_ids", "mask"),
                               inputs=("cu_seqlens", "max_seqlen"),
                               options=("temperature", *PROJECTION_OPTIONS, "backend", "validation",
@@ -167,9 +152,464 @@ def _logprobs(source, inputs: LossInputs, options: LossOptions) -> tuple[torch.T
     return out.logps, out.entropy
 
 
-fused_linear_logprobs = public_function("fused_linear_logprobs", """Forward only (old-policy and reference
+# Every public loss function, by name: what it takes, its docstring's summary and what each call runs. Its
+# definition below is written from here (and the call object's fields) by `python docs/generate.py`.
+PUBLIC_FUNCTIONS = {
+    "fused_dgpo_loss": PublicFunction(LOGITS_CALL, """Fused policy loss of ``method`` from logits: the sampled
+token's log-prob by an online log-sum-exp, the entropy in the same pass and d(loss)/d(logits) in one more, never a
+vocabulary-sized softmax. Same numbers as ``reference_loss``.""",
+        lambda source, inputs, options: policy_loss(inputs, options, logits=source[0])),
+    "reference_loss": PublicFunction(REFERENCE_CALL, """Policy loss of ``method`` from logits by
+``log_softmax``, gather, the method table and autograd: the ground truth of the fused ops. It materialises
+``(N, V)`` fp32 log-probs; not a path to train with.""",
+        lambda source, inputs, options: policy_loss(inputs, options, logits=source[0], reference=True)),
+    "fused_linear_dgpo_loss": PublicFunction(LINEAR_CALL, """Policy loss of ``method`` from hidden states
+and the lm_head, as ``fused_dgpo_loss(softcap(logit_scale (hidden @ weight.T + bias)))`` without materialising the
+logits: token chunks of logits tiles within ``memory_budget``. Under ``torch.autocast`` the products run in the
+autocast dtype, as the model's own lm_head would. Tied embeddings need nothing special.""",
+        lambda source, inputs, options: policy_loss(inputs, options, hidden=source[0], weight=source[1],
+                                                    bias=source[2])),
+    "fused_linear_logprobs": PublicFunction(LOGPROBS_CALL, """Forward only (old-policy and reference
 log-probs): per-token log-probs and entropies, fp32, shaped like ``target_ids``, 0 on masked tokens. One GEMM pass,
-no gradient work.""", LOGPROBS_CALL, _logprobs, returns="``(logps, entropy)``, two tensors shaped like ``target_ids``.")
+no gradient work.""", _logprobs, returns="``(logps, entropy)``, two tensors shaped like ``target_ids``.",
+        return_annotation="tuple[torch.Tensor, torch.Tensor]"),
+}
+
+# public-functions:start
+# Written by `python docs/generate.py` from PUBLIC_FUNCTIONS and the fields of LossInputs and
+# LossOptions: what an IDE, a type checker and grep see. Each call runs the function that
+# PublicFunction.define makes (the call's split, then its body), whose signature and docstring
+# are these.
+
+
+@PUBLIC_FUNCTIONS["fused_dgpo_loss"].define
+def fused_dgpo_loss(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    *,
+    method: str | MethodConfig = "dgpo",
+    rollout_weights: torch.Tensor | None = None,
+    loss_normalizer: float | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    rollout_logps: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+    entropy_weights: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    temperature: float = 1.0,
+    aggregation: str | None = None,
+    beta: float = 0.0,
+    kl_ratio_correction: bool = False,
+    entropy_coef: float = 0.0,
+    positive_nll_coef: float = 0.0,
+    importance_sampling_level: str = "token",
+    inplace: bool = False,
+    backend: str = "auto",
+    validation: str = "auto",
+    rollout_correction: RolloutCorrection | None = None,
+    vocab_parallel_group: object = None,
+    **method_params: Any,
+) -> PolicyLossOutput:
+    """Fused policy loss of ``method`` from logits: the sampled token's log-prob by an online log-sum-exp, the
+    entropy in the same pass and d(loss)/d(logits) in one more, never a vocabulary-sized softmax. Same numbers
+    as ``reference_loss``.
+
+    Arguments:
+    * ``logits``: ``(B, T, V)`` or ``(N, V)``, fp32, bf16 or fp16 (fp64 on the torch path); may be strided.
+    * ``target_ids``: sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not
+      scored.
+    * ``advantages``: per token ``(B, T)`` or per response ``(B,)``.
+    * ``mask``: which tokens are scored (bool, 0/1 integers or floats); None: every token whose id is not
+      -100.
+    * ``old_logps``: log-probs of the sampling policy; None means on-policy (ratio exactly 1).
+    * ``ref_logps``: log-probs of the reference model, for the k3 KL term (needed when ``beta != 0``).
+    * ``method``: a method of ``dgpo_ops.METHODS`` (or a ``MethodConfig``); its parameters are keywords
+      (``method_params``).
+    * ``rollout_weights``: per-token weights on the policy term (truncated importance sampling), or None;
+      vespo and geo_mean fold them into their sequence statistic instead, as TRL folds vLLM's importance ratio
+      and verl its rollout weights' geometric mean.
+    * ``loss_normalizer``: the token count ``token_mean`` divides by (a number or a one-element tensor, e.g.
+      the tokens of every micro-batch of the step); None: this call's scored tokens.
+    * ``generator``: what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a
+      ``torch.Generator`` on the logits' device; None: torch's default generator of that device. A key is
+      drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens for the same
+      grid (another padding draws others). With ``vocab_parallel_group`` the generator, or the default one,
+      must be in the same state on every process of the group (they must cut the same tokens; nothing checks
+      it). Not taken under ``torch.compile``.
+    * ``rollout_logps``: the inference engine's per-token log-probs of the sampled tokens (shaped like
+      ``target_ids``; NaN where the engine gave none, handled as the correction's framework does), or None.
+      With ``old_logps`` they give the mismatch metrics (``mismatch_kl_k1``, ``mismatch_kl_k3``,
+      ``sampling_logp_difference_mean``/``_max``) and feed ``rollout_correction``.
+    * ``scores``: each response's score, ``(B,)`` (or per token; ``(n_seqs,)`` packed), or None: the methods
+      that split responses by its sign read it (topr's positive and negative samples, as ROLL's episode
+      score); where None the advantage's sign stands in. No gradient.
+    * ``entropy_weights``: per-token weights ``w`` of a second entropy term, outside the aggregation: the loss
+      subtracts ``sum w_t H_t`` over the scored tokens (TRL's entropy bonus, with its own tokens and
+      normaliser: ``w = coef * tokens / (count * accumulation)``), in the same passes; or None. Padded or flat
+      tokens, eager (not with ``vocab_parallel_group``, ``cu_seqlens`` or under ``torch.compile`` yet).
+    * ``cu_seqlens``: packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)``
+      hidden states with boundaries ``[0, len_0, len_0 + len_1, ..., total_tokens]`` (int32/int64, as
+      flash-attention and verl take them); per-token inputs ``(total_tokens,)``, advantages per token
+      (``(total_tokens,)`` or ``(1, total_tokens)``) or per sequence (``(B,)`` or ``(B, 1)``; where ``B``
+      equals the number of tokens, ``(B,)`` is an error that says which to pass); every aggregation and GSPO
+      as on the padded ``(B, max_seqlen)`` layout. The row kernels read the packed rows where they are
+      (``dgpo_ops/layouts/packed.py``); None: not packed.
+    * ``max_seqlen``: the longest packed sequence (the padded layout's width, which
+      ``seq_mean_token_sum_norm`` divides by); None: read from ``cu_seqlens`` (a host read).
+    * ``temperature``: the logits are divided by it before the log-softmax.
+    * ``aggregation``: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``,
+      ``seq_sum_token_mean``, ``seq_mean_token_sum`` (TRL's luspo) or ``token_sum`` (verl's token-sum) (flat
+      ``(N, V)`` logits: token level only); None: the method's own where its authors or framework fix one
+      (dcpo: ``seq_sum_token_mean``, geo_mean: ``seq_mean_token_mean``), else ``token_mean``. A framework's
+      own mode as its trainer divides: ``"framework:mode"`` (``"roll:seq-mean-token-mean"``,
+      ``"skyrl:token_mean"``, ...; ``dgpo_ops.FRAMEWORK_AGGREGATIONS``, docs/normalization.md).
+    * ``beta``: weight of the k3 KL to ``ref_logps``.
+    * ``kl_ratio_correction``: multiply the KL term by the importance ratio (TRL's
+      ``use_bias_correction_kl``), a bool.
+    * ``entropy_coef``: weight of the entropy bonus (the loss subtracts ``entropy_coef * H``).
+    * ``positive_nll_coef``: VAPO's positive-example NLL (NeMo-RL's ``positive_example_nll_weight``): the loss
+      adds ``coef`` times the mean negative log-prob over the scored tokens of the responses whose score is >
+      0 (needs ``scores``); 0: off.
+    * ``importance_sampling_level``: ``token`` or ``sequence`` (GSPO: the ratio is the geometric mean over the
+      response).
+    * ``inplace``: write d(loss)/d(logits) into the logits' storage during backward (no extra logits-sized
+      buffer); the logits must be a non-leaf you do not read again.
+    * ``backend``: ``auto`` (Triton on CUDA, the kernels' torch twins on CPU), ``triton`` (on CPU tensors only
+      under ``TRITON_INTERPRET=1``) or ``torch``.
+    * ``validation``: ``auto`` (immediate on CPU, deferred on CUDA), ``immediate`` or ``deferred``: deferred
+      checks never synchronise; a bad value makes the loss NaN and raises at a later call or at
+      ``dgpo_ops.raise_deferred_errors()``.
+    * ``rollout_correction``: a ``dgpo_ops.corrections.RolloutCorrection``, each framework's modes under their
+      own names (``TrlCorrection``, ``VerlCorrection``, ``OpenRLHFCorrection``, ``NemoRLCorrection``,
+      ``SkyRLCorrection``, ``SwiftCorrection`` (ms-swift), ``ArealCorrection``: docs/corrections.md), or None.
+      It runs before the loss on ``old_logps`` and ``rollout_logps`` (both required), giving the rollout
+      weights (so not together with ``rollout_weights``) and the rejections, which leave the mask (the
+      normaliser counts only the tokens kept).
+    * ``vocab_parallel_group``: a process group over which the vocabulary is split (tensor parallelism): every
+      process passes the same tokens and its equal share of the vocabulary, in rank order (``V / P`` logits
+      columns, or ``V / P`` rows of the lm_head weight and bias); the loss, log-probs, entropies and metrics
+      are the whole vocabulary's, the gradient this process's share's (the hidden state's is summed over the
+      group). 16 bytes per token cross processes, never logits or weights: the row kernels' per-row partials,
+      merged by one all-reduce (``dgpo_ops/layouts/vocab.py``); None: not split.
+    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README:
+      method table); unknown names raise ``ValueError``.
+
+    Returns ``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token ``logps`` and ``entropy``
+    (fp32, detached, 0 on tokens not scored) and ``metrics`` (region fractions, EUR, ratio, entropy, KL; read
+    lazily). Gradients come back in each input's dtype.
+    """
+
+
+@PUBLIC_FUNCTIONS["reference_loss"].define
+def reference_loss(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    *,
+    method: str | MethodConfig = "dgpo",
+    rollout_weights: torch.Tensor | None = None,
+    loss_normalizer: float | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    rollout_logps: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+    entropy_weights: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    temperature: float = 1.0,
+    aggregation: str | None = None,
+    beta: float = 0.0,
+    kl_ratio_correction: bool = False,
+    entropy_coef: float = 0.0,
+    positive_nll_coef: float = 0.0,
+    importance_sampling_level: str = "token",
+    rollout_correction: RolloutCorrection | None = None,
+    **method_params: Any,
+) -> PolicyLossOutput:
+    """Policy loss of ``method`` from logits by ``log_softmax``, gather, the method table and autograd: the
+    ground truth of the fused ops. It materialises ``(N, V)`` fp32 log-probs; not a path to train with.
+
+    Arguments:
+    * ``logits``: ``(B, T, V)`` or ``(N, V)``, fp32, bf16 or fp16 (fp64 on the torch path); may be strided.
+    * ``target_ids``: sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not
+      scored.
+    * ``advantages``: per token ``(B, T)`` or per response ``(B,)``.
+    * ``mask``: which tokens are scored (bool, 0/1 integers or floats); None: every token whose id is not
+      -100.
+    * ``old_logps``: log-probs of the sampling policy; None means on-policy (ratio exactly 1).
+    * ``ref_logps``: log-probs of the reference model, for the k3 KL term (needed when ``beta != 0``).
+    * ``method``: a method of ``dgpo_ops.METHODS`` (or a ``MethodConfig``); its parameters are keywords
+      (``method_params``).
+    * ``rollout_weights``: per-token weights on the policy term (truncated importance sampling), or None;
+      vespo and geo_mean fold them into their sequence statistic instead, as TRL folds vLLM's importance ratio
+      and verl its rollout weights' geometric mean.
+    * ``loss_normalizer``: the token count ``token_mean`` divides by (a number or a one-element tensor, e.g.
+      the tokens of every micro-batch of the step); None: this call's scored tokens.
+    * ``generator``: what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a
+      ``torch.Generator`` on the logits' device; None: torch's default generator of that device. A key is
+      drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens for the same
+      grid (another padding draws others). With ``vocab_parallel_group`` the generator, or the default one,
+      must be in the same state on every process of the group (they must cut the same tokens; nothing checks
+      it). Not taken under ``torch.compile``.
+    * ``rollout_logps``: the inference engine's per-token log-probs of the sampled tokens (shaped like
+      ``target_ids``; NaN where the engine gave none, handled as the correction's framework does), or None.
+      With ``old_logps`` they give the mismatch metrics (``mismatch_kl_k1``, ``mismatch_kl_k3``,
+      ``sampling_logp_difference_mean``/``_max``) and feed ``rollout_correction``.
+    * ``scores``: each response's score, ``(B,)`` (or per token; ``(n_seqs,)`` packed), or None: the methods
+      that split responses by its sign read it (topr's positive and negative samples, as ROLL's episode
+      score); where None the advantage's sign stands in. No gradient.
+    * ``entropy_weights``: per-token weights ``w`` of a second entropy term, outside the aggregation: the loss
+      subtracts ``sum w_t H_t`` over the scored tokens (TRL's entropy bonus, with its own tokens and
+      normaliser: ``w = coef * tokens / (count * accumulation)``), in the same passes; or None. Padded or flat
+      tokens, eager (not with ``vocab_parallel_group``, ``cu_seqlens`` or under ``torch.compile`` yet).
+    * ``cu_seqlens``: packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)``
+      hidden states with boundaries ``[0, len_0, len_0 + len_1, ..., total_tokens]`` (int32/int64, as
+      flash-attention and verl take them); per-token inputs ``(total_tokens,)``, advantages per token
+      (``(total_tokens,)`` or ``(1, total_tokens)``) or per sequence (``(B,)`` or ``(B, 1)``; where ``B``
+      equals the number of tokens, ``(B,)`` is an error that says which to pass); every aggregation and GSPO
+      as on the padded ``(B, max_seqlen)`` layout. The row kernels read the packed rows where they are
+      (``dgpo_ops/layouts/packed.py``); None: not packed.
+    * ``max_seqlen``: the longest packed sequence (the padded layout's width, which
+      ``seq_mean_token_sum_norm`` divides by); None: read from ``cu_seqlens`` (a host read).
+    * ``temperature``: the logits are divided by it before the log-softmax.
+    * ``aggregation``: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``,
+      ``seq_sum_token_mean``, ``seq_mean_token_sum`` (TRL's luspo) or ``token_sum`` (verl's token-sum) (flat
+      ``(N, V)`` logits: token level only); None: the method's own where its authors or framework fix one
+      (dcpo: ``seq_sum_token_mean``, geo_mean: ``seq_mean_token_mean``), else ``token_mean``. A framework's
+      own mode as its trainer divides: ``"framework:mode"`` (``"roll:seq-mean-token-mean"``,
+      ``"skyrl:token_mean"``, ...; ``dgpo_ops.FRAMEWORK_AGGREGATIONS``, docs/normalization.md).
+    * ``beta``: weight of the k3 KL to ``ref_logps``.
+    * ``kl_ratio_correction``: multiply the KL term by the importance ratio (TRL's
+      ``use_bias_correction_kl``), a bool.
+    * ``entropy_coef``: weight of the entropy bonus (the loss subtracts ``entropy_coef * H``).
+    * ``positive_nll_coef``: VAPO's positive-example NLL (NeMo-RL's ``positive_example_nll_weight``): the loss
+      adds ``coef`` times the mean negative log-prob over the scored tokens of the responses whose score is >
+      0 (needs ``scores``); 0: off.
+    * ``importance_sampling_level``: ``token`` or ``sequence`` (GSPO: the ratio is the geometric mean over the
+      response).
+    * ``rollout_correction``: a ``dgpo_ops.corrections.RolloutCorrection``, each framework's modes under their
+      own names (``TrlCorrection``, ``VerlCorrection``, ``OpenRLHFCorrection``, ``NemoRLCorrection``,
+      ``SkyRLCorrection``, ``SwiftCorrection`` (ms-swift), ``ArealCorrection``: docs/corrections.md), or None.
+      It runs before the loss on ``old_logps`` and ``rollout_logps`` (both required), giving the rollout
+      weights (so not together with ``rollout_weights``) and the rejections, which leave the mask (the
+      normaliser counts only the tokens kept).
+    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README:
+      method table); unknown names raise ``ValueError``.
+
+    Returns ``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token ``logps`` and ``entropy``
+    (fp32, detached, 0 on tokens not scored) and ``metrics`` (region fractions, EUR, ratio, entropy, KL; read
+    lazily). Gradients come back in each input's dtype.
+    """
+
+
+@PUBLIC_FUNCTIONS["fused_linear_dgpo_loss"].define
+def fused_linear_dgpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor | torch.nn.Module,
+    target_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    method: str | MethodConfig = "dgpo",
+    rollout_weights: torch.Tensor | None = None,
+    loss_normalizer: float | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    rollout_logps: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+    entropy_weights: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    temperature: float = 1.0,
+    aggregation: str | None = None,
+    beta: float = 0.0,
+    kl_ratio_correction: bool = False,
+    entropy_coef: float = 0.0,
+    positive_nll_coef: float = 0.0,
+    importance_sampling_level: str = "token",
+    backend: str = "auto",
+    validation: str = "auto",
+    rollout_correction: RolloutCorrection | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    memory_budget: int = 536870912,
+    logits_on_chip: bool = False,
+    vocab_parallel_group: object = None,
+    **method_params: Any,
+) -> PolicyLossOutput:
+    """Policy loss of ``method`` from hidden states and the lm_head, as ``fused_dgpo_loss(softcap(logit_scale
+    (hidden @ weight.T + bias)))`` without materialising the logits: token chunks of logits tiles within
+    ``memory_budget``. Under ``torch.autocast`` the products run in the autocast dtype, as the model's own
+    lm_head would. Tied embeddings need nothing special.
+
+    Arguments:
+    * ``hidden``: hidden states ``(B, T, H)`` or ``(N, H)`` entering the lm_head.
+    * ``weight``: the lm_head weight ``(V, H)``, or the lm_head module itself (``model.lm_head``; needed when
+      an engine shards it, FSDP2 or DeepSpeed ZeRO-3: the op then runs as the module's forward, so the engine
+      gathers the weight and reduces its gradient; its bias is used unless ``bias`` is given). A sharded
+      DTensor weight is refused: pass the module.
+    * ``target_ids``: sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not
+      scored.
+    * ``advantages``: per token ``(B, T)`` or per response ``(B,)``.
+    * ``mask``: which tokens are scored (bool, 0/1 integers or floats); None: every token whose id is not
+      -100.
+    * ``old_logps``: log-probs of the sampling policy; None means on-policy (ratio exactly 1).
+    * ``ref_logps``: log-probs of the reference model, for the k3 KL term (needed when ``beta != 0``).
+    * ``bias``: the lm_head bias ``(V,)``, or None.
+    * ``method``: a method of ``dgpo_ops.METHODS`` (or a ``MethodConfig``); its parameters are keywords
+      (``method_params``).
+    * ``rollout_weights``: per-token weights on the policy term (truncated importance sampling), or None;
+      vespo and geo_mean fold them into their sequence statistic instead, as TRL folds vLLM's importance ratio
+      and verl its rollout weights' geometric mean.
+    * ``loss_normalizer``: the token count ``token_mean`` divides by (a number or a one-element tensor, e.g.
+      the tokens of every micro-batch of the step); None: this call's scored tokens.
+    * ``generator``: what a method that selects tokens at random draws from (clip_cov), for repeatable runs: a
+      ``torch.Generator`` on the logits' device; None: torch's default generator of that device. A key is
+      drawn for every position of the ``(B, T)`` grid, so the same state draws the same tokens for the same
+      grid (another padding draws others). With ``vocab_parallel_group`` the generator, or the default one,
+      must be in the same state on every process of the group (they must cut the same tokens; nothing checks
+      it). Not taken under ``torch.compile``.
+    * ``rollout_logps``: the inference engine's per-token log-probs of the sampled tokens (shaped like
+      ``target_ids``; NaN where the engine gave none, handled as the correction's framework does), or None.
+      With ``old_logps`` they give the mismatch metrics (``mismatch_kl_k1``, ``mismatch_kl_k3``,
+      ``sampling_logp_difference_mean``/``_max``) and feed ``rollout_correction``.
+    * ``scores``: each response's score, ``(B,)`` (or per token; ``(n_seqs,)`` packed), or None: the methods
+      that split responses by its sign read it (topr's positive and negative samples, as ROLL's episode
+      score); where None the advantage's sign stands in. No gradient.
+    * ``entropy_weights``: per-token weights ``w`` of a second entropy term, outside the aggregation: the loss
+      subtracts ``sum w_t H_t`` over the scored tokens (TRL's entropy bonus, with its own tokens and
+      normaliser: ``w = coef * tokens / (count * accumulation)``), in the same passes; or None. Padded or flat
+      tokens, eager (not with ``vocab_parallel_group``, ``cu_seqlens`` or under ``torch.compile`` yet).
+    * ``cu_seqlens``: packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)``
+      hidden states with boundaries ``[0, len_0, len_0 + len_1, ..., total_tokens]`` (int32/int64, as
+      flash-attention and verl take them); per-token inputs ``(total_tokens,)``, advantages per token
+      (``(total_tokens,)`` or ``(1, total_tokens)``) or per sequence (``(B,)`` or ``(B, 1)``; where ``B``
+      equals the number of tokens, ``(B,)`` is an error that says which to pass); every aggregation and GSPO
+      as on the padded ``(B, max_seqlen)`` layout. The row kernels read the packed rows where they are
+      (``dgpo_ops/layouts/packed.py``); None: not packed.
+    * ``max_seqlen``: the longest packed sequence (the padded layout's width, which
+      ``seq_mean_token_sum_norm`` divides by); None: read from ``cu_seqlens`` (a host read).
+    * ``temperature``: the logits are divided by it before the log-softmax.
+    * ``aggregation``: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``,
+      ``seq_sum_token_mean``, ``seq_mean_token_sum`` (TRL's luspo) or ``token_sum`` (verl's token-sum) (flat
+      ``(N, V)`` logits: token level only); None: the method's own where its authors or framework fix one
+      (dcpo: ``seq_sum_token_mean``, geo_mean: ``seq_mean_token_mean``), else ``token_mean``. A framework's
+      own mode as its trainer divides: ``"framework:mode"`` (``"roll:seq-mean-token-mean"``,
+      ``"skyrl:token_mean"``, ...; ``dgpo_ops.FRAMEWORK_AGGREGATIONS``, docs/normalization.md).
+    * ``beta``: weight of the k3 KL to ``ref_logps``.
+    * ``kl_ratio_correction``: multiply the KL term by the importance ratio (TRL's
+      ``use_bias_correction_kl``), a bool.
+    * ``entropy_coef``: weight of the entropy bonus (the loss subtracts ``entropy_coef * H``).
+    * ``positive_nll_coef``: VAPO's positive-example NLL (NeMo-RL's ``positive_example_nll_weight``): the loss
+      adds ``coef`` times the mean negative log-prob over the scored tokens of the responses whose score is >
+      0 (needs ``scores``); 0: off.
+    * ``importance_sampling_level``: ``token`` or ``sequence`` (GSPO: the ratio is the geometric mean over the
+      response).
+    * ``backend``: ``auto`` (Triton on CUDA, the kernels' torch twins on CPU), ``triton`` (on CPU tensors only
+      under ``TRITON_INTERPRET=1``) or ``torch``.
+    * ``validation``: ``auto`` (immediate on CPU, deferred on CUDA), ``immediate`` or ``deferred``: deferred
+      checks never synchronise; a bad value makes the loss NaN and raises at a later call or at
+      ``dgpo_ops.raise_deferred_errors()``.
+    * ``rollout_correction``: a ``dgpo_ops.corrections.RolloutCorrection``, each framework's modes under their
+      own names (``TrlCorrection``, ``VerlCorrection``, ``OpenRLHFCorrection``, ``NemoRLCorrection``,
+      ``SkyRLCorrection``, ``SwiftCorrection`` (ms-swift), ``ArealCorrection``: docs/corrections.md), or None.
+      It runs before the loss on ``old_logps`` and ``rollout_logps`` (both required), giving the rollout
+      weights (so not together with ``rollout_weights``) and the rejections, which leave the mask (the
+      normaliser counts only the tokens kept).
+    * ``logit_scale``: the logits are ``logit_scale * (hidden @ weight.T + bias)``.
+    * ``softcap``: ``softcap * tanh(logits / softcap)`` after the scale, as Gemma's final softcap; None: off.
+    * ``memory_budget``: bytes of logits and gradient tiles alive at once (the token chunk follows from it).
+    * ``logits_on_chip``: False: cuBLAS products into logits tiles of ``memory_budget`` bytes; True: Triton
+      kernels that keep the logits in registers (no tiles, no weight copy under autocast, one more pass of
+      products, gradients summed with atomics; CUDA or the interpreter).
+    * ``vocab_parallel_group``: a process group over which the vocabulary is split (tensor parallelism): every
+      process passes the same tokens and its equal share of the vocabulary, in rank order (``V / P`` logits
+      columns, or ``V / P`` rows of the lm_head weight and bias); the loss, log-probs, entropies and metrics
+      are the whole vocabulary's, the gradient this process's share's (the hidden state's is summed over the
+      group). 16 bytes per token cross processes, never logits or weights: the row kernels' per-row partials,
+      merged by one all-reduce (``dgpo_ops/layouts/vocab.py``); None: not split.
+    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README:
+      method table); unknown names raise ``ValueError``.
+
+    Returns ``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token ``logps`` and ``entropy``
+    (fp32, detached, 0 on tokens not scored) and ``metrics`` (region fractions, EUR, ratio, entropy, KL; read
+    lazily). Gradients come back in each input's dtype.
+    """
+
+
+@PUBLIC_FUNCTIONS["fused_linear_logprobs"].define
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor | torch.nn.Module,
+    target_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    memory_budget: int = 536870912,
+    logits_on_chip: bool = False,
+    backend: str = "auto",
+    validation: str = "auto",
+    vocab_parallel_group: object = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only (old-policy and reference log-probs): per-token log-probs and entropies, fp32, shaped like
+    ``target_ids``, 0 on masked tokens. One GEMM pass, no gradient work.
+
+    Arguments:
+    * ``hidden``: hidden states ``(B, T, H)`` or ``(N, H)`` entering the lm_head.
+    * ``weight``: the lm_head weight ``(V, H)``, or the lm_head module itself (``model.lm_head``; needed when
+      an engine shards it, FSDP2 or DeepSpeed ZeRO-3: the op then runs as the module's forward, so the engine
+      gathers the weight and reduces its gradient; its bias is used unless ``bias`` is given). A sharded
+      DTensor weight is refused: pass the module.
+    * ``target_ids``: sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not
+      scored.
+    * ``mask``: which tokens are scored (bool, 0/1 integers or floats); None: every token whose id is not
+      -100.
+    * ``bias``: the lm_head bias ``(V,)``, or None.
+    * ``cu_seqlens``: packed (padding-free) sequences: ``(total_tokens, V)`` logits or ``(total_tokens, H)``
+      hidden states with boundaries ``[0, len_0, len_0 + len_1, ..., total_tokens]`` (int32/int64, as
+      flash-attention and verl take them); per-token inputs ``(total_tokens,)``, advantages per token
+      (``(total_tokens,)`` or ``(1, total_tokens)``) or per sequence (``(B,)`` or ``(B, 1)``; where ``B``
+      equals the number of tokens, ``(B,)`` is an error that says which to pass); every aggregation and GSPO
+      as on the padded ``(B, max_seqlen)`` layout. The row kernels read the packed rows where they are
+      (``dgpo_ops/layouts/packed.py``); None: not packed.
+    * ``max_seqlen``: the longest packed sequence (the padded layout's width, which
+      ``seq_mean_token_sum_norm`` divides by); None: read from ``cu_seqlens`` (a host read).
+    * ``temperature``: the logits are divided by it before the log-softmax.
+    * ``logit_scale``: the logits are ``logit_scale * (hidden @ weight.T + bias)``.
+    * ``softcap``: ``softcap * tanh(logits / softcap)`` after the scale, as Gemma's final softcap; None: off.
+    * ``memory_budget``: bytes of logits and gradient tiles alive at once (the token chunk follows from it).
+    * ``logits_on_chip``: False: cuBLAS products into logits tiles of ``memory_budget`` bytes; True: Triton
+      kernels that keep the logits in registers (no tiles, no weight copy under autocast, one more pass of
+      products, gradients summed with atomics; CUDA or the interpreter).
+    * ``backend``: ``auto`` (Triton on CUDA, the kernels' torch twins on CPU), ``triton`` (on CPU tensors only
+      under ``TRITON_INTERPRET=1``) or ``torch``.
+    * ``validation``: ``auto`` (immediate on CPU, deferred on CUDA), ``immediate`` or ``deferred``: deferred
+      checks never synchronise; a bad value makes the loss NaN and raises at a later call or at
+      ``dgpo_ops.raise_deferred_errors()``.
+    * ``vocab_parallel_group``: a process group over which the vocabulary is split (tensor parallelism): every
+      process passes the same tokens and its equal share of the vocabulary, in rank order (``V / P`` logits
+      columns, or ``V / P`` rows of the lm_head weight and bias); the loss, log-probs, entropies and metrics
+      are the whole vocabulary's, the gradient this process's share's (the hidden state's is summed over the
+      group). 16 bytes per token cross processes, never logits or weights: the row kernels' per-row partials,
+      merged by one all-reduce (``dgpo_ops/layouts/vocab.py``); None: not split.
+
+    Returns ``(logps, entropy)``, two tensors shaped like ``target_ids``.
+    """
+# public-functions:end
+
 
 DGPOLOSS_OPTIONS = CallSignature(positional=(), inputs=(), without=PROJECTION_OPTIONS, refusals=FROM_HIDDEN_STATES)
 DGPOLOSS_INPUTS = CallSignature(source=("logits",), options=(), method=False, refusals={

@@ -24,7 +24,11 @@
   ``<!-- default-result:end -->``: the plain ``dgpo-ops train``'s held-out accuracy before -> after RL, read
   from its committed console log ``docs/train/default_run.log`` (``default_result``);
 * docs/integrations.md, between ``<!-- skyrl-cpu-install:start -->`` and ``<!-- skyrl-cpu-install:end -->``:
-  the install lines of SkyRL's CPU environment, read from ``.ci/skyrl_cpu.sh`` (``skyrl_cpu_packages``).
+  the install lines of SkyRL's CPU environment, read from ``.ci/skyrl_cpu.sh`` (``skyrl_cpu_packages``);
+* dgpo_ops/api.py and dgpo_ops/ops/linear_logprobs.py, between ``# public-functions:start`` and
+  ``# public-functions:end``: the definition of each public function of the module's ``PUBLIC_FUNCTIONS``,
+  each keyword annotated and defaulted as the call object's field, and its docstring
+  (``public_functions_source``), for IDEs, type checkers and ``grep``.
 
 A tool of the checkout, not of the package: the tables are written here from the mappings the library and
 the trainer hold, the logs and the CI scripts; the package writes no markdown and reads no checkout path.
@@ -238,7 +242,24 @@ def signature_markdown(name: str) -> Callable[[], str]:
 
         import dgpo_ops
 
-        return f"`{name}{inspect.signature(getattr(dgpo_ops, name))}`\n"
+        signature = inspect.signature(getattr(dgpo_ops, name))
+
+        def text(annotation) -> str:  # the annotations are strings (postponed evaluation): shown unquoted
+            return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+
+        parts, keyword_only = [], False
+        for parameter in signature.parameters.values():
+            if parameter.kind is parameter.KEYWORD_ONLY and not keyword_only:
+                parts.append("*")
+                keyword_only = True
+            part = parameter.name
+            if parameter.annotation is not parameter.empty:
+                part += f": {text(parameter.annotation)}"
+            if parameter.default is not parameter.empty:
+                part += f" = {parameter.default!r}"
+            parts.append(part)
+        returns = "" if signature.return_annotation is signature.empty else f" -> {text(signature.return_annotation)}"
+        return f"`{name}({', '.join(parts)}){returns}`\n"
 
     return body
 
@@ -307,6 +328,77 @@ def skyrl_cpu_install_markdown() -> str:
                 lines.append("   ")
             lines[-1] += f" {word}"
     return "```bash\n" + "\n".join(lines) + "\n```\n"
+LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    """``text`` re-wrapped within the line length at ``indent``: each paragraph, and each list item (a line
+    opening with ``* ``, its later lines under its text), joined and filled again."""
+    import textwrap
+
+    blocks = []  # (first line's words, whether a list item); None: a blank line
+    for line in text.splitlines():
+        if not line.strip():
+            blocks.append(None)
+        elif line.startswith("* ") or not blocks or blocks[-1] is None or blocks[-1][0].endswith(":"):
+            blocks.append([line, line.startswith("* ")])
+        else:
+            blocks[-1][0] += " " + line
+    lines = []
+    for block in blocks:
+        if block is None:
+            lines.append("")
+            continue
+        later = indent + ("  " if block[1] else "")
+        lines += textwrap.wrap(block[0], width=LINE_LENGTH, initial_indent=indent, subsequent_indent=later,
+                               break_long_words=False, break_on_hyphens=False)
+    return lines
+
+
+def _literal(value) -> str:
+    """A default as source text, strings in double quotes (the package's style)."""
+    return f'"{value}"' if isinstance(value, str) and '"' not in value and "\\" not in value else repr(value)
+
+
+def public_functions_source(module: str) -> str:
+    """``module``'s definitions of its public functions: one per entry of its ``PUBLIC_FUNCTIONS``, with its
+    signature (``PublicFunction.signature``: the call object's fields, annotated and defaulted) and its
+    docstring (the one ``PublicFunction.define`` composes, wrapped to the line length)."""
+    import importlib
+    import inspect
+
+    from dgpo_ops.core.docstrings import documented
+
+    functions = importlib.import_module(module).PUBLIC_FUNCTIONS
+    lines = ["# Written by `python docs/generate.py` from PUBLIC_FUNCTIONS and the fields of LossInputs and",
+             "# LossOptions: what an IDE, a type checker and grep see. Each call runs the function that",
+             "# PublicFunction.define makes (the call's split, then its body), whose signature and docstring",
+             "# are these."]
+    for name, public in functions.items():
+        lines += ["", "", f'@PUBLIC_FUNCTIONS["{name}"].define', f"def {name}("]
+        keyword_only = False
+        for parameter in public.signature.parameters.values():
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY and not keyword_only:
+                lines.append("    *,")
+                keyword_only = True
+            prefix = "**" if parameter.kind is inspect.Parameter.VAR_KEYWORD else ""
+            empty = parameter.default is inspect.Parameter.empty
+            default = "" if empty else f" = {_literal(parameter.default)}"
+            lines.append(f"    {prefix}{parameter.name}: {parameter.annotation}{default},")
+        lines.append(f") -> {public.signature.return_annotation}:")
+
+        def declared():
+            pass
+
+        declared.__signature__ = public.signature
+        doc = documented(public.summary, public.returns)(declared).__doc__  # as PublicFunction.define does
+        if '"""' in doc or "\\" in doc:
+            raise ValueError(f"{name}'s docstring cannot be written between triple quotes as it is")
+        body = _wrapped(doc, "    ")
+        body[0] = '    """' + body[0].lstrip()
+        lines += body
+        lines.append('    """')
+    return "\n".join(lines) + "\n"
 
 
 SECTIONS = (
@@ -331,6 +423,10 @@ SECTIONS = (
             partial(default_result_markdown, "")),
     Section("docs/integrations.md", "<!-- skyrl-cpu-install:start -->", "<!-- skyrl-cpu-install:end -->",
             skyrl_cpu_install_markdown),
+    Section("dgpo_ops/api.py", "# public-functions:start", "# public-functions:end",
+            lambda: public_functions_source("dgpo_ops.api")),
+    Section("dgpo_ops/ops/linear_logprobs.py", "# public-functions:start", "# public-functions:end",
+            lambda: public_functions_source("dgpo_ops.ops.linear_logprobs")),
 )
 
 

@@ -116,14 +116,21 @@ class Denominator(enum.IntEnum):
     HORIZON = 5  # T, the grid's width: ROLL's seq-mean-token-sum-norm
 
 
+# The denominators a grid's shape fixes, from (n_responses, width), before the clamp to at least 1; the others
+# count scored tokens (``torch_twins.COUNTED_DENOMINATORS``, which checks that the two cover every member).
+FIXED_DENOMINATORS = {
+    Denominator.RESPONSES: lambda n_responses, width: n_responses,
+    Denominator.GRID: lambda n_responses, width: n_responses * width,
+    Denominator.HORIZON: lambda n_responses, width: width,
+    Denominator.ONE: lambda n_responses, width: 1,
+}
+
+
 def fixed_denominator(denominator: Denominator, n_responses: int, width: int) -> int:
-    """The denominators a grid's shape fixes (``RESPONSES``, ``GRID``, ``HORIZON``, ``ONE``), before the clamp
-    to at least 1; the others count scored tokens."""
-    sizes = {Denominator.RESPONSES: n_responses, Denominator.GRID: n_responses * width, Denominator.HORIZON: width,
-             Denominator.ONE: 1}
-    if denominator not in sizes:
+    """The size of a denominator of ``FIXED_DENOMINATORS`` on a grid of ``n_responses`` rows of ``width``."""
+    if denominator not in FIXED_DENOMINATORS:
         raise ValueError(f"{denominator!r} counts scored tokens: no fixed size")
-    return sizes[denominator]
+    return FIXED_DENOMINATORS[denominator](n_responses, width)
 
 
 class Normalizer(enum.IntEnum):

@@ -164,14 +164,20 @@ def token_prologue_kernel(
             denominator = tl.maximum(scored_responses, 1).to(tl.float32)
         elif DENOMINATOR == codes.DENOMINATOR_HORIZON:
             denominator = tl.maximum(seq_len, 1).to(tl.float32)
-        else:
+        elif DENOMINATOR == codes.DENOMINATOR_ONE:
             denominator = 1.0
+        else:
+            tl.static_assert(False, "token_prologue_kernel: unknown DENOMINATOR (add its branch here and in "
+                                    "token_prologue_torch)")
         if NORMALIZER == codes.NORMALIZER_VALUE:
             denominator = normalizer
         elif NORMALIZER == codes.NORMALIZER_TENSOR:
             denominator = tl.load(normalizer_ptr).to(tl.float32)
             usable = (denominator > 0.0) & ~_non_finite(denominator)
             all_errors = all_errors | tl.where(usable, 0, codes.ERR_LOSS_NORMALIZER)
+        elif NORMALIZER != codes.NORMALIZER_ABSENT:
+            tl.static_assert(False, "token_prologue_kernel: unknown NORMALIZER (add its branch here and in "
+                                    "token_prologue_torch)")
         poison = all_errors != 0
         for b_start in range(0, n_seqs, BLOCK_B):
             seqs = b_start + tl.arange(0, BLOCK_B)

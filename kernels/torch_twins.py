@@ -7,11 +7,38 @@ from __future__ import annotations
 
 import torch
 
-from .interface import (IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, Region, SequenceStat, Status,
-                        fixed_denominator)
+from .interface import (FIXED_DENOMINATORS, IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, Region,
+                        SequenceStat, Status, fixed_denominator)
 from .row_io import compute_dtype, on_token_grid
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
+
+# The denominators the call's scored tokens decide, from each response's count of them; each at least 1, so an
+# all-masked batch gives a zero loss, not 0/0. The prologue kernel's DENOMINATOR branches are the same list.
+COUNTED_DENOMINATORS = {
+    Denominator.TOKENS: lambda counts: counts.sum().clamp(min=1),
+    Denominator.SCORED_RESPONSES: lambda counts: (counts > 0).sum().clamp(min=1),
+}
+
+
+def check_denominators() -> None:
+    """Every ``Denominator`` is counted here or fixed by the grid (``FIXED_DENOMINATORS``), not both (run at
+    import): a new one without its size stops the import instead of reaching a call."""
+    counted, fixed = set(COUNTED_DENOMINATORS), set(FIXED_DENOMINATORS)
+    if counted & fixed or counted | fixed != set(Denominator):
+        raise AssertionError(f"every Denominator needs one size: counted {sorted(counted)}, fixed {sorted(fixed)}, "
+                             f"members {list(Denominator)}")
+
+
+check_denominators()
+
+
+def denominator_of(denominator: Denominator, counts: torch.Tensor, width: int, dtype: torch.dtype):
+    """What an aggregation divides by without a ``loss_normalizer``, from each response's scored-token count
+    ``counts`` ``(B,)`` on a grid of ``width``: a tensor of ``dtype`` where the tokens decide it, else a float."""
+    if denominator in COUNTED_DENOMINATORS:
+        return COUNTED_DENOMINATORS[denominator](counts).to(dtype)
+    return float(max(fixed_denominator(denominator, counts.shape[0], width), 1))
 
 
 def _grid_view(batch, tensor):
@@ -65,12 +92,8 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, a
         errors = errors | torch.where((denom > 0) & torch.isfinite(denom), 0, int(InputError.LOSS_NORMALIZER))
     elif normalizer_kind == Normalizer.VALUE:
         denom = float(normalizer_value)
-    elif denominator == Denominator.TOKENS:
-        denom = total.clamp(min=1).to(dtype)
-    elif denominator == Denominator.SCORED_RESPONSES:
-        denom = (counts > 0).sum().clamp(min=1).to(dtype)
     else:
-        denom = float(max(fixed_denominator(denominator, B, T), 1))
+        denom = denominator_of(denominator, counts, T, dtype)
     within = 1.0 / counts.clamp(min=1).to(dtype) if per_response else torch.ones(B, dtype=dtype, device=counts.device)
     scale = within / denom
     seq_scale.copy_(torch.where(errors != 0, float("nan"), scale))

@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 
 from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, MESSAGES
-from dgpo_ops.kernels.interface import Denominator, InputError, fixed_denominator
+from dgpo_ops.kernels.interface import Denominator, InputError
+from dgpo_ops.kernels.torch_twins import denominator_of
 
 # name -> (divide each token by its response length?, default denominator): the prologue kernel
 # reads the same two codes.
@@ -184,9 +185,4 @@ def token_scales(mask: torch.Tensor, aggregation: str, loss_normalizer: float | 
         if torch.is_tensor(loss_normalizer):
             loss_normalizer = loss_normalizer.reshape(())
         return scale / loss_normalizer
-    # An all-masked batch gives a zero loss, not 0/0.
-    if default_denominator == Denominator.TOKENS:
-        return scale / mask.sum().to(dtype).clamp(min=1)
-    if default_denominator == Denominator.SCORED_RESPONSES:
-        return scale / mask.any(dim=1).sum().to(dtype).clamp(min=1)
-    return scale / max(fixed_denominator(default_denominator, mask.shape[0], mask.shape[1]), 1)
+    return scale / denominator_of(default_denominator, mask.sum(dim=1), mask.shape[1], dtype)

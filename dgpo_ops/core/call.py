@@ -8,11 +8,18 @@ argument, too many positional ones) are ``TypeError``. So a field added to eithe
 is a keyword of every function that lists it, with the docstring text of ``dgpo_ops.core.docstrings``, and no
 signature restates it. ``split`` runs on every call and under ``torch.compile`` (dynamo traces it): plain dict and
 tuple work, no ``inspect`` at call time.
+
+Each public function is also a real definition in ``dgpo_ops/api.py``, written from its ``PublicFunction`` by
+``python docs/generate.py``: its annotated parameters are what an IDE, a type checker and ``grep`` see, and
+``PublicFunction.define`` turns it into the function that runs.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from dgpo_ops.core.docstrings import documented
 from dgpo_ops.core.inputs import LossInputs
@@ -24,6 +31,28 @@ OPTION_FIELDS = tuple(name for name in LossOptions.__dataclass_fields__ if name 
 POSITIONAL_INPUTS = ("target_ids", "advantages", "mask", "old_logps", "ref_logps")
 PROJECTION_OPTIONS = ("logit_scale", "softcap", "memory_budget", "logits_on_chip")
 _REQUIRED_INPUTS = ("target_ids", "advantages")
+# The annotations of the parameters that are no field (the source, the method and its parameters), as source
+# text: the names they use are imported where the definitions are (dgpo_ops/api.py).
+SOURCE_ANNOTATIONS = {"logits": "torch.Tensor", "hidden": "torch.Tensor",
+                      "weight": "torch.Tensor | torch.nn.Module", "bias": "torch.Tensor | None"}
+METHOD_ANNOTATION = "str | MethodConfig"
+METHOD_PARAMS_ANNOTATION = "Any"
+
+
+def field_annotation(annotation) -> str:
+    """A field's annotation as source text, without the ``Annotated`` marks only the package reads
+    (``TokenFloat``)."""
+    text = getattr(annotation, "__forward_arg__", annotation)  # a NamedTuple keeps it as a ForwardRef
+    tree = ast.parse(text, mode="eval").body
+    if isinstance(tree, ast.Subscript) and isinstance(tree.value, ast.Name) and tree.value.id == "Annotated":
+        return ast.unparse(tree.slice.elts[0])
+    return text
+
+
+_INPUT_ANNOTATIONS = {name: field_annotation(annotation)
+                      for name, annotation in LossInputs.__annotations__.items()}
+_OPTION_ANNOTATIONS = {name: field_annotation(LossOptions.__dataclass_fields__[name].type)
+                       for name in OPTION_FIELDS}
 
 
 class CallSignature:
@@ -59,16 +88,23 @@ class CallSignature:
     def _parameters(self, positional) -> list[inspect.Parameter]:
         positional_kind, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
         option_fields, input_defaults = LossOptions.__dataclass_fields__, LossInputs._field_defaults
-        params = [inspect.Parameter(name, positional_kind) for name in self.source]
-        params += [inspect.Parameter(name, positional_kind, default=input_defaults.get(name, inspect.Parameter.empty))
+        inputs, options, sources = _INPUT_ANNOTATIONS, _OPTION_ANNOTATIONS, SOURCE_ANNOTATIONS
+        params = [inspect.Parameter(name, positional_kind, annotation=sources[name]) for name in self.source]
+        params += [inspect.Parameter(name, positional_kind, annotation=inputs[name],
+                                     default=input_defaults.get(name, inspect.Parameter.empty))
                    for name in positional]
-        params += [inspect.Parameter(name, keyword, default=None) for name in self.keyword_source]
+        params += [inspect.Parameter(name, keyword, default=None, annotation=sources[name])
+                   for name in self.keyword_source]
         if self.method:
-            params.append(inspect.Parameter("method", keyword, default=self.default_method))
-        params += [inspect.Parameter(name, keyword, default=input_defaults[name]) for name in self.inputs]
-        params += [inspect.Parameter(name, keyword, default=option_fields[name].default) for name in self.options]
+            params.append(inspect.Parameter("method", keyword, default=self.default_method,
+                                            annotation=METHOD_ANNOTATION))
+        params += [inspect.Parameter(name, keyword, default=input_defaults[name], annotation=inputs[name])
+                   for name in self.inputs]
+        params += [inspect.Parameter(name, keyword, default=option_fields[name].default,
+                                     annotation=options[name]) for name in self.options]
         if self.method:
-            params.append(inspect.Parameter("method_params", inspect.Parameter.VAR_KEYWORD))
+            params.append(inspect.Parameter("method_params", inspect.Parameter.VAR_KEYWORD,
+                                            annotation=METHOD_PARAMS_ANNOTATION))
         return params
 
     def split(self, function: str, args: tuple, kwargs: dict, options: LossOptions | None = None):
@@ -107,15 +143,33 @@ class CallSignature:
         raise ValueError(f"{function}() got an unexpected keyword argument {name!r}: {why}")
 
 
-def public_function(name: str, summary: str, call: CallSignature, body, returns: str | None = None):
-    """A public function of signature ``call``: ``body(source values, LossInputs, LossOptions)`` on each call,
-    its docstring composed from the shared argument texts (``returns``: what it returns, where not a
-    ``PolicyLossOutput``)."""
+Declared = TypeVar("Declared", bound=Callable[..., Any])
 
-    def function(*args, **kwargs):
-        return body(*call.split(name, args, kwargs))
 
-    function.__name__ = function.__qualname__ = name
-    function.__module__ = "dgpo_ops"
-    function.__signature__ = call.signature
-    return documented(summary, returns)(function)
+class PublicFunction:
+    """A public function: the fields it takes (``call``), its docstring's ``summary`` and ``returns`` text
+    (None: a ``PolicyLossOutput``), its return annotation, and ``body(source values, LossInputs,
+    LossOptions)``, what each call runs."""
+
+    def __init__(self, call: CallSignature, summary: str, body, returns: str | None = None,
+                 return_annotation: str = "PolicyLossOutput"):
+        self.call, self.summary, self.body, self.returns = call, summary, body, returns
+        self.signature = call.signature.replace(return_annotation=return_annotation)
+        self.declaration = None
+
+    def define(self, declaration: Declared) -> Declared:
+        """The function that ``declaration``, its definition in the source, declares: each call goes through
+        ``split`` (whose errors name the function and say why a keyword is refused) and runs ``body``; its
+        signature is ``self.signature``, its docstring composed from the shared argument texts. The
+        declaration itself never runs: it is what readers and tools see, and the return type is the
+        declaration's, so a type checker checks calls against its signature."""
+        name, call, body = declaration.__name__, self.call, self.body
+
+        def function(*args, **kwargs):
+            return body(*call.split(name, args, kwargs))
+
+        function.__name__ = function.__qualname__ = name
+        function.__module__ = "dgpo_ops"
+        function.__signature__ = self.signature
+        self.declaration = declaration  # what tests/core/test_call.py compares with self.signature
+        return documented(self.summary, self.returns)(function)

@@ -21,12 +21,35 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, kl_estimates
+from dgpo_ops.corrections.core import (KL_ESTIMATORS, CorrectionInputs, CorrectionResult, RolloutCorrection,
+                                       check_branches, check_known, check_number, kl_estimates)
 
 LEVELS = ("token", "sequence")
 ACTIONS = ("mask", "clamp")
 METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3")
 AGGREGATIONS = ("sum", "mean", "max")
+# whether a level bounds each response's aggregated metric (else each token's own)
+LEVEL_PER_RESPONSE = {"token": False, "sequence": True}
+# whether an action zeroes the weight outside the bounds (else clamps it into them)
+ACTION_MASKS = {"mask": True, "clamp": False}
+# each metric's KL estimator (a key of kl_estimates); None: the ratio itself, aggregated in log space
+METRIC_ESTIMATORS = {"ratio": None, "kl_k1": "k1", "kl_k2": "k2", "kl_k3": "k3"}
+SEQUENCE_AGGREGATIONS = {"sum": lambda x, values: x.sequence_sum(values, "AReaL's sequence level"),
+                         "mean": lambda x, values: x.sequence_mean(values, "AReaL's sequence level"),
+                         "max": lambda x, values: x.sequence_max(values, empty=0.0)}
+
+
+def check_dispatch() -> None:
+    """Every level, action, metric and aggregation has its branch (run at import)."""
+    for field, values, branches in (("level", LEVELS, LEVEL_PER_RESPONSE), ("action", ACTIONS, ACTION_MASKS),
+                                    ("metric", METRICS, METRIC_ESTIMATORS),
+                                    ("agg", AGGREGATIONS, SEQUENCE_AGGREGATIONS)):
+        check_branches(f"AReaL's rejection_sampling.{field}", values, branches)
+    check_known("AReaL's KL metrics", [name for name in METRIC_ESTIMATORS.values() if name is not None],
+                KL_ESTIMATORS)
+
+
+check_dispatch()
 
 
 def m2po_keep(x: CorrectionInputs, threshold: float) -> torch.Tensor:
@@ -106,30 +129,28 @@ class ArealCorrection(RolloutCorrection):
         """AReaL's ``apply_rejection_sampling``: the weight (0 where it masks) and its filtered fraction."""
         difference = x.log_ratio  # log pi_prox / pi_behave
         log_ratio = torch.where(torch.isfinite(difference), difference, 0.0)
-        if self.metric == "ratio":
+        estimator = METRIC_ESTIMATORS[self.metric]
+        is_ratio = estimator is None
+        if is_ratio:
             metric = torch.exp(log_ratio)
         else:  # AReaL's KLEstimator._compute_approx_kl(prox, behave): its log-ratio is behave - prox, unsanitised
-            metric = kl_estimates(-difference)[self.metric.removeprefix("kl_")]
+            metric = kl_estimates(-difference)[estimator]
         weight = torch.exp(log_ratio)
         lower = self.lower if self.lower is not None else 0.0
-        if self.level == "token":
-            inside = self.in_bounds(metric)
-        else:
-            values = log_ratio if self.metric == "ratio" else metric
-            if self.metric == "ratio":  # the weight is the sequence's geometric mean
+        per_response = LEVEL_PER_RESPONSE[self.level]
+        if per_response:
+            values = log_ratio if is_ratio else metric
+            if is_ratio:  # the weight is the sequence's geometric mean
                 weight = x.to_tokens(torch.exp(x.sequence_mean(log_ratio, "AReaL's sequence level")))
-            if self.agg == "sum":
-                aggregate = x.sequence_sum(values, "AReaL's sequence level")
-            elif self.agg == "mean":
-                aggregate = x.sequence_mean(values, "AReaL's sequence level")
-            else:
-                aggregate = x.sequence_max(values, empty=0.0)
-            inside = x.to_tokens(self.in_bounds(torch.exp(aggregate) if self.metric == "ratio" else aggregate))
-        if self.action == "mask":
+            aggregate = SEQUENCE_AGGREGATIONS[self.agg](x, values)
+            inside = x.to_tokens(self.in_bounds(torch.exp(aggregate) if is_ratio else aggregate))
+        else:
+            inside = self.in_bounds(metric)
+        if ACTION_MASKS[self.action]:
             filtered = x.token_mean((~inside).float())
             return torch.where(x.mask & inside, weight, 0.0), filtered
         clamped = weight.clamp(min=lower, max=self.upper)
-        if self.level == "sequence":  # only the out-of-bounds sequences' tokens are clamped
+        if per_response:  # only the out-of-bounds sequences' tokens are clamped
             clamped = torch.where(inside, weight, clamped)
         filtered = x.token_mean((clamped != weight).float())
         return torch.where(x.mask, clamped, 0.0), filtered

@@ -33,6 +33,9 @@ def kl_estimates(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"k1": -log_ratio, "k2": 0.5 * log_ratio ** 2, "k3": torch.exp(log_ratio) - 1.0 - log_ratio}
 
 
+KL_ESTIMATORS = tuple(kl_estimates(torch.zeros(())))  # their names, for the modules' dispatch checks
+
+
 def check_number(name: str, value, *, optional: bool = False, minimum: float | None = None,
                  positive: bool = False) -> None:
     """Refuse (``ValueError``) a field that is not a finite number (``None`` too, unless ``optional``), or below
@@ -51,6 +54,26 @@ def check_order(low_name: str, low, high_name: str, high) -> None:
     """Refuse bounds in the wrong order (either may be None: no bound), which would reject every token."""
     if low is not None and high is not None and low > high:
         raise ValueError(f"{low_name} ({low}) must be <= {high_name} ({high})")
+
+
+def check_branches(field: str, values, branches) -> None:
+    """Refuse (``AssertionError``) a dispatch table whose keys are not exactly ``values``, the values ``field``
+    takes. Each correction module builds its modes, levels and gates as such tables and checks them when it is
+    imported, so a value added to a field's list without its own branch stops the import instead of taking
+    another value's math at a call."""
+    missing = [value for value in values if value not in branches]
+    unknown = [key for key in branches if key not in values]
+    if missing or unknown:
+        raise AssertionError(f"{field}: no branch for {missing}, a branch for no value {unknown} (the values: "
+                             f"{tuple(values)})")
+
+
+def check_known(field: str, names, known) -> None:
+    """Refuse (``AssertionError``) a table entry that names something ``known`` lacks (a KL estimator, a kind
+    of weights), which would otherwise fail only at a call."""
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise AssertionError(f"{field}: {unknown} are not among {tuple(known)}")
 
 
 class CorrectionInputs(NamedTuple):

@@ -26,6 +26,22 @@ import torch
 from dgpo_ops.corrections.core import (CorrectionInputs, CorrectionResult, RolloutCorrection, check_number,
                                        check_order, clamped_exp)
 
+# The values tis_ratio_type and sequence_mask_metric take (besides None) are these tables' keys, so none is
+# without its branch. Each tis_ratio_type's weights from (the inputs on the mask the rejections left, the
+# log-ratio, the clamped ratio, the correction):
+TIS_WEIGHTS = {
+    "token": lambda now, log_ratio, ratio, c: ratio.clamp(max=c.token_tis_ratio_clip_high),
+    "sequence": lambda now, log_ratio, ratio, c: now.to_tokens(
+        clamped_exp(now.sequence_sum(log_ratio, "SkyRL's sequence TIS")).clamp(max=c.sequence_tis_ratio_clip_high)),
+}
+# each sequence_mask_metric's log statistic of a response, and the fields of its bounds (low, high)
+SEQUENCE_MASKS = {
+    "geometric": (lambda now, log_ratio: now.sequence_mean(log_ratio, "SkyRL's sequence mask"),
+                  "geo_mask_low", "geo_mask_high"),
+    "product": (lambda now, log_ratio: now.sequence_sum(log_ratio, "SkyRL's sequence mask"),
+                "product_mask_low", "product_mask_high"),
+}
+
 
 @dataclass(frozen=True)
 class SkyRLCorrection(RolloutCorrection):
@@ -45,9 +61,9 @@ class SkyRLCorrection(RolloutCorrection):
     token_mask_is_threshold_high: float | None = None
 
     def __post_init__(self):
-        if self.tis_ratio_type not in (None, "token", "sequence"):
+        if self.tis_ratio_type is not None and self.tis_ratio_type not in TIS_WEIGHTS:
             raise ValueError(f"tis_ratio_type must be 'token', 'sequence' or None, got {self.tis_ratio_type!r}")
-        if self.sequence_mask_metric not in (None, "geometric", "product"):
+        if self.sequence_mask_metric is not None and self.sequence_mask_metric not in SEQUENCE_MASKS:
             raise ValueError(f"sequence_mask_metric must be 'geometric', 'product' or None, got "
                              f"{self.sequence_mask_metric!r}")
         if (self.tis_ratio_type is None and self.sequence_mask_metric is None
@@ -113,19 +129,12 @@ class SkyRLCorrection(RolloutCorrection):
             mask = mask & (ratio >= self.token_mask_is_threshold_low) & (ratio <= self.token_mask_is_threshold_high)
         now = x._replace(mask=mask)
         weights = None
-        if self.tis_ratio_type == "token":
-            weights = ratio.clamp(max=self.token_tis_ratio_clip_high)
-        elif self.tis_ratio_type == "sequence":
-            total = now.sequence_sum(log_ratio, "SkyRL's sequence TIS")
-            weights = now.to_tokens(clamped_exp(total).clamp(max=self.sequence_tis_ratio_clip_high))
+        if self.tis_ratio_type is not None:
+            weights = TIS_WEIGHTS[self.tis_ratio_type](now, log_ratio, ratio, self)
         if self.sequence_mask_metric is not None:
-            if self.sequence_mask_metric == "geometric":
-                value = now.sequence_mean(log_ratio, "SkyRL's sequence mask")
-                lower, upper = self.geo_mask_low, self.geo_mask_high
-            else:
-                value = now.sequence_sum(log_ratio, "SkyRL's sequence mask")
-                lower, upper = self.product_mask_low, self.product_mask_high
-            value = clamped_exp(value)
+            statistic, low_field, high_field = SEQUENCE_MASKS[self.sequence_mask_metric]
+            value = clamped_exp(statistic(now, log_ratio))
+            lower, upper = getattr(self, low_field), getattr(self, high_field)
             mask = mask & now.to_tokens((value <= upper) & (value >= lower))
         # rejected: weight 0, still counted by the normaliser (a NaN ratio stays NaN, as in SkyRL's loss)
         kept = mask.to(torch.float32)

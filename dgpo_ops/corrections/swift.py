@@ -10,10 +10,34 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, clamped_exp
+from dgpo_ops.corrections.core import (CorrectionInputs, CorrectionResult, RolloutCorrection, check_branches,
+                                       check_number, clamped_exp)
 
 # ms-swift's Literal for rollout_importance_sampling_mode (swift/rlhf_trainers/args_mixin.py)
 SWIFT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _geometric(x: CorrectionInputs, ratio: torch.Tensor, mode: str) -> torch.Tensor:
+    """Each token's response's geometric-mean ratio."""
+    return x.to_tokens(torch.exp(x.sequence_mean(torch.log(ratio.clamp(min=1e-10)), f"ms-swift's {mode}")))
+
+
+# each mode's weights from (inputs, the token ratio, C)
+MODE_WEIGHTS = {
+    "token_truncate": lambda x, ratio, threshold: ratio.clamp(max=threshold),
+    "token_mask": lambda x, ratio, threshold: torch.where(ratio <= threshold, ratio, 0.0),
+    "sequence_truncate": lambda x, ratio, threshold: _geometric(x, ratio, "sequence_truncate").clamp(max=threshold),
+    # the raw token ratios of the responses kept, as a product: a NaN ratio stays NaN in a dropped response too
+    "sequence_mask": lambda x, ratio, threshold: ratio * (_geometric(x, ratio, "sequence_mask") <= threshold),
+}
+
+
+def check_dispatch() -> None:
+    """Every mode has its weights (run at import)."""
+    check_branches("rollout_importance_sampling_mode", SWIFT_MODES, MODE_WEIGHTS)
+
+
+check_dispatch()
 
 
 @dataclass(frozen=True)
@@ -25,9 +49,7 @@ class SwiftCorrection(RolloutCorrection):
     rollout_importance_sampling_threshold: float = 2.0
 
     def __post_init__(self):
-        if self.rollout_importance_sampling_mode not in SWIFT_MODES:
-            raise ValueError(f"rollout_importance_sampling_mode must be one of {SWIFT_MODES}, got "
-                             f"{self.rollout_importance_sampling_mode!r}")
+        self.mode_weights()
         # a threshold <= 0 truncates every weight to it (a negative one flips the loss) or masks every token
         check_number("rollout_importance_sampling_threshold", self.rollout_importance_sampling_threshold,
                      positive=True)
@@ -39,15 +61,13 @@ class SwiftCorrection(RolloutCorrection):
                              f"beta={options.beta})")
 
     def __call__(self, x: CorrectionInputs) -> CorrectionResult:
-        mode, threshold = self.rollout_importance_sampling_mode, self.rollout_importance_sampling_threshold
-        ratio = clamped_exp(x.log_ratio)
-        if mode == "token_truncate":
-            return CorrectionResult(weights=ratio.clamp(max=threshold))
-        if mode == "token_mask":
-            return CorrectionResult(weights=torch.where(ratio <= threshold, ratio, 0.0))
-        if mode not in ("sequence_truncate", "sequence_mask"):
-            raise ValueError(f"rollout_importance_sampling_mode must be one of {SWIFT_MODES}, got {mode!r}")
-        geometric = x.to_tokens(torch.exp(x.sequence_mean(torch.log(ratio.clamp(min=1e-10)), f"ms-swift's {mode}")))
-        if mode == "sequence_truncate":
-            return CorrectionResult(weights=geometric.clamp(max=threshold))
-        return CorrectionResult(weights=ratio * (geometric <= threshold))
+        weights = self.mode_weights()(x, clamped_exp(x.log_ratio), self.rollout_importance_sampling_threshold)
+        return CorrectionResult(weights=weights)
+
+    def mode_weights(self):
+        """The mode's weights function, or the refusal of a mode there is none for (a call checks it again: a
+        frozen dataclass changed by hand is not computed as another mode)."""
+        if self.rollout_importance_sampling_mode not in MODE_WEIGHTS:
+            raise ValueError(f"rollout_importance_sampling_mode must be one of {SWIFT_MODES}, got "
+                             f"{self.rollout_importance_sampling_mode!r}")
+        return MODE_WEIGHTS[self.rollout_importance_sampling_mode]

@@ -14,30 +14,77 @@ and the sequence product (``sequence_level_importance_ratios``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, check_order
+from dgpo_ops.corrections.core import (CorrectionInputs, CorrectionResult, RolloutCorrection, check_branches,
+                                       check_known, check_number, check_order)
 
 TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
 
 
+class Truncation(NamedTuple):
+    """One kind's weights ``(token_ratio, low, high, geometric_mean)``, and whether they read the response's
+    geometric-mean ratio (per token, its response's; None for the kinds that do not)."""
+
+    weights: Callable
+    per_response: bool
+
+
+# the mask kinds keep the survivors' ratio, 0 elsewhere (where: a NaN ratio, out of every band, gives 0, not NaN)
+TRUNCATIONS = {
+    "tis": Truncation(lambda ratio, low, high, geometric: ratio.clamp(min=low, max=high), per_response=False),
+    "icepop": Truncation(lambda ratio, low, high, geometric: torch.where((ratio >= low) & (ratio <= high), ratio,
+                                                                         0.0), per_response=False),
+    "seq-mask-tis": Truncation(lambda ratio, low, high, geometric: torch.where(
+        (geometric >= low) & (geometric <= high), ratio, 0.0), per_response=True),
+}
+
+
 def truncated_weights(kind: str, token_ratio, low, high, geometric_mean=None):
     """``token_ratio`` (per token) under ``kind``; ``geometric_mean`` (per token, its response's) for seq-mask-tis."""
-    if kind == "tis":
-        return token_ratio.clamp(min=low, max=high)
-    # mask kinds: the survivors' ratio, 0 elsewhere (where: a NaN ratio, out of every band, gives 0, not NaN)
-    if kind == "icepop":
-        return torch.where((token_ratio >= low) & (token_ratio <= high), token_ratio, 0.0)
-    return torch.where((geometric_mean >= low) & (geometric_mean <= high), token_ratio, 0.0)
+    return TRUNCATIONS[kind].weights(token_ratio, low, high, geometric_mean)
 
 
 OPENRLHF_LEVELS = ("token", "seq")  # "off" is no correction: rollout_correction=None
 OPENRLHF_MODES = ("mask", "clip")
 OPENRLHF_GATINGS = ("ratio", "binary_kl", "tv")
+# whether a level's statistic is the response's (its geometric-mean ratio, or its mean gated statistic)
+OPENRLHF_PER_RESPONSE = {"token": False, "seq": True}
 # OpenRLHF's named schemes in its three fields (its --algo.advantage help): (level, mode) -> this module's kind
 RATIO_SCHEMES = {("token", "clip"): "tis", ("token", "mask"): "icepop", ("seq", "mask"): "seq-mask-tis"}
+
+
+def binary_kl(rollout_p: torch.Tensor, train_p: torch.Tensor) -> torch.Tensor:
+    """The sampled token's KL between the two Bernoulli distributions ``(p, 1 - p)``."""
+    return rollout_p * torch.log(rollout_p / train_p) + (1 - rollout_p) * torch.log((1 - rollout_p) / (1 - train_p))
+
+
+# the gatings other than the ratio: a statistic of the sampled token's two probabilities, zeroed outside [0, delta]
+PROBABILITY_GATES = {"binary_kl": binary_kl, "tv": lambda rollout_p, train_p: (rollout_p - train_p).abs()}
+
+
+def refused_clip(level: str, mode: str, gating: str) -> bool:
+    """OpenRLHF's ``clip`` mode is token level under ratio gating only."""
+    return mode == "clip" and (level != "token" or gating != "ratio")
+
+
+def check_dispatch() -> None:
+    """Every type, level and gating, and every (level, mode) the ratio gating takes, has its branch (run at
+    import)."""
+    check_branches("truncated_importance_sampling_type", TIS_TYPES, TRUNCATIONS)
+    check_branches("is_correction_level", OPENRLHF_LEVELS, OPENRLHF_PER_RESPONSE)
+    check_branches("is_correction_gating", OPENRLHF_GATINGS, {"ratio": RATIO_SCHEMES, **PROBABILITY_GATES})
+    taken = [(level, mode) for level in OPENRLHF_LEVELS for mode in OPENRLHF_MODES
+             if not refused_clip(level, mode, "ratio")]
+    check_branches("(is_correction_level, is_correction_mode) of the ratio gating", taken, RATIO_SCHEMES)
+    check_known("the ratio gating's kinds", RATIO_SCHEMES.values(), TRUNCATIONS)
+
+
+check_dispatch()
 
 
 @dataclass(frozen=True)
@@ -73,8 +120,7 @@ class OpenRLHFCorrection(RolloutCorrection):
             check_number(f"is_correction_threshold {name}", value, minimum=0.0)
         check_order("is_correction_threshold low", threshold[0], "high", threshold[1])
         object.__setattr__(self, "is_correction_threshold", tuple(float(v) for v in threshold))
-        if self.is_correction_mode == "clip" and (self.is_correction_level == "seq"
-                                                  or self.is_correction_gating != "ratio"):
+        if refused_clip(self.is_correction_level, self.is_correction_mode, self.is_correction_gating):
             raise ValueError("is_correction_mode=clip requires is_correction_level=token and "
                              "is_correction_gating=ratio, as OpenRLHF requires")
         if self.is_correction_gating != "ratio" and self.is_correction_threshold[0] > 0:
@@ -85,7 +131,7 @@ class OpenRLHFCorrection(RolloutCorrection):
         low, high = self.is_correction_threshold
         log_ratio = x.log_ratio
         token_ratio = torch.exp(log_ratio)
-        sequence_level = self.is_correction_level == "seq"
+        sequence_level = OPENRLHF_PER_RESPONSE[self.is_correction_level]
         if self.is_correction_gating == "ratio":
             kind = RATIO_SCHEMES[(self.is_correction_level, self.is_correction_mode)]
             geometric = None
@@ -97,11 +143,7 @@ class OpenRLHFCorrection(RolloutCorrection):
         # can round below 0, outside a [0, delta] band it lies in (an O(tokens) vector: no cost to speak of)
         rollout_p = torch.exp(x.rollout_logps.double()).clamp(1e-6, 1 - 1e-6)  # keeps the binary KL's logs finite
         train_p = torch.exp(x.old_logps.double()).clamp(1e-6, 1 - 1e-6)
-        if self.is_correction_gating == "binary_kl":
-            statistic = (rollout_p * torch.log(rollout_p / train_p)
-                         + (1 - rollout_p) * torch.log((1 - rollout_p) / (1 - train_p)))
-        else:
-            statistic = (rollout_p - train_p).abs()
+        statistic = PROBABILITY_GATES[self.is_correction_gating](rollout_p, train_p)
         if sequence_level:
             statistic = x.to_tokens(x.sequence_mean(statistic, "OpenRLHF's seq level"))
         keep = (statistic >= low) & (statistic <= high)
@@ -159,7 +201,7 @@ class NemoRLCorrection(RolloutCorrection):
             low = 0.0 if low is None else low
             high = self.truncated_importance_sampling_ratio
             geometric = None
-            if kind == "seq-mask-tis":
+            if TRUNCATIONS[kind].per_response:
                 safe = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
                 geometric = torch.exp(x.sequence_mean(safe, "seq-mask-tis", eps=1e-8))
                 kept = (geometric >= low) & (geometric <= high)

@@ -11,12 +11,35 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, RolloutCorrection, check_number, min_mean_max
+from dgpo_ops.corrections.core import (CorrectionInputs, CorrectionResult, RolloutCorrection, check_branches,
+                                       check_number, min_mean_max)
 
 TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+class ModeMath(NamedTuple):
+    """What a mode computes, stated per mode rather than read off its name."""
+
+    per_response: bool  # the product of the ratios over the response, not the token's own ratio
+    truncates: bool  # clamped into the bounds; else zeroed outside them
+
+
+MODE_MATH = {"token_truncate": ModeMath(per_response=False, truncates=True),
+             "token_mask": ModeMath(per_response=False, truncates=False),
+             "sequence_truncate": ModeMath(per_response=True, truncates=True),
+             "sequence_mask": ModeMath(per_response=True, truncates=False)}
+
+
+def check_dispatch() -> None:
+    """Every mode has its row of ``MODE_MATH`` (run at import)."""
+    check_branches("vllm_importance_sampling_mode", TRL_MODES, MODE_MATH)
+
+
+check_dispatch()
 
 
 @dataclass(frozen=True)
@@ -38,7 +61,7 @@ class TrlCorrection(RolloutCorrection):
         if low is not None and high is not None and low >= high:
             raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be less than "
                              f"vllm_importance_sampling_clip_max ({high}), as TRL requires")
-        if mode.endswith("truncate") and low is None and high is None:
+        if MODE_MATH[mode].truncates and low is None and high is None:
             raise ValueError("a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or "
                              "_clip_max, as TRL requires")
 
@@ -50,7 +73,7 @@ class TrlCorrection(RolloutCorrection):
     @property
     def sequence_level(self) -> bool:
         """The product over the response (the ``sequence_*`` modes), not the token's own ratio."""
-        return self.vllm_importance_sampling_mode.startswith("sequence")
+        return MODE_MATH[self.vllm_importance_sampling_mode].per_response
 
     def check_options(self, options) -> None:
         # TRL's GRPOTrainer refuses a sequence mode where the method folds the token weights into its own
@@ -67,7 +90,7 @@ class TrlCorrection(RolloutCorrection):
             ratio = torch.exp(x.sequence_sum(log_diff, f"TRL's {mode}"))  # (n_sequences,): the product
         else:
             ratio = torch.exp(log_diff)
-        if mode.endswith("truncate"):
+        if MODE_MATH[mode].truncates:
             ratio = torch.clamp(ratio, min=low, max=high)
         else:
             low = -math.inf if low is None else low

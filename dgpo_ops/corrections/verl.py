@@ -15,12 +15,44 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.corrections.core import (SAFETY_BOUND, CorrectionInputs, CorrectionResult, RolloutCorrection,
-                                       clamped_exp, kl_estimates)
+from dgpo_ops.corrections.core import (KL_ESTIMATORS, SAFETY_BOUND, CorrectionInputs, CorrectionResult,
+                                       RolloutCorrection, check_branches, check_known, clamped_exp,
+                                       kl_estimates)
 
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 IS_LEVELS = ("token", "sequence")
+# rollout_is: whether the weight is the response's product of ratios (else the token's own ratio)
+IS_PER_RESPONSE = {"token": False, "sequence": True}
+# A rollout_rs option is "<level>_<estimator>". Each level's statistic on every token, from the estimator's
+# per-token values (``what`` names the option in the error of a layout without responses).
+RS_LEVELS = {
+    "token": lambda x, values, what: values,
+    "seq_sum": lambda x, values, what: x.to_tokens(x.sequence_sum(values, what)),
+    "seq_mean": lambda x, values, what: x.to_tokens(x.sequence_mean(values, what, eps=1e-8)),
+    "seq_max": lambda x, values, what: x.to_tokens(x.sequence_max(values)),
+}
+# whether an estimator's threshold is two ratio bounds "L_U", compared with it in log space (k1, the negated
+# log-ratio: either sign), or a single upper bound (k2, k3: never negative)
+RS_TWO_SIDED = {"k1": True, "k2": False, "k3": False}
+
+
+def rs_parts(option: str) -> tuple[str, str]:
+    """``(level, estimator)`` of a ``rollout_rs`` option."""
+    level, estimator = option.rsplit("_", 1)
+    return level, estimator
+
+
+def check_dispatch() -> None:
+    """Every IS level and every rollout_rs option's level and estimator has its branch (run at import)."""
+    check_branches("rollout_is", IS_LEVELS, IS_PER_RESPONSE)
+    check_branches("rollout_rs levels", dict.fromkeys(rs_parts(option)[0] for option in RS_OPTIONS), RS_LEVELS)
+    check_branches("rollout_rs estimators", dict.fromkeys(rs_parts(option)[1] for option in RS_OPTIONS),
+                   RS_TWO_SIDED)
+    check_known("rollout_rs estimators", RS_TWO_SIDED, KL_ESTIMATORS)
+
+
+check_dispatch()
 # verl 0.9.1's RolloutCorrectionConfig fields (rollout_correction.yaml's keys, and Hydra's _target_)
 VERL_CONFIG_FIELDS = ("_target_", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
                       "rollout_rs_threshold", "bypass_mode", "loss_type")
@@ -86,7 +118,7 @@ def parse_rs(rollout_rs: str, spec) -> dict[str, tuple[float | None, float]]:
     specs = specs * len(options) if len(specs) == 1 else specs
     thresholds = {}
     for option, text in zip(options, specs):
-        if option.endswith("k1"):
+        if RS_TWO_SIDED[rs_parts(option)[1]]:
             upper = _rs_number(text.split("_", 1)[1] if "_" in text else text, option)
             lower = _rs_number(text.split("_", 1)[0], option) if "_" in text else (1.0 / upper if upper else 0.0)
             if lower <= 0 or upper <= 0 or lower > upper:
@@ -165,10 +197,10 @@ class VerlCorrection(RolloutCorrection):
     def is_weights(self, x: CorrectionInputs, log_ratio: torch.Tensor):
         """verl's ``compute_rollout_correction_weights``."""
         upper, lower = parse_is_threshold(self.rollout_is_threshold)
-        if self.rollout_is == "token":
-            raw = clamped_exp(log_ratio)
-        else:
+        if IS_PER_RESPONSE[self.rollout_is]:
             raw = x.to_tokens(clamped_exp(x.sequence_sum(log_ratio, "verl's rollout_is='sequence'")))
+        else:
+            raw = clamped_exp(log_ratio)
         raw = x.masked(raw)
         if lower is None:
             weights = raw.clamp(max=upper)
@@ -178,12 +210,12 @@ class VerlCorrection(RolloutCorrection):
             # verl's metric: a NaN ratio (weight 0 above) is not counted out of bounds
             metrics = {"rollout_is_oob_ratio": x.token_mean(((raw < lower) | (raw > upper)).float(), eps=1e-8)}
         if self.rollout_is_batch_normalize:
-            if self.rollout_is == "token":
-                mean = x.token_mean(weights, eps=1e-8)
-            else:
+            if IS_PER_RESPONSE[self.rollout_is]:
                 per_sequence = x.sequence_mean(weights, eps=1e-8)
                 present = (x.sequence_count() > 0).float()
                 mean = (per_sequence * present).sum() / present.sum().clamp(min=1e-8)
+            else:
+                mean = x.token_mean(weights, eps=1e-8)
             normalise = mean > 1e-8  # verl's guard, as a select: no host read
             weights = torch.where(normalise, weights / mean, weights)
             metrics["rollout_is_batch_norm_factor"] = torch.where(normalise, mean, 1.0)
@@ -194,15 +226,9 @@ class VerlCorrection(RolloutCorrection):
         k = kl_estimates(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
         keep = torch.ones_like(x.mask)
         for option, (lower, upper) in parse_rs(self.rollout_rs, self.rollout_rs_threshold).items():
-            level, estimator = option.rsplit("_", 1)
-            values = k[estimator]
-            if level == "seq_sum":
-                values = x.to_tokens(x.sequence_sum(values, f"verl's {option}"))
-            elif level == "seq_mean":
-                values = x.to_tokens(x.sequence_mean(values, f"verl's {option}", eps=1e-8))
-            elif level == "seq_max":
-                values = x.to_tokens(x.sequence_max(values))
-            if estimator == "k1":
+            level, estimator = rs_parts(option)
+            values = RS_LEVELS[level](x, k[estimator], f"verl's {option}")
+            if RS_TWO_SIDED[estimator]:
                 inside = (values >= math.log(lower)) & (values <= math.log(upper))
             else:
                 inside = values <= upper

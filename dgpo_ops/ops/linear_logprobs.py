@@ -18,10 +18,12 @@ log-probs and entropies, and its error is raised later, naming the argument.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dgpo_ops.core.inputs import LossInputs
-from dgpo_ops.core.call import CallSignature, public_function
+from dgpo_ops.core.call import CallSignature, PublicFunction
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.validation import defer, refuse_double_backward
 from dgpo_ops.kernels.interface import Plane
@@ -121,13 +123,75 @@ def _logprob_entropy(source, inputs: LossInputs, options: LossOptions) -> tuple[
     return logp.reshape(target_ids.shape), entropy.reshape(target_ids.shape)
 
 
-_linear_logprob_entropy = public_function("linear_logprob_entropy", """Per-token
+# The module's public function: what it takes, its docstring's summary and what each call runs. Its definition
+# below is written from here (and the call object's fields) by `python docs/generate.py`.
+PUBLIC_FUNCTIONS = {"linear_logprob_entropy": PublicFunction(LOGPROB_ENTROPY_CALL, """Per-token
 ``(log p(target), entropy)`` of the logits ``(hidden @ weight.T + bias) / temperature``, fp32 (fp64 for fp64
 inputs), shaped like ``target_ids``, differentiable in both outputs (for hidden, weight and bias). Under
 ``torch.autocast`` the products run in the autocast dtype, as the model's own lm_head would. With
 ``vocab_parallel_group`` ``weight`` and ``bias`` are this process's rows (equal shares in rank order) and ``hidden``
-and ``target_ids`` are the same on every process.""", LOGPROB_ENTROPY_CALL, _logprob_entropy,
-    returns="``(logps, entropy)``, two differentiable tensors shaped like ``target_ids``.")
+and ``target_ids`` are the same on every process.""", _logprob_entropy,
+    returns="``(logps, entropy)``, two differentiable tensors shaped like ``target_ids``.",
+    return_annotation="tuple[torch.Tensor, torch.Tensor]")}
+
+# public-functions:start
+# Written by `python docs/generate.py` from PUBLIC_FUNCTIONS and the fields of LossInputs and
+# LossOptions: what an IDE, a type checker and grep see. Each call runs the function that
+# PublicFunction.define makes (the call's split, then its body), whose signature and docstring
+# are these.
+
+
+@PUBLIC_FUNCTIONS["linear_logprob_entropy"].define
+def linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor | torch.nn.Module,
+    target_ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    vocab_parallel_group: object = None,
+    memory_budget: int = 536870912,
+    backend: str = "auto",
+    validation: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(log p(target), entropy)`` of the logits ``(hidden @ weight.T + bias) / temperature``, fp32
+    (fp64 for fp64 inputs), shaped like ``target_ids``, differentiable in both outputs (for hidden, weight and
+    bias). Under ``torch.autocast`` the products run in the autocast dtype, as the model's own lm_head would.
+    With ``vocab_parallel_group`` ``weight`` and ``bias`` are this process's rows (equal shares in rank order)
+    and ``hidden`` and ``target_ids`` are the same on every process.
+
+    Arguments:
+    * ``hidden``: hidden states ``(B, T, H)`` or ``(N, H)`` entering the lm_head.
+    * ``weight``: the lm_head weight ``(V, H)``, or the lm_head module itself (``model.lm_head``; needed when
+      an engine shards it, FSDP2 or DeepSpeed ZeRO-3: the op then runs as the module's forward, so the engine
+      gathers the weight and reduces its gradient; its bias is used unless ``bias`` is given). A sharded
+      DTensor weight is refused: pass the module.
+    * ``target_ids``: sampled token ids ``(B, T)`` / ``(N,)``, int64 or int32; -100 marks positions not
+      scored.
+    * ``bias``: the lm_head bias ``(V,)``, or None.
+    * ``temperature``: the logits are divided by it before the log-softmax.
+    * ``vocab_parallel_group``: a process group over which the vocabulary is split (tensor parallelism): every
+      process passes the same tokens and its equal share of the vocabulary, in rank order (``V / P`` logits
+      columns, or ``V / P`` rows of the lm_head weight and bias); the loss, log-probs, entropies and metrics
+      are the whole vocabulary's, the gradient this process's share's (the hidden state's is summed over the
+      group). 16 bytes per token cross processes, never logits or weights: the row kernels' per-row partials,
+      merged by one all-reduce (``dgpo_ops/layouts/vocab.py``); None: not split.
+    * ``memory_budget``: bytes of logits and gradient tiles alive at once (the token chunk follows from it).
+    * ``backend``: ``auto`` (Triton on CUDA, the kernels' torch twins on CPU), ``triton`` (on CPU tensors only
+      under ``TRITON_INTERPRET=1``) or ``torch``.
+    * ``validation``: ``auto`` (immediate on CPU, deferred on CUDA), ``immediate`` or ``deferred``: deferred
+      checks never synchronise; a bad value makes the loss NaN and raises at a later call or at
+      ``dgpo_ops.raise_deferred_errors()``.
+
+    Returns ``(logps, entropy)``, two differentiable tensors shaped like ``target_ids``.
+    """
+# public-functions:end
+
+# What tools read is the definition above; the module binds its public name on first access instead
+# (__getattr__ below says why), so it is unbound here at run time only.
+_linear_logprob_entropy = linear_logprob_entropy
+if not TYPE_CHECKING:
+    del linear_logprob_entropy
 
 
 def __getattr__(name: str):

@@ -1,14 +1,20 @@
 """The call object: ``LossInputs`` and ``LossOptions``, the public functions' signatures made from their fields
-(``dgpo_ops.core.call``), and ``policy_loss``, the entry every fused public function goes through."""
+(``dgpo_ops.core.call``) and their definitions in dgpo_ops/api.py, and ``policy_loss``, the entry every fused
+public function goes through."""
 
+import ast
 import inspect
+import pathlib
 
 import pytest
 import torch
 from helpers import logits_batch
 
 import dgpo_ops
-from dgpo_ops.core.call import INPUT_FIELDS, OPTION_FIELDS, PROJECTION_OPTIONS, CallSignature
+from dgpo_ops import api
+from dgpo_ops.core.call import (INPUT_FIELDS, OPTION_FIELDS, PROJECTION_OPTIONS, CallSignature,
+                                field_annotation)
+from dgpo_ops.ops import linear_logprobs
 
 KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
@@ -135,3 +141,32 @@ def test_the_log_prob_function_takes_its_fields_only():
     for name in ("method", "beta", "advantages"):
         with pytest.raises(ValueError, match=f"unexpected keyword argument '{name}'"):
             dgpo_ops.fused_linear_logprobs(hidden, weight, targets, **{name: 0.1})
+
+
+@pytest.mark.parametrize("module", [api, linear_logprobs], ids=lambda module: module.__name__)
+def test_each_public_function_is_a_definition_with_the_call_objects_fields(module):
+    """The module defines each of its public functions (``def``, written by ``python docs/generate.py``): what
+    IDEs, type checkers and grep read. Its parameters are the fields it takes, each with the field's
+    annotation and default, and the function that runs has that signature and the definition's docstring."""
+    source = pathlib.Path(module.__file__).read_text()
+    defined = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+    input_types = {name: field_annotation(t) for name, t in dgpo_ops.LossInputs.__annotations__.items()}
+    option_fields = dgpo_ops.LossOptions.__dataclass_fields__
+    assert set(module.PUBLIC_FUNCTIONS) <= set(dgpo_ops.__all__)
+    for name, public in module.PUBLIC_FUNCTIONS.items():
+        assert name in defined and f"\ndef {name}(" in source, name
+        fn, declared = getattr(dgpo_ops, name), inspect.signature(public.declaration)
+        assert declared == inspect.signature(fn), name
+        assert " ".join(public.declaration.__doc__.split()) == " ".join(fn.__doc__.split()), name
+        for parameter in declared.parameters.values():
+            assert parameter.annotation is not inspect.Parameter.empty, (name, parameter.name)
+            if parameter.name in INPUT_FIELDS:
+                default = dgpo_ops.LossInputs._field_defaults.get(parameter.name, inspect.Parameter.empty)
+                assert (parameter.annotation, parameter.default) == (input_types[parameter.name], default)
+            elif parameter.name in OPTION_FIELDS:
+                field = option_fields[parameter.name]
+                want = (field_annotation(field.type), field.default)
+                assert (parameter.annotation, parameter.default) == want
+        # every field the call takes is a parameter of the definition, and nothing else but its source
+        taken = {*public.call.input_names, *public.call.option_names, *public.call.source_names}
+        assert set(declared.parameters) - {"method", "method_params"} == taken, name

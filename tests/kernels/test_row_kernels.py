@@ -19,7 +19,8 @@ from dgpo_ops.kernels import finalize as finalize_module
 from dgpo_ops.kernels import logits_grad as grad_module
 from dgpo_ops.kernels import logprob_entropy as forward_module
 from dgpo_ops.kernels import prologue as prologue_module
-from dgpo_ops.kernels.interface import Plane, SequenceStat, Status
+from dgpo_ops.kernels import torch_twins
+from dgpo_ops.kernels.interface import Denominator, Plane, SequenceStat, Status
 from dgpo_ops.kernels.row_io import RowWorkspace
 from dgpo_ops.kernels.torch_twins import logits_grad_torch, logprob_entropy_torch, token_prologue_torch
 
@@ -286,6 +287,45 @@ def test_an_unknown_method_id_does_not_compile():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     assert out.splitlines() == ["6 compiled", "99 failed CompileTimeAssertionFailure True"], out
+
+
+def test_an_unknown_denominator_or_normalizer_does_not_compile():
+    # The prologue's DENOMINATOR and NORMALIZER branches name every member and static_assert otherwise: a new
+    # Denominator is a compile error, never another one's count.
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from bench import aot\n"
+        "spec = aot._prologue(False)\n"
+        "for name, value in (('DENOMINATOR', int(aot.Denominator.ONE)), ('DENOMINATOR', 99), ('NORMALIZER', 99)):\n"
+        "    try:\n"
+        "        triton.compile(aot._source(spec, {name: value}), target=GPUTarget('cuda', 90, 32),\n"
+        "                       options=aot.LAUNCH['prologue'])\n"
+        "        print(name, value, 'compiled')\n"
+        "    except Exception as error:\n"
+        "        cause = error\n"
+        "        while cause.__cause__ is not None:\n"
+        "            cause = cause.__cause__\n"
+        "        print(name, value, 'failed', type(cause).__name__, f'unknown {name}' in str(cause))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.splitlines() == [f"DENOMINATOR {int(Denominator.ONE)} compiled",
+                                "DENOMINATOR 99 failed CompileTimeAssertionFailure True",
+                                "NORMALIZER 99 failed CompileTimeAssertionFailure True"], out
+
+
+def test_every_denominator_has_one_size_in_the_twins(monkeypatch):
+    # the torch twins' and the reference's denominators: counted from the scored tokens or fixed by the grid
+    torch_twins.check_denominators()
+    with monkeypatch.context() as patch:
+        patch.delitem(torch_twins.COUNTED_DENOMINATORS, Denominator.SCORED_RESPONSES)
+        with pytest.raises(AssertionError, match="every Denominator needs one size"):
+            torch_twins.check_denominators()
+    monkeypatch.setitem(torch_twins.FIXED_DENOMINATORS, Denominator.TOKENS, lambda n_responses, width: 1)
+    with pytest.raises(AssertionError, match="every Denominator needs one size"):
+        torch_twins.check_denominators()
 
 
 def test_triton_backend_on_cpu_without_the_interpreter_says_how_to_enable_it():
