@@ -25,8 +25,9 @@ from dgpo_ops.core.aggregation import (
     token_scales,
 )
 from dgpo_ops.core.validation import MESSAGES
-from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
+from dgpo_ops.kernels.interface import IGNORE_INDEX, LOG_PROBABILITY_INPUTS, InputError, Normalizer
 from dgpo_ops.kernels.row_io import RowInputs, compute_dtype, on_token_grid
+from dgpo_ops.kernels.torch_twins import not_log_probabilities
 from dgpo_ops.methods.table import METHODS
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -222,7 +223,8 @@ def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.T
 def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torch.float32) -> None:
     """Check the values now (host reads: a sync on CUDA tensors), with the errors the prologue
     kernel would report later. Per-token floats must be finite in the per-token compute ``dtype``
-    (fp32, or fp64 for fp64 logits): an fp64 1e39 would be inf where the loss is computed."""
+    (fp32, or fp64 for fp64 logits): an fp64 1e39 would be inf where the loss is computed; log-prob inputs
+    (``LOG_PROBABILITY_INPUTS``) also at most 0, beyond rounding."""
     target_ids = inputs.target_ids
     out_of_range = (target_ids != IGNORE_INDEX) & ((target_ids < 0) | (target_ids >= vocab))
     if out_of_range.any():
@@ -236,8 +238,9 @@ def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torc
         value = token_float(inputs, name)
         if value is None:
             continue
-        value = on_token_grid(value, inputs.flat, inputs.grid)
-        if not torch.isfinite(value[scored].to(dtype)).all():
+        value = on_token_grid(value, inputs.flat, inputs.grid)[scored].to(dtype)
+        bad = not_log_probabilities(value) if name in LOG_PROBABILITY_INPUTS else ~torch.isfinite(value)
+        if bad.any():
             raise ValueError(non_finite_message(name))
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
     if kind == Normalizer.TENSOR:
@@ -245,8 +248,9 @@ def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torc
 
 
 def non_finite_message(name: str) -> str:
-    """The error of the per-token float ``name`` with a non-finite value on a scored token: the message of the
-    prologue kernel's bit for a field the kernels read, of ``InputError.OBJECTIVE_INPUT`` for the others."""
+    """The error of the per-token float ``name`` with a non-finite value on a scored token (or, for a log-prob
+    input, one above 0): the message of the prologue kernel's bit for a field the kernels read, of
+    ``InputError.OBJECTIVE_INPUT`` for the others."""
     if name in OBJECTIVE_FLOATS:
         return MESSAGES[InputError.OBJECTIVE_INPUT].format(input=name)
     return MESSAGES[InputError[name.upper()]]
