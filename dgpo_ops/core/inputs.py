@@ -150,6 +150,19 @@ def _check_float_input(name, value, grid_shape, device, allow_per_response, sour
     return value.detach()
 
 
+def refuse_flat_source(source: str, shape, target_ids, axis: str = "V") -> None:
+    """The error of a 2-D ``source`` (logits, or hidden states with ``axis`` "H") beside ``(B, T)`` target
+    ids: the source is what is wrong (it lacks its last axis, or a token axis), so it is named, not the target
+    ids its shape would ask for."""
+    if len(shape) != 2 or not torch.is_tensor(target_ids) or target_ids.dim() != 2:
+        return
+    per_token = " (per-token values, not logits over the vocabulary)" if \
+        axis == "V" and target_ids.shape == torch.Size(shape) else ""
+    raise ValueError(f"{source} must have shape (B, T, {axis}) for target_ids of shape (B, T) = "
+                     f"{tuple(target_ids.shape)}, got {tuple(shape)}{per_token}: pass (B, T, {axis}) "
+                     f"{source}, or flat (N, {axis}) {source} with (N,) target_ids")
+
+
 def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregation="token_mean",
                  sequence_reason: str | None = None, source: str = "logits") -> RowInputs:
     """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``. ``sequence_reason``:
@@ -178,6 +191,7 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregat
     if not torch.is_tensor(target_ids) or target_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("target_ids must be an int64 or int32 tensor")
     if target_ids.shape != token_shape:
+        refuse_flat_source(source, logits_shape, target_ids)
         raise ValueError(f"target_ids must have shape {tuple(token_shape)}, got {tuple(target_ids.shape)}")
     if target_ids.device != device:
         raise ValueError(f"target_ids is on {target_ids.device} but {source} are on {device}")
