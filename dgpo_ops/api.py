@@ -22,7 +22,7 @@ import torch
 
 from dgpo_ops.core.call import OPTION_FIELDS, PROJECTION_OPTIONS, CallSignature, PublicFunction
 from dgpo_ops.core.docstrings import documented
-from dgpo_ops.core.inputs import LossInputs, check_generator
+from dgpo_ops.core.inputs import LossInputs, check_generator, refuse_flat_source
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import per_token_function, resolve_mode
@@ -53,8 +53,34 @@ def validates_now(options: LossOptions, device) -> bool:
     return resolve_mode(options.validation, device) == "immediate"
 
 
-def policy_loss(inputs: LossInputs, options: LossOptions, *, logits=None, hidden=None, weight=None, bias=None,
-                logps=None, token_scales=None, complete_batch=None, reference=False) -> PolicyLossOutput:
+# How policy_loss is called, for the errors of a call that is not.
+POLICY_LOSS_CALL = ("policy_loss(inputs, options, *, logits=... | hidden=..., weight=... | logps=...): "
+                    "inputs a LossInputs(target_ids, advantages, ...), "
+                    "options a LossOptions.build(method_name, **options)")
+DICT_HINTS = {"inputs": " (a dict of tensors: LossInputs(**that_dict))",
+              "options": " (a dict of options: LossOptions.build(**that_dict))"}
+
+
+def check_call_objects(inputs, options, sources: tuple) -> None:
+    """``TypeError`` naming what ``policy_loss`` was handed in place of its two objects, or a source passed by
+    position; where the call is right, two ``isinstance`` checks."""
+    if sources:
+        raise TypeError(f"policy_loss takes its source by keyword, got {2 + len(sources)} positional "
+                        f"arguments: {POLICY_LOSS_CALL}")
+    if isinstance(inputs, LossInputs) and isinstance(options, LossOptions):
+        return
+    if isinstance(inputs, LossOptions) and isinstance(options, LossInputs):
+        raise TypeError(f"policy_loss got options then inputs: pass the LossInputs first. {POLICY_LOSS_CALL}")
+    for name, value, cls in (("inputs", inputs, LossInputs), ("options", options, LossOptions)):
+        if not isinstance(value, cls):
+            hint = DICT_HINTS[name] if isinstance(value, dict) else ""
+            got = f"{type(value).__name__}{hint}"
+            raise TypeError(f"policy_loss's {name} must be a {cls.__name__}, got {got}. {POLICY_LOSS_CALL}")
+
+
+def policy_loss(inputs: LossInputs, options: LossOptions, *sources, logits=None, hidden=None, weight=None,
+                bias=None, logps=None, token_scales=None, complete_batch=None,
+                reference=False) -> PolicyLossOutput:
     """The one entry of every loss call: the policy loss of ``inputs`` under ``options``, from one source:
     ``logits``; ``hidden`` states and the lm_head ``weight`` (a tensor or the module) and ``bias``; or ``logps``,
     the sampled tokens' log-probs ``(B, T)`` that a framework computed (``inputs.target_ids`` None; the gradient
@@ -67,6 +93,7 @@ def policy_loss(inputs: LossInputs, options: LossOptions, *, logits=None, hidden
     by ``log_softmax``, gather and autograd, the ground truth the fused ops are tested against
     (``reference_loss``; ``dgpo_ops.ops.reference``); it checks the values on the host (in a custom op under
     ``torch.compile``) whatever ``validation`` says, and reads no ``backend`` or ``inplace``."""
+    check_call_objects(inputs, options, sources)
     layout = CallLayout(options.vocab_parallel_group, inputs.cu_seqlens, inputs.max_seqlen)
     if (logits is not None) + (hidden is not None or weight is not None) + (logps is not None) != 1:
         raise ValueError("policy_loss takes one source: logits, hidden and weight (the lm_head), or logps")
@@ -107,6 +134,8 @@ def _logits_route(logits, batch: LossInputs, options: LossOptions, layout: CallL
 
 def _linear_route(hidden, weight, bias, batch: LossInputs, options: LossOptions, layout: CallLayout,
                   complete_batch) -> PolicyLossOutput:
+    if torch.is_tensor(hidden):  # named before the target ids its shape would ask for
+        refuse_flat_source("hidden", hidden.shape, batch.target_ids, axis="H")
     if isinstance(weight, torch.nn.Module):  # the lm_head module: the op runs as its forward
         def as_head_forward(head_hidden, head_weight, head_bias):
             return _linear_route(head_hidden, head_weight, head_bias if bias is None else bias,

@@ -20,6 +20,9 @@ from .interface import (
     LOG_RATIO_CLAMP as _LOG_RATIO_CLAMP,
 )
 from .interface import (
+    LOGP_ABOVE_ZERO_TOLERANCE as _LOGP_ABOVE_ZERO_TOLERANCE,
+)
+from .interface import (
     LOGP_FLOOR as _LOGP_FLOOR,
 )
 from .interface import (
@@ -56,6 +59,7 @@ for _prefix, _enum in _ENUMS.items():
 
 LOG_RATIO_CLAMP = tl.constexpr(_LOG_RATIO_CLAMP)
 LOGP_FLOOR = tl.constexpr(_LOGP_FLOOR)
+LOGP_ABOVE_ZERO_TOLERANCE = tl.constexpr(_LOGP_ABOVE_ZERO_TOLERANCE)
 IGNORE_INDEX = tl.constexpr(_IGNORE_INDEX)
 NAN_PROPAGATING = tl.constexpr(tl.PropagateNan.ALL)
 NO_TOKEN = tl.constexpr(2**31 - 1)  # past every token and response index (both are int32-sized)

@@ -21,6 +21,17 @@ LOGP_FLOOR = -1.0e6
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny: the smallest normal float32
 IGNORE_INDEX = -100  # target id of a token that is not scored (TRL's and torch's convention)
+# A log-prob input (old_logps, ref_logps, rollout_logps) above this on a scored token is no log-probability:
+# probabilities passed for log-probs, or log-probs shifted. A log-softmax is <= 0 however it is rounded
+# (x - max <= 0 and log(sum exp) >= 0, and rounding keeps a sign: in bf16 too); a positive value comes only
+# from a target logit minus a separately rounded log-sum-exp, which the frameworks form in fp32 (TRL's
+# selective_log_softmax takes a row-wise log_softmax in bf16 and fp16; verl, vLLM and Megatron compute in
+# fp32): a few ulps, about 1e-5. 1e-2 leaves room for fp16 too (half an ulp at |log-sum-exp| < 32 is 8e-3),
+# and every probability above 1e-2 passed for a log-prob is still refused.
+LOGP_ABOVE_ZERO_TOLERANCE = 1e-2
+# The per-token inputs the prologue checks as log-probs (the rollout-correction stage checks rollout_logps,
+# which it reads before any kernel).
+LOG_PROBABILITY_INPUTS = ("old_logps", "ref_logps")
 
 
 # Host-side launch arithmetic. triton.next_power_of_2 and triton.cdiv are ConstexprFunction objects
@@ -157,6 +168,9 @@ class InputError(enum.IntFlag):
     # Found beside the prologue, by torch ops on the device: a per-token float that only the torch objective
     # reads (each response's score) is non-finite on a scored token; Status.BAD_INPUT says which
     OBJECTIVE_INPUT = 512
+    # Found by the rollout-correction stage (dgpo_ops.corrections.stage), by torch ops on the device:
+    # rollout_logps above 0 beyond rounding on a scored token
+    ROLLOUT_LOGPS = 1024
 
 
 class Plane(enum.IntEnum):

@@ -46,6 +46,14 @@ def _check_finite(errors, ptr, stride_b, stride_t, b, t, scored, ERROR: tl.const
 
 
 @triton.jit
+def _check_log_probability(errors, ptr, stride_b, stride_t, b, t, scored, ERROR: tl.constexpr):
+    """``_check_finite``'s check of a log-prob input, which also refuses a value above 0 beyond rounding."""
+    values = tl.load(ptr + b * stride_b + t * stride_t, mask=scored, other=0.0).to(tl.float32)
+    bad = scored & (_non_finite(values) | (values > codes.LOGP_ABOVE_ZERO_TOLERANCE))
+    return errors | tl.where(tl.sum(bad.to(tl.int32), axis=0) > 0, ERROR, 0)
+
+
+@triton.jit
 def token_prologue_kernel(
     target_ids_ptr,
     mask_ptr,
@@ -112,9 +120,11 @@ def token_prologue_kernel(
         count += tl.sum((scored & in_range).to(tl.int64), axis=0)
         errors = _check_finite(errors, advantages_ptr, adv_stride_b, adv_stride_t, b, t, scored, codes.ERR_ADVANTAGES)
         if HAS_OLD_LOGPS:
-            errors = _check_finite(errors, old_logps_ptr, old_stride_b, old_stride_t, b, t, scored, codes.ERR_OLD_LOGPS)
+            errors = _check_log_probability(errors, old_logps_ptr, old_stride_b, old_stride_t, b, t, scored,
+                                            codes.ERR_OLD_LOGPS)
         if HAS_REF_LOGPS:
-            errors = _check_finite(errors, ref_logps_ptr, ref_stride_b, ref_stride_t, b, t, scored, codes.ERR_REF_LOGPS)
+            errors = _check_log_probability(errors, ref_logps_ptr, ref_stride_b, ref_stride_t, b, t, scored,
+                                            codes.ERR_REF_LOGPS)
         if HAS_ROLLOUT_WEIGHTS:
             errors = _check_finite(errors, rollout_weights_ptr, rw_stride_b, rw_stride_t, b, t, scored,
                                    codes.ERR_ROLLOUT_WEIGHTS)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .interface import (FIXED_DENOMINATORS, IGNORE_INDEX, Denominator, InputError, Normalizer, Plane, Region,
-                        SequenceStat, Status, fixed_denominator)
+from .interface import (FIXED_DENOMINATORS, IGNORE_INDEX, LOG_PROBABILITY_INPUTS, LOGP_ABOVE_ZERO_TOLERANCE,
+                        Denominator, InputError, Normalizer, Plane, Region, SequenceStat, Status, fixed_denominator)
 from .row_io import compute_dtype, on_token_grid
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
@@ -59,6 +59,12 @@ def _scored(batch, vocab: int, tokens: slice = slice(None)):
     return target, listed, scored, scored & in_range, in_range
 
 
+def not_log_probabilities(values: torch.Tensor) -> torch.Tensor:
+    """Where ``values`` (log-probs, in the dtype they are computed in) hold no log-probability: NaN, infinite,
+    or above 0 beyond rounding (``LOGP_ABOVE_ZERO_TOLERANCE``); the prologue's ``_check_log_probability``."""
+    return ~torch.isfinite(values) | (values > LOGP_ABOVE_ZERO_TOLERANCE)
+
+
 def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes,
                          normalizer, finalize=None) -> None:
     """Twin of ``token_prologue``: counts, scales and error bits, all on the device; ``finalize``: ``(workspace,
@@ -76,8 +82,9 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, a
                       ("ref_logps", InputError.REF_LOGPS), ("rollout_weights", InputError.ROLLOUT_WEIGHTS)):
         value = getattr(batch, name)
         if value is not None:  # finite where the loss is computed (fp32, or fp64 for fp64 logits)
-            finite = torch.isfinite(_grid_view(batch, value).to(seq_scale.dtype))
-            errors = errors | torch.where((scored & ~finite).any(), int(bit), 0)
+            value = _grid_view(batch, value).to(seq_scale.dtype)
+            bad = not_log_probabilities(value) if name in LOG_PROBABILITY_INPUTS else ~torch.isfinite(value)
+            errors = errors | torch.where((scored & bad).any(), int(bit), 0)
     counts = valid.sum(dim=1)
     total = counts.sum()
     # argmax of a boolean tensor is its first True (row-major); 0 when there is none (the bit is off then).

@@ -152,14 +152,16 @@ LOG_RATIO_GRID = [-3.0, 0.7, -1.0, 1.6, 0.05, -0.4, 3.0, 0.2, -0.1]
 
 
 def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask_fraction=0.2, per_token_adv=False,
-                 logits=None):
+                 logits=None, ref_logps=False):
     """Random logits with old log-probs set so that ratios spread over all regions.
 
     Returns a dict of inputs for reference_loss / fused_dgpo_loss. The old log-probs are the
     logits' own log-probs (in float64) minus a log-ratio; each response's log-ratios are a shuffled
     shuffled ``LOG_RATIO_GRID`` (scaled by ratio_spread / 1.5), and the responses alternate the sign
     of their advantage (the first has A = 0), so every region of every method gets tokens.
-    ``logits`` may be given (e.g. a model's); they are returned as they are.
+    ``logits`` may be given (e.g. a model's); they are returned as they are. Old log-probs that would be above
+    0 (a ratio below the target's probability, which no policy gives) are 0. ``ref_logps``: with reference
+    log-probs near the logits' own (for a call with beta > 0, the only one that takes them).
     """
     g = torch.Generator().manual_seed(seed)
     if logits is None:
@@ -178,15 +180,14 @@ def logits_batch(B, T, V, *, seed=0, dtype=torch.float32, ratio_spread=1.5, mask
         shuffled = torch.randperm(int(kept.sum()), generator=g)
         order[: len(shuffled)] = order[shuffled]
         log_ratio[b, order] = grid
-    old_logps = (logp - log_ratio).float()
-    ref_logps = (logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).float()
+    old_logps = (logp - log_ratio).clamp(max=0.0).float()
+    reference = (logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).clamp(max=0.0).float()
     shape = (B, T) if per_token_adv else (B,)
     signs = torch.tensor([0.0] + [(-1.0) ** b for b in range(B - 1)])
     advantages = torch.rand(*shape, generator=g) + 0.2
     advantages = advantages * (signs if not per_token_adv else torch.sign(torch.randn(B, T, generator=g)))
-    return dict(
-        logits=logits, target_ids=target, advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps
-    )
+    batch = dict(logits=logits, target_ids=target, advantages=advantages, mask=mask, old_logps=old_logps)
+    return dict(batch, ref_logps=reference) if ref_logps else batch
 
 
 def make_logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None):
@@ -198,14 +199,16 @@ def make_logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None):
     return softcap * torch.tanh(y / softcap) if softcap is not None else y
 
 
-def linear_case(B=3, T=6, H=16, V=70, seed=0, dtype=torch.float32, bias=True, logit_scale=1.0, softcap=None):
-    """hidden, weight, bias and loss inputs whose old log-probs put the model's tokens in every region."""
+def linear_case(B=3, T=6, H=16, V=70, seed=0, dtype=torch.float32, bias=True, logit_scale=1.0, softcap=None,
+                ref_logps=False):
+    """hidden, weight, bias and loss inputs whose old log-probs put the model's tokens in every region
+    (``ref_logps``: with reference log-probs, as ``logits_batch``)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
     weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
     b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
     logits = make_logits(hidden, weight, b, logit_scale, softcap)
-    inputs = logits_batch(B, T, V, seed=seed, logits=logits)
+    inputs = logits_batch(B, T, V, seed=seed, logits=logits, ref_logps=ref_logps)
     inputs.pop("logits")
     params = [t.to(dtype) if t is not None else None for t in (hidden, weight, b)]
     return params, inputs

@@ -11,7 +11,8 @@ ROUTES = ("reference", "fused-torch", "fused-triton")
 
 
 def ragged_batch(seed: int, drift: float):
-    """Ragged responses (one fully masked) and old log-probs up to ``drift`` nats from the current ones:
+    """Ragged responses (one fully masked) and old log-probs up to ``drift`` nats from the current ones (and
+    at most 0, as log-probs are):
     ``(logits, targets, mask, old_logp, advantages)``, float64."""
     generator = torch.Generator().manual_seed(seed)
     B, T, V = 4, 7, 33
@@ -20,7 +21,8 @@ def ragged_batch(seed: int, drift: float):
     lengths = torch.tensor([7, 4, 0, 2])
     mask = torch.arange(T)[None, :] < lengths[:, None]
     logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-    old_logp = logp + drift * (2 * torch.rand(B, T, generator=generator, dtype=torch.float64) - 1)
+    spread = 2 * torch.rand(B, T, generator=generator, dtype=torch.float64) - 1
+    old_logp = (logp + drift * spread).clamp(max=0.0)
     advantages = torch.randn(B, generator=generator, dtype=torch.float64)
     return logits, targets, mask, old_logp, advantages
 

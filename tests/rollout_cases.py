@@ -25,13 +25,13 @@ def mismatch_batch(drift: float, seed: int = 0, nan_tokens: bool = False) -> dic
         mask[b, :length] = True
     batch["mask"] = mask
     batch["target_ids"] = batch["target_ids"].clamp(min=0)
-    rollout = batch["old_logps"] + drift * torch.randn(B, T, generator=g)
+    rollout = (batch["old_logps"] + drift * torch.randn(B, T, generator=g)).clamp(max=0.0)  # log-probs: <= 0
     rollout[0, 1] = batch["old_logps"][0, 1]
     if nan_tokens:
         rollout[0, 2] = float("nan")
         rollout[3, 0] = float("nan")
     batch["rollout_logps"] = rollout
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     return batch
 
 

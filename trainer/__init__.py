@@ -14,6 +14,9 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
+# The modules of the trl extra (pyproject.toml's optional-dependencies), by their import names.
+TRL_EXTRA_MODULES = ("trl", "transformers", "accelerate", "datasets", "math_verify", "peft")
+
 
 def __getattr__(name):
     if name not in _LAZY:
@@ -21,4 +24,11 @@ def __getattr__(name):
     import importlib
 
     module, attribute = _LAZY[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
+    try:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").partition(".")[0]
+        if missing not in TRL_EXTRA_MODULES:
+            raise
+        raise ImportError(f"dgpo_ops.trainer.{name} needs the trl extra ({missing} is not installed): "
+                          f'pip install "dgpo-ops[trl]"', name=error.name) from error

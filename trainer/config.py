@@ -16,7 +16,7 @@ from dgpo_ops.core.aggregation import AGGREGATIONS
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.catalog import POLICY_LOSSES, method_params
-from dgpo_ops.methods.table import METHODS, NOT_METHODS, method_config, resolve
+from dgpo_ops.methods.table import METHODS, NOT_METHODS, method_config, refuse_unknown_params, resolve
 
 from .method_fields import config_default, config_help, config_method_params, config_params
 
@@ -53,6 +53,13 @@ AGGREGATION_NAMES = f"{', '.join(list(AGGREGATIONS)[:-1])} or {list(AGGREGATIONS
 def method_field_names() -> tuple[str, ...]:
     """The config fields method parameters are read from (TRL's and the added ones), in table order."""
     return tuple(config_params())
+
+
+def unread_method_fields(policy_loss: str) -> tuple[str, ...]:
+    """The method fields ``DGPOConfig`` adds (TRL's own keep TRL's meaning) that the method or alias
+    ``policy_loss`` does not read: set for it, they would be ignored."""
+    read = {p.field.name for p in config_method_params(resolve(policy_loss)[0]) if p.field is not None}
+    return tuple(name for name in config_params() if name not in TRL_FIELDS and name not in read)
 
 
 def _add_method_fields(cls):
@@ -174,6 +181,7 @@ class DGPOConfig(GRPOConfig):
         for method in METHODS:
             self._build_method(method, fields_only=True)
         self._check_delta()
+        self._refuse_unread_fields()
 
     def _resolve_objective(self) -> None:
         """``policy_loss`` from ``loss_type`` when unset, and the check of the two (the class docstring's rule)."""
@@ -207,6 +215,24 @@ class DGPOConfig(GRPOConfig):
             f"policy_loss={self.policy_loss!r} does not have: " + (
                 "set dual_clip, its cap on the ratio of negative-advantage tokens" if has_dual
                 else f"{method.name} has no such cap; use policy_loss='grpo' (or leave it unset) with delta"))
+
+    def _refuse_unread_fields(self) -> None:
+        """A method field this class adds (TRL's own keep TRL's meaning), set away from its default, that the
+        chosen method does not read would be ignored: refused with the message ``method_config`` gives the
+        same keyword (``fused_dgpo_loss(method="grpo", n=2.0)``), naming the fields."""
+        method, params_of = resolve(self.policy_loss)[0], config_params()
+        unread = {name: params_of[name] for name in unread_method_fields(method)
+                  if getattr(self, name) != self.__dataclass_fields__[name].default}
+        if not unread:
+            return
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in unread)
+        try:
+            refuse_unknown_params(METHODS[method].config, [params[0].name for params in unread.values()])
+        except ValueError as error:
+            owners = ", ".join(sorted({p.method for params in unread.values() for p in params}))
+            raise ValueError(f"DGPOConfig(policy_loss={self.policy_loss!r}, {fields}): {error}. Those "
+                             f"fields are parameters of {owners}: leave them unset, or pick a policy_loss "
+                             "that takes them") from None
 
     def _build_method(self, name: str, fields_only: bool = False) -> MethodConfig | None:
         """The method config of a method or alias from this config's fields (``method_fields.config_field``).

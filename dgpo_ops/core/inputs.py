@@ -25,8 +25,9 @@ from dgpo_ops.core.aggregation import (
     token_scales,
 )
 from dgpo_ops.core.validation import MESSAGES
-from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
+from dgpo_ops.kernels.interface import IGNORE_INDEX, LOG_PROBABILITY_INPUTS, InputError, Normalizer
 from dgpo_ops.kernels.row_io import RowInputs, compute_dtype, on_token_grid
+from dgpo_ops.kernels.torch_twins import not_log_probabilities
 from dgpo_ops.methods.table import METHODS
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -149,6 +150,19 @@ def _check_float_input(name, value, grid_shape, device, allow_per_response, sour
     return value.detach()
 
 
+def refuse_flat_source(source: str, shape, target_ids, axis: str = "V") -> None:
+    """The error of a 2-D ``source`` (logits, or hidden states with ``axis`` "H") beside ``(B, T)`` target
+    ids: the source is what is wrong (it lacks its last axis, or a token axis), so it is named, not the target
+    ids its shape would ask for."""
+    if len(shape) != 2 or not torch.is_tensor(target_ids) or target_ids.dim() != 2:
+        return
+    per_token = " (per-token values, not logits over the vocabulary)" if \
+        axis == "V" and target_ids.shape == torch.Size(shape) else ""
+    raise ValueError(f"{source} must have shape (B, T, {axis}) for target_ids of shape (B, T) = "
+                     f"{tuple(target_ids.shape)}, got {tuple(shape)}{per_token}: pass (B, T, {axis}) "
+                     f"{source}, or flat (N, {axis}) {source} with (N,) target_ids")
+
+
 def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregation="token_mean",
                  sequence_reason: str | None = None, source: str = "logits") -> RowInputs:
     """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``. ``sequence_reason``:
@@ -177,6 +191,7 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregat
     if not torch.is_tensor(target_ids) or target_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("target_ids must be an int64 or int32 tensor")
     if target_ids.shape != token_shape:
+        refuse_flat_source(source, logits_shape, target_ids)
         raise ValueError(f"target_ids must have shape {tuple(token_shape)}, got {tuple(target_ids.shape)}")
     if target_ids.device != device:
         raise ValueError(f"target_ids is on {target_ids.device} but {source} are on {device}")
@@ -222,7 +237,8 @@ def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.T
 def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torch.float32) -> None:
     """Check the values now (host reads: a sync on CUDA tensors), with the errors the prologue
     kernel would report later. Per-token floats must be finite in the per-token compute ``dtype``
-    (fp32, or fp64 for fp64 logits): an fp64 1e39 would be inf where the loss is computed."""
+    (fp32, or fp64 for fp64 logits): an fp64 1e39 would be inf where the loss is computed; log-prob inputs
+    (``LOG_PROBABILITY_INPUTS``) also at most 0, beyond rounding."""
     target_ids = inputs.target_ids
     out_of_range = (target_ids != IGNORE_INDEX) & ((target_ids < 0) | (target_ids >= vocab))
     if out_of_range.any():
@@ -236,8 +252,9 @@ def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torc
         value = token_float(inputs, name)
         if value is None:
             continue
-        value = on_token_grid(value, inputs.flat, inputs.grid)
-        if not torch.isfinite(value[scored].to(dtype)).all():
+        value = on_token_grid(value, inputs.flat, inputs.grid)[scored].to(dtype)
+        bad = not_log_probabilities(value) if name in LOG_PROBABILITY_INPUTS else ~torch.isfinite(value)
+        if bad.any():
             raise ValueError(non_finite_message(name))
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)
     if kind == Normalizer.TENSOR:
@@ -245,8 +262,9 @@ def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torc
 
 
 def non_finite_message(name: str) -> str:
-    """The error of the per-token float ``name`` with a non-finite value on a scored token: the message of the
-    prologue kernel's bit for a field the kernels read, of ``InputError.OBJECTIVE_INPUT`` for the others."""
+    """The error of the per-token float ``name`` with a non-finite value on a scored token (or, for a log-prob
+    input, one above 0): the message of the prologue kernel's bit for a field the kernels read, of
+    ``InputError.OBJECTIVE_INPUT`` for the others."""
     if name in OBJECTIVE_FLOATS:
         return MESSAGES[InputError.OBJECTIVE_INPUT].format(input=name)
     return MESSAGES[InputError[name.upper()]]

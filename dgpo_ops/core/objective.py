@@ -41,6 +41,9 @@ def check_kl_inputs(batch, options: LossOptions) -> None:
     ``batch``: anything with both (a ``TokenBatch`` or the kernels' ``RowInputs``)."""
     if options.beta != 0.0 and batch.ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps")
+    if options.beta == 0.0 and batch.ref_logps is not None:  # only the KL reads them: beta 0 drops it unsaid
+        raise ValueError("ref_logps are read only by the KL term, which beta=0 turns off: pass beta > 0 (the "
+                         "KL coefficient) with ref_logps, or leave ref_logps out")
     if options.positive_nll_coef != 0.0 and batch.objective_inputs["scores"] is None:
         raise ValueError("positive_nll_coef > 0 needs scores (each response's reward: its positive responses are "
                          "the correct ones)")
@@ -59,6 +62,7 @@ def policy_objective(
 ) -> ObjectiveTerms:
     """Scalar loss from per-token log-probs ``(B, T)`` and entropies (differentiable in both). ``generator``:
     what a method that selects tokens at random draws from (clip_cov)."""
+    check_kl_inputs(batch, options)
     # Floored straight-through: a target of probability 0 (log p = -inf) gives finite values, and
     # the on-policy ratio l - l is 1, not -inf - -inf.
     logp = straight_through_clamp(logp, LOGP_FLOOR, None)
@@ -81,7 +85,6 @@ def policy_objective(
         per_token = per_token * batch.rollout_weights
     kl = None
     if options.beta != 0.0:
-        check_kl_inputs(batch, options)
         kl_value = kl_k3(logp, batch.ref_logps)
         if options.kl_ratio_correction:  # as TRL: by the importance ratio, with its gradient (clamped
             # straight-through, as every exponential here)
@@ -93,7 +96,6 @@ def policy_objective(
         per_token = per_token - options.entropy_coef * entropy
     loss = torch.where(batch.mask, per_token, 0.0).mul(batch.scale).sum()
     if options.positive_nll_coef != 0.0:  # normalised by its own count, whatever the aggregation (as NeMo-RL's)
-        check_kl_inputs(batch, options)
         loss = loss + options.positive_nll_coef * positive_nll(logp, batch)
     clamped = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return ObjectiveTerms(loss, tokens, clamped, kl, per_token)

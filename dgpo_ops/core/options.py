@@ -27,6 +27,11 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 DEFAULT_MEMORY_BUDGET = 512 * 2**20  # bytes of the fused-linear op's logits and gradient tiles
 
 
+# What the constructor's errors say: the usual way to make the options from a method's name and keywords.
+BUILD_HINT = ("LossOptions.build(method_name, **options_and_method_params) builds them from a method's name, "
+              "its parameters and the options, e.g. LossOptions.build('dgpo', n=1.0, beta=0.04)")
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """One call's options (its tensors are ``LossInputs``): what the public functions take as keywords,
@@ -61,9 +66,24 @@ class LossOptions:
     # the process group over which the vocabulary is split (tensor parallelism); None: one process's whole vocabulary
     vocab_parallel_group: object = None
 
+    def __new__(cls, *args, **kwargs):
+        # The constructor takes the fields alone; a method's parameters (n=..., eps_high=...) reach it through
+        # build, which this error points to (the dataclass's own says only "unexpected keyword argument").
+        fields = cls.__dataclass_fields__
+        unknown = [name for name in kwargs if name not in fields]
+        if unknown or len(args) > len(fields):
+            got = (f"unexpected keyword argument(s) {', '.join(unknown)}" if unknown
+                   else f"{len(args)} positional arguments")
+            raise TypeError(f"LossOptions takes its fields ({', '.join(fields)}), got {got}: "
+                            f"{BUILD_HINT}")
+        return super().__new__(cls)
+
     def __post_init__(self):
         if not isinstance(self.method, MethodConfig):
-            raise ValueError(f"method must be a MethodConfig, got {type(self.method).__name__}")
+            got = f"{type(self.method).__name__} {self.method!r}" if isinstance(self.method, str) \
+                else type(self.method).__name__
+            raise ValueError(f"method must be a MethodConfig (dgpo_ops.method_config(name, **params)), "
+                             f"got {got}: {BUILD_HINT}")
         for name, low_open in (("temperature", True), ("beta", False), ("positive_nll_coef", False)):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)) or value < 0 or (low_open and value == 0):

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.kernels.interface import FLOAT32_MAX, FLOAT32_TINY, IGNORE_INDEX, InputError, Status  # noqa: F401
+from dgpo_ops.kernels.interface import (  # noqa: F401
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    IGNORE_INDEX,
+    LOGP_ABOVE_ZERO_TOLERANCE,
+    NUM_STATUS,
+    InputError,
+    Status,
+)
 
 VALIDATION_MODES = ("auto", "immediate", "deferred")
 
@@ -34,6 +42,13 @@ VALIDATION_MODES = ("auto", "immediate", "deferred")
 def float32_magnitude_ok(value: float) -> bool:
     """``|value|`` is at most float32's largest finite number (so it stays finite in the kernels)."""
     return abs(value) <= FLOAT32_MAX
+
+
+def log_probability_message(name: str) -> str:
+    """The error of a log-prob input holding a value that is no log-probability on a scored token."""
+    return (f"{name} has non-finite values on unmasked tokens, or values above 0 (beyond rounding: > "
+            f"{LOGP_ABOVE_ZERO_TOLERANCE:g}): pass the sampled tokens' log-probabilities, log p <= 0, not "
+            "probabilities")
 
 
 MESSAGES = {
@@ -44,8 +59,8 @@ MESSAGES = {
                      "fused_linear_dgpo_loss) and old_logps the one after mask: pass log-probs by keyword, "
                      "old_logps=...",
     InputError.ADVANTAGES: "advantages has non-finite values on unmasked tokens",
-    InputError.OLD_LOGPS: "old_logps has non-finite values on unmasked tokens",
-    InputError.REF_LOGPS: "ref_logps has non-finite values on unmasked tokens",
+    InputError.OLD_LOGPS: log_probability_message("old_logps"),
+    InputError.REF_LOGPS: log_probability_message("ref_logps"),
     InputError.ROLLOUT_WEIGHTS: "rollout_weights (given, or computed by a rollout_correction from rollout_logps) "
                                 "has non-finite values on unmasked tokens",
     InputError.LOSS_NORMALIZER: "loss_normalizer must be a finite number > 0, within float32's normal range "
@@ -55,6 +70,9 @@ MESSAGES = {
     InputError.VOCAB_SHARES: "vocab_parallel_group: every process must hold an equal share of the vocabulary (in rank "
                              "order) and the same tokens",
     InputError.OBJECTIVE_INPUT: "{input} has non-finite values on unmasked tokens",
+    InputError.ROLLOUT_LOGPS: f"rollout_logps has values above 0 on unmasked tokens (beyond rounding: > "
+                              f"{LOGP_ABOVE_ZERO_TOLERANCE:g}): pass the inference engine's "
+                              "log-probabilities of the sampled tokens, log p <= 0, not probabilities",
 }
 
 # A layout's errors first: a wrong vocabulary share or grid also makes in-range targets look out of range.
@@ -174,6 +192,14 @@ def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op:
     done.record(torch.cuda.current_stream(status.device))  # that stream, whichever device is current
     with _lock:
         _pending.append(_PendingCheck(host, done, vocab, normalizer, op, objective_inputs, ring, slot))
+
+
+def defer_errors(errors: torch.Tensor, op: str) -> None:
+    """Queue ``InputError`` bits found by torch ops beside the kernels (an int64 scalar on the device, no host
+    read) as a call's status, named by ``op`` when raised."""
+    status = torch.zeros((NUM_STATUS,), dtype=torch.int64, device=errors.device)
+    status[Status.ERRORS] = errors
+    defer(status, vocab=1, normalizer=None, op=op)
 
 
 def _read_and_release(checks: list[_PendingCheck]) -> list:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from dgpo_ops.core.validation import MESSAGES, defer_errors
 from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, mismatch_metrics, weight_metrics
-from dgpo_ops.kernels.interface import IGNORE_INDEX
+from dgpo_ops.kernels.interface import IGNORE_INDEX, LOGP_ABOVE_ZERO_TOLERANCE, InputError
 
 
 def _flat_tokens(name: str, value, token_shape, device) -> torch.Tensor:
@@ -88,21 +89,45 @@ def refused_values(batch, inputs: CorrectionInputs) -> torch.Tensor:
     return bad
 
 
+def rollout_logps_errors(inputs: CorrectionInputs, immediate: bool) -> torch.Tensor | None:
+    """Refuse ``rollout_logps`` above 0 beyond rounding on a scored token (probabilities, or shifted
+    log-probs: every correction would weigh by a quietly wrong ratio): a ``ValueError`` now where the call
+    validates now, else its ``InputError`` bit, an int64 scalar on the device (``poison_and_defer``). A NaN is
+    no error here: an engine may give none for a token, and the corrections treat it as such."""
+    above = (inputs.mask & (inputs.rollout_logps > LOGP_ABOVE_ZERO_TOLERANCE)).any()
+    if immediate and not torch.compiler.is_compiling():
+        if above:
+            raise ValueError(MESSAGES[InputError.ROLLOUT_LOGPS])
+        return None
+    return torch.where(above, int(InputError.ROLLOUT_LOGPS), 0)
+
+
+def poison_and_defer(out, errors: torch.Tensor):
+    """``out`` (a route's ``PolicyLossOutput``) with a NaN loss, and so a NaN gradient, where ``errors`` (the
+    stage's, found without a host read) are set; the errors queued after the route's own check, which raises
+    the finished errors of earlier calls (none is queued while compiling)."""
+    if not torch.compiler.is_compiling():
+        defer_errors(errors, "policy_loss")
+    return out._replace(loss=out.loss * torch.where(errors != 0, float("nan"), 1.0))
+
+
 def apply_rollout_correction(batch, correction, cu_seqlens=None, immediate: bool = True):
-    """``(batch, metrics)``: the batch the routes run on (the correction's weights as ``rollout_weights``, its
-    rejections out of the mask, no ``rollout_logps``) and the stage's metrics; ``(batch, None)`` for a call
-    without ``rollout_logps``. Where the call's validation is ``immediate`` (and not while compiling) non-finite
-    weights are refused here, by the correction's name; otherwise the route's own check refuses them later
-    (deferred: NaN, then an error naming rollout_weights and rollout_correction)."""
+    """``(batch, metrics, errors)``: the batch the routes run on (the correction's weights as
+    ``rollout_weights``, its rejections out of the mask, no ``rollout_logps``), the stage's metrics and
+    ``rollout_logps_errors``; ``(batch, None, None)`` for a call without ``rollout_logps``. Where the call's
+    validation is ``immediate`` (and not while compiling) non-finite weights are refused here, by the
+    correction's name; otherwise the route's own check refuses them later (deferred: NaN, then an error naming
+    rollout_weights and rollout_correction)."""
     if batch.rollout_logps is None:
         if correction is not None:
             raise ValueError(f"rollout_correction {correction!r} needs rollout_logps (the inference engine's "
                              "per-token log-probs) and old_logps")
-        return batch, None
+        return batch, None, None
     if correction is not None and batch.rollout_weights is not None:
         raise ValueError("pass rollout_weights or a rollout_correction, not both: the correction computes the "
                          "rollout weights from rollout_logps")
     inputs = correction_inputs(batch, cu_seqlens)
+    errors = rollout_logps_errors(inputs, immediate)
     result = CorrectionResult() if correction is None else correction(inputs)
     if result.weights is not None and immediate and not torch.compiler.is_compiling():
         refuse_non_finite_weights(correction, inputs, result)
@@ -119,13 +144,15 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None, immediate: bool
         # the caller's mask values where kept (its checks still apply to them), 0 where rejected
         changes["mask"] = keep & (batch.target_ids != IGNORE_INDEX) if batch.mask is None else torch.where(
             keep, batch.mask, torch.zeros_like(batch.mask))
-    return batch._replace(**changes), metrics
+    return batch._replace(**changes), metrics, errors
 
 
 def with_rollout_correction(batch, correction, cu_seqlens, route, immediate: bool = True):
     """``route(batch)`` (a loss route, returning a ``PolicyLossOutput``) on the batch the stage makes, with the
     stage's metrics beside the route's: what every public loss function runs (``immediate``: the call's
     validation reads values on the host now)."""
-    batch, metrics = apply_rollout_correction(batch, correction, cu_seqlens, immediate)
+    batch, metrics, errors = apply_rollout_correction(batch, correction, cu_seqlens, immediate)
     out = route(batch)
+    if errors is not None:  # found without a host read: named later, as the routes' deferred errors are
+        out = poison_and_defer(out, errors)
     return out if metrics is None else out._replace(metrics=out.metrics.with_rollout(metrics))

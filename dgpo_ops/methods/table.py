@@ -78,12 +78,19 @@ def method_config(method: str | MethodConfig, **params) -> MethodConfig:
     else:
         name, base = resolve(method)
         config_cls = METHODS[name].config
+    refuse_unknown_params(config_cls, params)
+    return config_cls(**{**base, **params})
+
+
+def refuse_unknown_params(config_cls: type[MethodConfig], names) -> None:
+    """A ``ValueError`` naming the parameters among ``names`` that the method of ``config_cls`` does not take,
+    and those it does: the one message of every place a method's parameters are given (keywords, config
+    fields)."""
     allowed = [f.name for f in dataclasses.fields(config_cls)]
-    unknown = sorted(set(params) - set(allowed))
+    unknown = sorted(set(names) - set(allowed))
     if unknown:
         takes = f"it takes {', '.join(allowed)}" if allowed else "it takes no parameters"
         raise ValueError(f"{config_cls.name} does not take parameter(s) {', '.join(unknown)}; {takes}")
-    return config_cls(**{**base, **params})
 
 
 def token_terms(

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.core.inputs import LossInputs, _check_float_input, prepare_batch
+from dgpo_ops.core.inputs import LossInputs, TokenBatch, _check_float_input, prepare_batch
 from dgpo_ops.core.objective import masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
+from dgpo_ops.core.validation import defer_errors, poll_deferred_errors
+from dgpo_ops.kernels.interface import LOG_PROBABILITY_INPUTS, InputError
 from dgpo_ops.kernels.row_io import compute_dtype
+from dgpo_ops.kernels.torch_twins import not_log_probabilities
 
 WHY_NO_ENTROPY = "log-probs carry no entropy (a framework that passes log-probs adds its entropy term itself)"
 
@@ -46,8 +49,9 @@ def logps_loss(logps: torch.Tensor, inputs: LossInputs, options: LossOptions, to
                immediate: bool = True) -> PolicyLossOutput:
     """The policy loss of ``inputs`` (its ``target_ids``: ``check_logps``'s) from ``logps``; ``immediate``: the
     values are checked on the host now (else, and under ``torch.compile``, as the frameworks' own losses, a
-    non-finite input gives a non-finite loss). The output's ``entropy`` is None and its ``entropy_mean`` 0
-    (``WHY_NO_ENTROPY``)."""
+    non-finite input gives a non-finite loss, and so does a log-prob input above 0; eager, the error naming a
+    bad log-prob input is raised later, as the fused ops' deferred errors are). The output's ``entropy`` is
+    None and its ``entropy_mean`` 0 (``WHY_NO_ENTROPY``)."""
     if token_scales is not None and inputs.loss_normalizer is not None:
         raise ValueError("token_scales replace the aggregation and its loss_normalizer: pass one of them")
     check = immediate and not torch.compiler.is_compiling()  # compiled, nothing is read on the host
@@ -65,4 +69,22 @@ def logps_loss(logps: torch.Tensor, inputs: LossInputs, options: LossOptions, to
         for value in batch.objective_inputs.values():
             if value is not None:
                 loss = loss * torch.where(torch.isfinite(value).all(), 1.0, float("nan"))
+        loss = loss * torch.where(defer_log_probability_errors(batch) != 0, float("nan"), 1.0)
     return PolicyLossOutput(loss, logp.detach().float(), None, metrics)
+
+
+def defer_log_probability_errors(batch: TokenBatch) -> torch.Tensor:
+    """The ``InputError`` bits (an int64 scalar on the device) of log-prob inputs holding no log-probability
+    on a scored token: a log-prob above 0 would give a finite, quietly wrong loss. Eager, the bits are queued
+    as the fused ops' status is, so the next call or ``raise_deferred_errors`` names the input; no host
+    read."""
+    errors = torch.zeros((), dtype=torch.int64, device=batch.mask.device)
+    for name in LOG_PROBABILITY_INPUTS:
+        value = getattr(batch, name)
+        if value is not None:
+            bad = (batch.mask & not_log_probabilities(value)).any()
+            errors = errors | torch.where(bad, int(InputError[name.upper()]), 0)
+    if not torch.compiler.is_compiling():
+        poll_deferred_errors()  # an earlier call's, as the fused ops' plans do: the queue is read as it grows
+        defer_errors(errors, "policy_loss")
+    return errors

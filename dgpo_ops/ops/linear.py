@@ -402,7 +402,19 @@ def flatten_tokens(hidden, weight, bias):
         raise ValueError("hidden must be a tensor of shape (B, T, H) or (N, H)")
     if not torch.is_tensor(weight) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         shape = tuple(weight.shape) if torch.is_tensor(weight) else type(weight).__name__
-        raise ValueError(f"weight must have shape (V, {hidden.shape[-1]}), got {shape}")
+        features = hidden.shape[-1]
+        if torch.is_tensor(weight) and weight.dim() == 2 and weight.shape[0] == features:
+            # hidden's last axis is the weight's first: a vocabulary (the larger axis, mostly) or a transpose
+            if features > weight.shape[1]:
+                raise ValueError(f"hidden must have shape (B, T, H) or (N, H) with H = {weight.shape[1]}, "
+                                 f"the weight's (V, H) = {shape}; got {tuple(hidden.shape)}, whose last axis "
+                                 "is the vocabulary: for logits use fused_dgpo_loss (policy_loss(..., "
+                                 "logits=...))")
+            raise ValueError(f"weight must have shape (V, H) = (V, {features}), the lm_head's weight (V "
+                             f"rows, one per token); got {shape}, its transpose: pass lm_head.weight, not "
+                             "lm_head.weight.T")
+        raise ValueError(f"weight must have shape (V, {features}) for hidden of shape {tuple(hidden.shape)} "
+                         f"(H = {features}), got {shape}")
     if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype "
                          "(or run under torch.autocast, which casts both)")

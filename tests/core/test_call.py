@@ -90,7 +90,7 @@ def test_arguments_a_function_does_not_take_are_refused_with_the_reason():
 
 def test_every_public_function_is_policy_loss_on_the_same_objects():
     torch.manual_seed(0)
-    inputs = logits_batch(2, 5, 37, seed=1)
+    inputs = logits_batch(2, 5, 37, seed=1, ref_logps=True)
     logits = inputs.pop("logits")
     options = dgpo_ops.LossOptions.build("grpo", eps_high=0.28, beta=0.05, kl_ratio_correction=True)
     batch = dgpo_ops.LossInputs(**inputs)

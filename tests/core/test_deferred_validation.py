@@ -17,8 +17,10 @@ BACKENDS = ["triton", "torch"]
 pytestmark = pytest.mark.usefixtures("no_pending_checks")
 
 
-def bad_inputs(kind: str) -> dict:
-    inputs = logits_batch(2, 5, 30, seed=21, per_token_adv=kind == "per_token_advantages")
+def bad_inputs(kind: str, ref_logps: bool = False) -> dict:
+    """``ref_logps``: with reference log-probs, for a call with beta > 0."""
+    inputs = logits_batch(2, 5, 30, seed=21, per_token_adv=kind == "per_token_advantages",
+                          ref_logps=ref_logps)
     inputs["rollout_weights"] = torch.rand(2, 5) + 0.5
     if kind == "target_ids":
         inputs["target_ids"][1, 2] = 30
@@ -61,7 +63,7 @@ def immediate_message(inputs) -> str:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_value_gives_nan_now_and_the_named_error_later(backend, kind):
-    inputs = bad_inputs(kind)
+    inputs = bad_inputs(kind, ref_logps=True)
     expected = immediate_message(inputs)
     assert ARGUMENT.get(kind, kind) in expected
     logits = inputs.pop("logits").requires_grad_(True)
@@ -91,7 +93,7 @@ def test_the_next_call_raises_an_earlier_calls_error(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_clean_inputs_give_the_immediate_result(backend):
-    inputs = logits_batch(3, 6, 40, seed=23)
+    inputs = logits_batch(3, 6, 40, seed=23, ref_logps=True)
     inputs["loss_normalizer"] = torch.tensor(7.0)
     immediate = dgpo_ops.fused_dgpo_loss(**inputs, backend=backend, validation="immediate", beta=0.1)
     deferred = dgpo_ops.fused_dgpo_loss(**inputs, backend=backend, validation="deferred", beta=0.1)

@@ -24,10 +24,10 @@ OUT_OF_RANGE = [
 
 
 def call(entry, kwargs):
-    batch = logits_batch(2, 5, 11, seed=0)
+    batch = logits_batch(2, 5, 11, seed=0, ref_logps=True)
     logits = batch.pop("logits")
     if "ref_logps" in batch and not kwargs.get("beta"):
-        batch.pop("ref_logps")
+        batch.pop("ref_logps", None)
     if entry == "reference":
         return dgpo_ops.reference_loss(logits, **batch, **kwargs)
     if entry in ("torch", "triton"):

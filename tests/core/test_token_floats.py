@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dgpo_ops.kernels.interface import NUM_STATUS, InputError, Status
+from dgpo_ops.kernels.interface import (
+    LOG_PROBABILITY_INPUTS,
+    LOGP_ABOVE_ZERO_TOLERANCE,
+    NUM_STATUS,
+    InputError,
+    Status,
+)
 from dgpo_ops.ops.logits import logits_plan
 from helpers import logits_batch
 
@@ -32,7 +38,9 @@ READS_ALL = dict(method="dgpo", beta=0.1, positive_nll_coef=0.2)
 
 
 def inputs(seed=0) -> dict:
-    batch = logits_batch(B, T, V, seed=seed, per_token_adv=True)
+    batch = logits_batch(B, T, V, seed=seed, per_token_adv=True, ref_logps=True)
+    for name in LOG_PROBABILITY_INPUTS:  # at most -0.25, so that + 0.25 (a change of value) is a log-prob too
+        batch[name] = batch[name] - 0.25
     g = torch.Generator().manual_seed(seed + 1)
     for name in TOKEN_FLOATS:
         batch.setdefault(name, torch.rand(B, T, generator=g) * 2 - 0.5)
@@ -220,7 +228,7 @@ def test_a_call_passing_an_objective_input_runs_the_torch_objective(name):
     logits = batch.pop("logits")
     options = LossOptions.build("dgpo")
     assert options.token_local
-    without = {key: value for key, value in batch.items() if key not in OBJECTIVE_FLOATS}
+    without = {key: value for key, value in batch.items() if key not in (*OBJECTIVE_FLOATS, "ref_logps")}
     assert logits_plan(logits, LossInputs(**without), options, True, True).uses_epilogue
     passed = LossInputs(**without, **{name: batch[name]})
     assert not logits_plan(logits, passed, options, True, True).uses_epilogue
@@ -247,3 +255,52 @@ def test_compiled_calls_carry_each_objective_input_as_eager_ones(name, token_loc
     got.backward()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(compiled.grad, eager.grad)
+
+
+def immediate(route: str, batch: dict):
+    """The loss of one call on ``route`` under immediate validation (the CPU's default)."""
+    if route == "packed":
+        flat, cu = packed(batch)
+        return dgpo_ops.fused_dgpo_loss(**flat, cu_seqlens=cu, **READS_ALL).loss
+    if route == "logps":
+        return logps_route(batch)[0]
+    return ROUTES[route](batch)
+
+
+@pytest.mark.parametrize("mistake", ["probabilities", "shifted"])
+@pytest.mark.parametrize("name", LOG_PROBABILITY_INPUTS)
+@pytest.mark.parametrize("route", [*ROUTES, "packed", "logps"])
+def test_a_log_prob_above_zero_is_refused_by_name(route, name, mistake):
+    """Probabilities passed for log-probs (``old.exp()``), or log-probs shifted above 0, gave a finite loss of
+    another value; a value within rounding of 0 is a log-prob."""
+    batch = inputs()
+    bad = batch[name].exp() if mistake == "probabilities" else batch[name] + 10.0
+    with pytest.raises(ValueError, match=f"^{name} .*values above 0 .*not probabilities"):
+        immediate(route, dict(batch, **{name: bad}))
+    rounded = batch[name].clone()
+    rounded[0, 0] = LOGP_ABOVE_ZERO_TOLERANCE / 2  # a log-softmax and a log-sum-exp rounded apart
+    assert torch.isfinite(immediate(route, dict(batch, **{name: rounded})))
+
+
+@pytest.mark.usefixtures("no_pending_checks")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", LOG_PROBABILITY_INPUTS)
+@pytest.mark.parametrize("route", DEFERRED_ROUTES)
+def test_deferred_a_log_prob_above_zero_gives_nan_now_and_names_it_later(route, name, backend):
+    """The prologue kernel and its torch twin set the input's bit, and the loss from log-probs queues it."""
+    if route in ("logps", "linear") and backend == "triton":  # the prologue is the fused route's
+        pytest.skip("the loss from log-probs runs no kernel; the linear route's inputs here are float64")
+    batch = inputs(seed=7)
+    batch["mask"] = batch["mask"].clone()
+    batch["mask"][1, 1] = True
+    rounded = batch[name].clone()
+    rounded[1, 1] = LOGP_ABOVE_ZERO_TOLERANCE / 2
+    loss, _ = deferred(route, dict(batch, **{name: rounded}), backend=backend)
+    assert torch.isfinite(loss)
+    dgpo_ops.raise_deferred_errors()
+    bad = batch[name].clone()
+    bad[1, 1] = 0.5  # a probability
+    loss, grad = deferred(route, dict(batch, **{name: bad}), backend=backend)
+    assert torch.isnan(loss) and torch.isnan(grad).any()
+    with pytest.raises(ValueError, match=f"^{name} .*values above 0 .*found on the device in an earlier"):
+        dgpo_ops.raise_deferred_errors()

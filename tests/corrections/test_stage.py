@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dgpo_ops.kernels.interface import LOGP_ABOVE_ZERO_TOLERANCE
 from rollout_cases import ROUTES, mismatch_batch, run_route
 
 import dgpo_ops
@@ -81,8 +82,9 @@ def test_wrong_rollout_logps_fail_loudly(fn):
 def test_a_bad_cu_seqlens_fails_loudly_before_the_stage_uses_it(bad):
     """The stage maps packed tokens to their responses before the route checks cu_seqlens: a cu_seqlens it
     cannot read is refused by name there, not with an indexing error."""
-    from dgpo_ops.corrections import TrlCorrection
     from rollout_cases import pack
+
+    from dgpo_ops.corrections import TrlCorrection
 
     batch = mismatch_batch(0.5)
     packed, cu = pack(batch)
@@ -228,3 +230,42 @@ def test_a_correction_gives_the_same_on_both_kernel_sets(correction):
     torch.testing.assert_close(kernels.logps, twins.logps, rtol=1e-5, atol=1e-6)
     for name in dgpo_ops.core.metrics.METRIC_NAMES:
         torch.testing.assert_close(kernels.metrics[name], twins.metrics[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("correction", [None, VerlCorrection(rollout_is="token")],
+                         ids=["metrics_only", "verl"])
+@pytest.mark.parametrize("route", ("reference", "torch", "packed", "linear"))
+def test_rollout_logps_above_zero_are_refused_by_name(route, correction):
+    """Probabilities passed for the engine's log-probs gave a finite loss (and mismatch metrics) of another
+    value; a value within rounding of 0 is a log-prob."""
+    batch = mismatch_batch(0.5)
+    probabilities = {**batch, "rollout_logps": batch["rollout_logps"].exp()}
+    with pytest.raises(ValueError, match="^rollout_logps has values above 0 .*not probabilities"):
+        run_route(route, probabilities, method="grpo", rollout_correction=correction)
+    rounded = batch["rollout_logps"].clone()
+    rounded[0, 0] = LOGP_ABOVE_ZERO_TOLERANCE / 2
+    out, _ = run_route(route, {**batch, "rollout_logps": rounded}, method="grpo",
+                       rollout_correction=correction)
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.usefixtures("no_pending_checks")
+@pytest.mark.parametrize("route", ("torch", "triton", "packed", "linear"))
+def test_deferred_rollout_logps_above_zero_give_nan_now_and_are_named_later(route):
+    batch = mismatch_batch(0.5)
+    shifted = batch["rollout_logps"].clone()
+    shifted[0, 0] = 0.5
+    out, grad = run_route(route, {**batch, "rollout_logps": shifted}, method="grpo", validation="deferred")
+    assert torch.isnan(out.loss) and torch.isnan(grad).any()
+    with pytest.raises(ValueError, match="^rollout_logps has values above 0 .*found on the device in an "
+                                         "earlier policy_loss call"):
+        dgpo_ops.raise_deferred_errors()
+
+
+def test_rollout_logps_above_zero_under_compile_give_a_nan_loss():
+    """One graph reads nothing on the host and queues no check: the loss is NaN, unnamed."""
+    batch = mismatch_batch(0.5)
+    shifted = batch["rollout_logps"].clone()
+    shifted[0, 0] = 0.5
+    out, _ = run_route("compiled", {**batch, "rollout_logps": shifted}, method="grpo")
+    assert torch.isnan(out.loss)

@@ -135,7 +135,7 @@ def test_backward_tiles_match_the_twin(V, block_v, entropy_coef, scaled):
 
 
 def test_finalize_matches_the_torch_metrics():
-    inputs = logits_batch(3, 7, 40, seed=5)
+    inputs = logits_batch(3, 7, 40, seed=5, ref_logps=True)
     out = dgpo_ops.fused_dgpo_loss(**inputs, backend="triton", method="grpo", dual_clip=3.0, beta=0.1)
     ref = dgpo_ops.fused_dgpo_loss(**inputs, backend="torch", method="grpo", dual_clip=3.0, beta=0.1)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-7)
@@ -154,7 +154,7 @@ def test_the_twin_epilogue_writes_the_triton_epilogues_planes(variant):
     from dgpo_ops.ops.logits import forward_pass, logits_plan
 
     name, params = variant
-    inputs = logits_batch(3, 7, 40, seed=5)
+    inputs = logits_batch(3, 7, 40, seed=5, ref_logps=True)
     weights = torch.rand(3, 7, generator=torch.Generator().manual_seed(5)) + 0.5
     batch = LossInputs(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
                       inputs["ref_logps"], weights)
@@ -183,7 +183,7 @@ def test_the_finalizing_prologue_equals_the_finalize_kernel(bad):
     from dgpo_ops.core.options import LossOptions
     from dgpo_ops.ops.logits import forward_pass, logits_plan
 
-    inputs = logits_batch(5, 9, 40, seed=11)
+    inputs = logits_batch(5, 9, 40, seed=11, ref_logps=True)
     if bad:
         inputs["target_ids"][3, 2] = 40  # out of range: the loss must come out NaN either way
     batch = LossInputs(inputs["target_ids"], inputs["advantages"], inputs["mask"], inputs["old_logps"],
@@ -345,7 +345,7 @@ def test_triton_backend_on_cpu_without_the_interpreter_says_how_to_enable_it():
 @pytest.mark.parametrize("inplace", [False, True])
 def test_cpu_path_allocates_no_vocabulary_sized_temporaries(inplace):
     N, V = 2048, 8192  # N * V = 2^24 elements; one torch-twin chunk holds 2^22
-    inputs = logits_batch(1, N, V, seed=3, dtype=torch.bfloat16)
+    inputs = logits_batch(1, N, V, seed=3, dtype=torch.bfloat16, ref_logps=True)
     logits = inputs.pop("logits").requires_grad_(True)
     produced = logits * 1.0  # a non-leaf, as from a model
     holder = {}

@@ -29,7 +29,8 @@ def pack(batch: dict, lengths=LENGTHS):
 
 
 def padded_batch(seed=0, per_token_adv=False, dtype=torch.float32):
-    batch = logits_batch(len(LENGTHS), max(LENGTHS), 50, seed=seed, per_token_adv=per_token_adv, dtype=dtype)
+    batch = logits_batch(len(LENGTHS), max(LENGTHS), 50, seed=seed, per_token_adv=per_token_adv, dtype=dtype,
+                         ref_logps=True)
     for b, length in enumerate(LENGTHS):  # beyond each sequence's length there is no token
         batch["target_ids"][b, length:] = -100
     return batch
@@ -67,7 +68,7 @@ def test_packed_logits_equal_the_padded_layout(variant, options, loss_fn):
     keywords = dict(method=name, **params, **for_method(name, OPTION_SETS[options], responses=len(LENGTHS)))
     batch = padded_batch(per_token_adv=options == "token_mean")
     if not keywords.get("beta"):
-        batch.pop("ref_logps")
+        batch.pop("ref_logps", None)
     padded_logits = batch.pop("logits").requires_grad_(True)
     want = dgpo_ops.reference_loss(padded_logits, **batch, **keywords)
     want.loss.backward()
@@ -92,7 +93,7 @@ def test_packed_hidden_states_equal_the_padded_layout(options, projection, backe
     dtype, tolerance = (torch.float64, 1e-9) if backend == "torch" else (torch.float32, 2e-5)
     batch = padded_batch(seed=3)
     if not keywords.get("beta"):
-        batch.pop("ref_logps")
+        batch.pop("ref_logps", None)
     batch.pop("logits")
     generator = torch.Generator().manual_seed(5)
     float64 = dict(generator=generator, dtype=dtype)
@@ -115,7 +116,7 @@ def test_packed_hidden_states_equal_the_padded_layout(options, projection, backe
 
 def test_packed_bf16_logits_and_old_logprobs():
     batch = padded_batch(seed=4, dtype=torch.bfloat16)
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     padded_logits = batch.pop("logits").requires_grad_(True)
     want = dgpo_ops.reference_loss(padded_logits, **batch, aggregation="seq_mean_token_mean")
     want.loss.backward()
@@ -137,7 +138,7 @@ def test_packed_bf16_logits_and_old_logprobs():
 ])
 def test_packed_bad_input_names_the_argument(change, match):
     batch = padded_batch()
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     packed, cu = pack(batch)
     arguments = {**packed, "cu_seqlens": cu, **change}
     if arguments["cu_seqlens"] is None:
@@ -164,7 +165,7 @@ def test_packed_bad_values_under_deferred_validation_give_nan_then_the_error(bad
     the argument raised by ``raise_deferred_errors()``."""
     spoil, message = BAD_VALUES[bad]
     batch = padded_batch(seed=2, per_token_adv=True)
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     batch["mask"] = batch["mask"].float()
     packed, cu = pack(batch)
     packed["cu_seqlens"] = cu
@@ -202,7 +203,7 @@ def test_advantages_whose_shape_fits_sequences_and_tokens_alike_are_an_error_tha
     batch = logits_batch(3, 2, 50, seed=8)
     batch["target_ids"][0] = -100
     batch["target_ids"][2, 1] = -100
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     padded_logits = batch.pop("logits")
     packed, cu = pack({"logits": padded_logits, **batch}, lengths)
     logits = packed.pop("logits")
@@ -250,7 +251,7 @@ def test_packed_hidden_states_under_autocast_match_the_tile_path(softcap):
     # the loss and per-token values agree to fp32 rounding; both round the gradient tile to bf16 before their GEMMs
     # (as cuBLAS-fed paths do): gradients to bf16's 2^-8. (Before autocast was turned off inside, the softcap case's log-probs were 1e-2 off.)
     batch = padded_batch(seed=6)
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     batch.pop("logits")
     generator = torch.Generator().manual_seed(9)
     hidden = torch.randn(len(LENGTHS), max(LENGTHS), 16, generator=generator).requires_grad_(True)
@@ -278,7 +279,7 @@ def test_the_linear_op_refuses_max_seqlen_without_cu_seqlens():
 
 def test_the_loss_module_takes_packed_batches():
     batch = padded_batch(seed=2)
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     packed, cu = pack(batch)
     logits = packed.pop("logits")
     module = dgpo_ops.DGPOLoss("dgpo", aggregation="seq_mean_token_mean")
@@ -292,7 +293,7 @@ def test_the_loss_module_takes_packed_batches():
 def test_packed_logits_take_inplace_like_the_others(backend):
     """The packed layout runs the same autograd Function: inplace=True writes the same gradient into the logits."""
     batch = padded_batch(seed=2)
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     packed, cu = pack(batch)
     logits = packed.pop("logits")
     leaf = logits.clone().requires_grad_(True)

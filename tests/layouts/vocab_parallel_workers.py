@@ -60,19 +60,20 @@ def jobs() -> dict:
 
 def inference_logps(old_logps: torch.Tensor) -> torch.Tensor:
     """An inference engine's log-probs, a nat or so from the trainer's."""
-    return old_logps + torch.randn(old_logps.shape, generator=torch.Generator().manual_seed(5))
+    drift = torch.randn(old_logps.shape, generator=torch.Generator().manual_seed(5))
+    return (old_logps + drift).clamp(max=0.0)  # log-probs: <= 0
 
 
 def inputs_of(job) -> tuple[dict, dict]:
     """(the whole-vocabulary inputs, the loss keywords) of a job, the same in every process."""
     method, params, options, per_token_adv, dtype, flat = job
-    batch = logits_batch(3, 7, VOCAB, seed=11, dtype=dtype, per_token_adv=per_token_adv)
+    batch = logits_batch(3, 7, VOCAB, seed=11, dtype=dtype, per_token_adv=per_token_adv, ref_logps=True)
     if flat:
         batch = {name: value.reshape(-1, *value.shape[2:]) if value.dim() >= 2 else value
                  for name, value in batch.items()}
         batch["rollout_weights"] = torch.rand(batch["target_ids"].shape, generator=torch.Generator().manual_seed(3))
     if not options.get("beta"):
-        batch.pop("ref_logps")
+        batch.pop("ref_logps", None)
     if "rollout_correction" in options:
         batch.pop("rollout_weights", None)
         batch["rollout_logps"] = inference_logps(batch["old_logps"])
@@ -110,10 +111,10 @@ def linear_dtype(backend: str) -> torch.dtype:
 def linear_inputs(name: str, backend: str = "torch") -> tuple[dict, dict, dict]:
     """(hidden/weight/bias, loss inputs, keywords) of a linear job, the same in every process."""
     keywords = dict(LINEAR_JOBS[name], backend=backend)
-    batch = logits_batch(3, 7, VOCAB, seed=13)
+    batch = logits_batch(3, 7, VOCAB, seed=13, ref_logps=True)
     batch.pop("logits")
     if not keywords.get("beta"):
-        batch.pop("ref_logps")
+        batch.pop("ref_logps", None)
     generator = torch.Generator().manual_seed(17)
     float64 = dict(generator=generator, dtype=linear_dtype(backend))
     tensors = dict(hidden=torch.randn(3, 7, HIDDEN, **float64), weight=torch.randn(VOCAB, HIDDEN, **float64) * 0.5,

@@ -24,11 +24,12 @@ ONE_PER_METHOD = list({name: (name, params) for name, params in reversed(METHOD_
 B, T, H, V = 2, 4, 8, 24
 
 
-def linear_inputs(seed=0):
+def linear_inputs(seed=0, ref_logps=False):
+    """``ref_logps``: with reference log-probs, for a call with beta > 0."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, T, H, generator=g)
     weight = torch.randn(V, H, generator=g) * 0.4
-    inputs = logits_batch(B, T, V, seed=seed, logits=(hidden @ weight.T).double())
+    inputs = logits_batch(B, T, V, seed=seed, logits=(hidden @ weight.T).double(), ref_logps=ref_logps)
     inputs.pop("logits")
     return hidden, weight, inputs
 
@@ -59,7 +60,7 @@ def compiler_backend(variant) -> str:
 @pytest.mark.parametrize("variant", ONE_PER_METHOD, ids=variant_id)
 def test_compiled_equals_eager_for_every_method(variant):
     name, params = variant
-    hidden, weight, inputs = linear_inputs()
+    hidden, weight, inputs = linear_inputs(ref_logps=True)
     kwargs = dict(method=name, **params, beta=0.02, entropy_coef=0.01,
                   **for_method(name, {"positive_nll_coef": 0.05}, responses=B))
     torch._dynamo.reset()
@@ -220,7 +221,7 @@ CHANGED_FLOATS = [("temperature", 0.9, 0.7), ("beta", 0.02, 0.05), ("entropy_coe
 
 
 def test_changing_float_options_recompile_and_equal_eager():
-    hidden, weight, inputs = linear_inputs()
+    hidden, weight, inputs = linear_inputs(ref_logps=True)
     base = dict(method="dgpo", **{name: first for name, first, _ in CHANGED_FLOATS})
     torch._dynamo.reset()
     compiled = torch.compile(all_three, fullgraph=True, backend="aot_eager")

@@ -39,6 +39,13 @@ def true_logps(logits, target_ids):
     return torch.log_softmax(logits.double(), -1).gather(-1, target_ids[..., None])[..., 0]
 
 
+def lowered_targets(logits, target_ids, where):
+    """The logits with the target's logit -40 at the tokens ``where``, and their targets' log-probs."""
+    target = torch.arange(V) == target_ids[..., None]
+    far = torch.where(where[..., None] & target, -40.0, logits).to(logits.dtype)
+    return far, true_logps(far, target_ids)
+
+
 def cases(dtype):
     """(name, logits, target_ids, advantages, mask, extra kwargs) with an extreme log-ratio in each."""
     logits, target_ids, advantages, mask = base_inputs(dtype)
@@ -52,14 +59,18 @@ def cases(dtype):
     out.append(("target_logit_-inf_with_old", minus_inf, dict(old_logps=(logp - 0.3).float())))
     out.append(("target_logit_-inf_kl", minus_inf, dict(old_logps=(logp - 0.3).float(), beta=0.04,
                                                         ref_logps=(logp + 0.2).float(), kl_ratio_correction=True)))
-    # Log-ratios of +-1e4 to the old policy, with the KL ratio correction (exp(1e4) would be inf).
-    shift = torch.tensor([[1e4, -1e4, 0.5], [-1e4, 1e4, 100.0]], dtype=torch.float64)
-    out.append(("old_logps_1e4_away", logits, dict(old_logps=(logp - shift).float(), beta=0.04,
-                                                   ref_logps=(logp + 0.1).float(), kl_ratio_correction=True)))
-    # The reference 100 and 1e4 nats either side of the policy (k3 = exp(l_ref - l) - ...).
-    ref_shift = torch.tensor([[100.0, -100.0, 1e4], [-1e4, 0.0, 100.0]], dtype=torch.float64)
-    out.append(("ref_logps_far", logits, dict(old_logps=(logp - 0.1).float(), beta=0.04,
-                                              ref_logps=(logp + ref_shift).float())))
+    # Log-ratios of 1e4 and -30 to the old policy, with the KL ratio correction (exp(1e4) would be inf),
+    # beyond the clamp either way. Where the old log-prob is above the policy's, the target's logit is -40, so
+    # that it is a log-prob (<= 0) too (elsewhere the logits stay: fp32 resolves log-probs near -3 finer).
+    shift = torch.tensor([[1e4, -30.0, 0.5], [-30.0, 1e4, 100.0]], dtype=torch.float64)
+    far, logp = lowered_targets(logits, target_ids, shift < 0)
+    out.append(("old_logps_far", far, dict(old_logps=(logp - shift).float(), beta=0.04,
+                                           ref_logps=(logp + 0.1).float(), kl_ratio_correction=True)))
+    # The reference 100 and 1e4 nats below the policy, and 30 and 35 above (k3 = exp(l_ref - l) - ...).
+    ref_shift = torch.tensor([[30.0, -100.0, 35.0], [-1e4, 0.0, 30.0]], dtype=torch.float64)
+    far, logp = lowered_targets(logits, target_ids, ref_shift > 0)
+    out.append(("ref_logps_far", far, dict(old_logps=(logp - 0.1).float(), beta=0.04,
+                                           ref_logps=(logp + ref_shift).float())))
     return [(name, x, target_ids, advantages, mask, extra) for name, x, extra in out]
 
 
@@ -117,6 +128,7 @@ def test_a_target_of_probability_zero_reports_minus_inf_and_floors_only_in_the_o
 
 def test_k3_kl_far_from_the_reference_is_the_clamped_value():
     logits, target_ids, _, mask = base_inputs(torch.float64)
+    logits = logits.scatter(-1, target_ids[..., None], -200.0)  # log p < -100: the reference's is a log-prob
     logp = true_logps(logits, target_ids)
     zero = torch.zeros(B)
     out = dgpo_ops.reference_loss(logits, target_ids, zero, mask, old_logps=logp, ref_logps=logp + 100.0, beta=1.0,

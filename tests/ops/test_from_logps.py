@@ -24,7 +24,7 @@ INPUT_NAMES = ("ref_logps", "rollout_weights", "loss_normalizer", "scores", "gen
 def case(seed=0):
     """A logits batch in float64, and the same tokens as log-probs: the targets' log-softmax, the ignored ones
     (-100) moved into the mask."""
-    batch = logits_batch(3, 9, 17, seed=seed, dtype=torch.float64)
+    batch = logits_batch(3, 9, 17, seed=seed, dtype=torch.float64, ref_logps=True)
     logits = batch.pop("logits").requires_grad_()
     target = batch["target_ids"]
     logps = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
@@ -148,6 +148,7 @@ def test_token_scales_need_the_logps_source():
         policy_loss(inputs, LossOptions.build("grpo"), logits=logits.detach(), token_scales=torch.ones(3, 9))
 
 
+@pytest.mark.usefixtures("no_pending_checks")
 @pytest.mark.parametrize("bad", ["advantages", "old_logps", "token_scales", "mask"])
 def test_values_checked_when_immediate_and_not_when_deferred(bad):
     _, batch, logps, mask = case()
@@ -167,6 +168,10 @@ def test_values_checked_when_immediate_and_not_when_deferred(bad):
     out = policy_loss(inputs, LossOptions.build("grpo", validation="deferred"), logps=logps, token_scales=scales)
     if bad != "mask":  # deferred: nothing read on the host, the bad value reaches the loss as the frameworks' do
         assert not torch.isfinite(out.loss)
+    if bad == "old_logps":  # and a log-prob input is named later, as the fused ops' deferred errors are
+        with pytest.raises(ValueError, match="old_logps has non-finite values .*found on the device in an "
+                                             "earlier policy_loss call"):
+            dgpo_ops.raise_deferred_errors()
 
 
 SEQUENCE_KL = dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", beta=0.05)
@@ -178,7 +183,8 @@ def test_compiles_in_one_graph_and_equals_eager(options):
     validation), so the route traces in one graph."""
     _, batch, logps, mask = case(seed=4)
     logps = logps.detach().float().requires_grad_()
-    inputs = LossInputs(None, batch["advantages"], mask, batch["old_logps"], ref_logps=batch["ref_logps"])
+    inputs = LossInputs(None, batch["advantages"], mask, batch["old_logps"],
+                        ref_logps=batch["ref_logps"] if options.get("beta") else None)
     loss_options = LossOptions.build("dgpo", **options)
 
     def loss(leaf):

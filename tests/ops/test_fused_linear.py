@@ -14,7 +14,8 @@ import dgpo_ops
 
 def run_linear(variant, backend, options, dtype=torch.float32, seed=0, logits_on_chip=False, **case):
     name, params = variant
-    (hidden, weight, bias), inputs = linear_case(seed=seed, dtype=dtype, **case)
+    (hidden, weight, bias), inputs = linear_case(seed=seed, dtype=dtype, ref_logps=bool(options.get("beta")),
+                                                 **case)
     options = dict(options)
     if options.pop("entropy_weights", False):  # a second entropy term with weights of its own
         inputs["entropy_weights"] = torch.rand(inputs["target_ids"].shape, generator=torch.Generator().manual_seed(seed))
@@ -82,7 +83,8 @@ def test_low_precision_products_equal_the_models_logits(backend, autocast, vocab
     # master weights) and the fp32 product is rounded to bf16 in registers: the same logits as the tiles
     # (an fp32 product kept on chip gives log-probs up to 1e-2 away from the tiles').
     on_chip = backend == "on_chip"
-    (hidden, weight, bias), inputs = linear_case(V=vocab, dtype=torch.float32 if autocast else torch.bfloat16)
+    (hidden, weight, bias), inputs = linear_case(V=vocab, dtype=torch.float32 if autocast else torch.bfloat16,
+                                                 ref_logps=True)
     operands = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
     ref_leaves = [t.detach().double().requires_grad_(True) for t in operands]
@@ -188,7 +190,8 @@ def test_forward_only_logprobs(backend):
 )
 def test_cpu_path_gradcheck_fp64(kwargs):
     # Methods and regions whose gradient is the derivative of their value (see test_fused_parity).
-    (hidden, weight, bias), inputs = linear_case(B=2, T=3, H=4, V=6, seed=2, dtype=torch.float64)
+    (hidden, weight, bias), inputs = linear_case(B=2, T=3, H=4, V=6, seed=2, dtype=torch.float64,
+                                                 ref_logps=bool(kwargs.get("beta")))
     leaves = tuple(t.requires_grad_(True) for t in (hidden, weight, bias))
 
     def loss(h, w, b):
@@ -236,7 +239,8 @@ def _dtensor_weight_worker(rank, world_size, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
-        (hidden, weight, bias), inputs = linear_case(seed=7)  # the same inputs on every process
+        # the same inputs on every process
+        (hidden, weight, bias), inputs = linear_case(seed=7, ref_logps=True)
         leaf = hidden.detach().clone().requires_grad_(True)
         replicated = distribute_tensor(weight.detach().clone(), mesh, [Replicate()]).requires_grad_(True)
         replicated_bias = distribute_tensor(bias.detach().clone(), mesh, [Replicate()]).requires_grad_(True)
@@ -262,7 +266,7 @@ def test_dtensor_weights_replicated_are_used_sharded_are_refused(tmp_path):
     from worlds import start_world
 
     start_world(_dtensor_weight_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    (hidden, weight, bias), inputs = linear_case(seed=7)
+    (hidden, weight, bias), inputs = linear_case(seed=7, ref_logps=True)
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
     out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], beta=0.02)
     out.loss.backward()
@@ -345,7 +349,7 @@ def test_a_batch_completed_from_the_first_sweep_equals_it_given_upfront(backend,
     from dgpo_ops.ops.linear import linear_loss
 
     method, params = ("grpo", dict(importance_sampling_level="sequence")) if method == "gspo" else (method, {})
-    (hidden, weight, bias), inputs = linear_case(seed=5)
+    (hidden, weight, bias), inputs = linear_case(seed=5, ref_logps=True)
     on_chip = backend == "on_chip"
     options = dgpo_ops.LossOptions.build(method, backend="triton" if on_chip else backend, beta=0.02,
                                          memory_budget=2 * 70 * 4 * 2, logits_on_chip=on_chip, **params)

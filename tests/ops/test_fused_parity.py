@@ -37,8 +37,8 @@ TOLERANCES = {
 
 def run_case(variant, aggregation, dtype, bundle, backend, seed=0, B=3, T=6, V=300, device="cpu"):
     name, params = variant
-    inputs = logits_batch(B, T, V, seed=seed, dtype=dtype)
     options = for_method(name, dict(FEATURE_BUNDLES[bundle]), responses=B)
+    inputs = logits_batch(B, T, V, seed=seed, dtype=dtype, ref_logps=bool(options.get("beta")))
     if options.pop("rollout_weights", False):
         inputs["rollout_weights"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) + 0.5
     if options.pop("entropy_weights", False):
@@ -346,7 +346,7 @@ def test_dgpo_loss_module_holds_its_options():
 )
 def test_torch_path_gradcheck_fp64(kwargs):
     kwargs = dict(kwargs)
-    inputs = logits_batch(2, 4, 7, seed=11, dtype=torch.float64)
+    inputs = logits_batch(2, 4, 7, seed=11, dtype=torch.float64, ref_logps=True)
     if not kwargs.pop("ref", False):
         inputs["ref_logps"] = None
     logits = inputs.pop("logits").requires_grad_(True)

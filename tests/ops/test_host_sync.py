@@ -64,18 +64,20 @@ def recorder(monkeypatch):
     return rec
 
 
-def loss_inputs(B=2, T=8, V=50, seed=0, int_mask=False):
+def loss_inputs(B=2, T=8, V=50, seed=0, int_mask=False, ref_logps=False):
+    """``ref_logps``: with reference log-probs, for a call with beta > 0."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, T, V, generator=g, requires_grad=True)
     mask = torch.rand(B, T, generator=g) > 0.2
-    return dict(
+    inputs = dict(
         logits=logits,
         target_ids=torch.randint(0, V, (B, T), generator=g),
         advantages=torch.randn(B, generator=g),
         mask=mask.to(torch.int64) if int_mask else mask,
         old_logps=-torch.rand(B, T, generator=g) * 3,
-        ref_logps=-torch.rand(B, T, generator=g) * 3,
     )
+    reference = -torch.rand(B, T, generator=g) * 3
+    return dict(inputs, ref_logps=reference) if ref_logps else inputs
 
 
 def run_logits(inputs, **options):
@@ -126,7 +128,7 @@ def test_triton_token_level_has_no_sync_and_stays_in_budget(recorder, variant):
 ], ids=["kl_entropy_temperature", "seq_mean_kl_ratio", "normalizer_tensor", "int_mask_weights_inplace"])
 def test_triton_options_have_no_sync_and_stay_in_budget(recorder, options):
     options = dict(options)
-    inputs = loss_inputs(int_mask=options.pop("int_mask", False))
+    inputs = loss_inputs(int_mask=options.pop("int_mask", False), ref_logps=bool(options.get("beta")))
     if options.pop("rollout_weights", False):
         inputs["rollout_weights"] = torch.rand(2, 8) + 0.5
     if options.get("loss_normalizer") == "tensor":
@@ -160,7 +162,7 @@ def test_every_route_is_sync_free(recorder, backend, level):
     rollout weights folded in), the batch-level selections (clip_cov draws at random, kl_cov ranks: the
     counts stay on the device) and the responses' scores (topr's split, the positive-example NLL; their
     deferred check runs beside the prologue)."""
-    inputs = loss_inputs()
+    inputs = loss_inputs(ref_logps=True)
     options = dict(aggregation="seq_mean_token_mean", entropy_coef=0.01, beta=0.02)
     if level == "topr":
         options.update(method="topr", scores=torch.tensor([1.0, -1.0]), positive_nll_coef=0.1)
@@ -249,8 +251,8 @@ def test_rollout_corrections_are_sync_free(recorder, name):
     the Triton kernels given rollout weights are sync-free in
     test_triton_options_have_no_sync_and_stay_in_budget."""
     inputs = loss_inputs()
-    inputs["rollout_logps"] = inputs["old_logps"] + torch.randn(inputs["old_logps"].shape,
-                                                                generator=torch.Generator().manual_seed(2))
+    drift = torch.randn(inputs["old_logps"].shape, generator=torch.Generator().manual_seed(2))
+    inputs["rollout_logps"] = (inputs["old_logps"] + drift).clamp(max=0)  # log-probs: <= 0
     rec = recorded(recorder, lambda: run_logits(inputs, backend="torch", method="grpo",
                                                 rollout_correction=CORRECTIONS[name]))
     assert rec.syncs == [], rec.syncs

@@ -29,7 +29,7 @@ def losses(route: str, method: str, **keywords):
     """(loss, d loss / d logits or hidden) of one route on a batch with ragged responses and spread ratios."""
     batch = logits_batch(3, 6, 40, seed=31)
     logits = batch.pop("logits").double()
-    batch.pop("ref_logps")
+    batch.pop("ref_logps", None)
     if route == "reference":
         leaf = logits.clone().requires_grad_(True)
         out = dgpo_ops.reference_loss(leaf, **batch, method=method, **keywords)

@@ -81,12 +81,13 @@ def test_all_masked_batch_gives_zero_loss_and_zero_grad():
 
 
 def test_kl_and_entropy_terms_and_their_gradients():
-    batch = logits_batch(2, 5, 11, dtype=torch.float64, seed=3)
+    batch = logits_batch(2, 5, 11, dtype=torch.float64, seed=3, ref_logps=True)
     logits = batch.pop("logits").requires_grad_(True)
+    ref_logps = batch.pop("ref_logps")
     base = reference_loss(logits, **batch, method="grpo")
-    full = reference_loss(logits, **batch, method="grpo", beta=0.04, entropy_coef=0.01)
+    full = reference_loss(logits, **batch, ref_logps=ref_logps, method="grpo", beta=0.04, entropy_coef=0.01)
     mask = batch["mask"] & (batch["target_ids"] != -100)
-    logp, ref = full.logps, batch["ref_logps"].double()
+    logp, ref = full.logps, ref_logps.double()
     kl = torch.exp(ref - logp) - (ref - logp) - 1
     p = torch.softmax(logits.detach(), -1)
     entropy = -(p * p.log()).sum(-1)
@@ -159,7 +160,6 @@ def valid_inputs():
         advantages=torch.ones(2),
         mask=torch.ones(2, 3, dtype=torch.bool),
         old_logps=torch.zeros(2, 3) - 1.0,
-        ref_logps=torch.zeros(2, 3) - 1.0,
     )
 
 
@@ -238,7 +238,7 @@ def test_config_instance_with_overrides_is_validated():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_kl_ratio_correction_multiplies_the_kl_by_the_ratio(level):
     # TRL's use_bias_correction_kl: per_token_kl * coef_1, gradient through both factors.
-    batch = logits_batch(2, 5, 9, dtype=torch.float64, seed=8)
+    batch = logits_batch(2, 5, 9, dtype=torch.float64, seed=8, ref_logps=True)
     logits = batch.pop("logits").requires_grad_(True)
     out = reference_loss(logits, **batch, method="grpo", beta=0.3, kl_ratio_correction=True,
                          importance_sampling_level=level, aggregation="seq_mean_token_mean")
@@ -268,7 +268,7 @@ def test_token_sum_needs_no_response_structure(backend):
     inputs = logits_batch(3, 5, 11, seed=4)
     logits = inputs.pop("logits")
     logits = logits if backend == "triton" else logits.double()  # the Triton kernels take no float64
-    inputs.pop("ref_logps")
+    inputs.pop("ref_logps", None)
     inputs["advantages"] = inputs["advantages"][:, None].expand(3, 5).contiguous()
 
     def call(leaf, **kwargs):

@@ -197,3 +197,25 @@ def test_a_grpo_config_becomes_the_same_dgpo_config(tmp_path):
     dgpo = DGPOConfig.from_grpo_config(grpo)
     assert all(getattr(dgpo, f.name) == getattr(grpo, f.name) for f in dataclasses.fields(GRPOConfig))
     assert dgpo.policy_loss == "sapo"
+
+
+@pytest.mark.parametrize("policy_loss, fields, params", [
+    ("grpo", {"dgpo_n": 2.0}, {"n": 2.0}),
+    ("dapo", {"dgpo_n": 2.0, "dcpo_r_max": 5.0}, {"n": 2.0, "r_max": 5.0}),
+    ("dgpo", {"dcpo_r_max": 5.0}, {"r_max": 5.0}),
+])
+def test_a_field_the_chosen_method_does_not_take_is_refused_as_the_function_refuses_it(tmp_path, policy_loss,
+                                                                                        fields, params):
+    """A field of another method's parameter was ignored; the function form refuses the same keyword."""
+    with pytest.raises(ValueError) as function_error:
+        method_config(policy_loss, **params)
+    with pytest.raises(ValueError) as config_error:
+        make(tmp_path, policy_loss=policy_loss, **fields)
+    assert str(function_error.value) in str(config_error.value)
+    assert all(f"{name}={value!r}" in str(config_error.value) for name, value in fields.items())
+
+
+def test_a_field_at_its_default_or_of_the_chosen_method_is_taken(tmp_path):
+    default = DGPOConfig.__dataclass_fields__["dgpo_n"].default
+    assert make(tmp_path, policy_loss="grpo", dgpo_n=default).method().name == "grpo"
+    assert make(tmp_path, policy_loss="dgpo", dgpo_n=2.0).method().n == 2.0

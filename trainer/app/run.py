@@ -120,7 +120,7 @@ def load_error(what: str, name: str, error: Exception) -> UsageError:
 def resolve_config(ctx: RunContext, method: str, seed: int, output_dir: pathlib.Path):
     """The DGPOConfig of one run: the regime's defaults, the preset, the method's presets, the command's
     options, then the fields passed through."""
-    from ..config import DGPOConfig
+    from ..config import DGPOConfig, unread_method_fields
 
     args, overrides, device, tiny = ctx.args, ctx.overrides, ctx.device, ctx.tiny
     values = dict(TINY_RL_DEFAULTS if tiny else GPU_RL_DEFAULTS)
@@ -129,7 +129,10 @@ def resolve_config(ctx: RunContext, method: str, seed: int, output_dir: pathlib.
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     values.update(METHOD_PRESETS.get(method, {}))
-    values.update({k: v for k, v in vars(args).items() if k in METHOD_FIELDS})
+    given = {k: v for k, v in vars(args).items() if k in METHOD_FIELDS}
+    if args.compare:  # a method parameter given for one of the methods compared is not the others'
+        given = {k: v for k, v in given.items() if k not in unread_method_fields(method)}
+    values.update(given)
     values.update(overrides)
     values.update(policy_loss=method, seed=seed, output_dir=str(output_dir), report_to=values.get("report_to", "none"),
                   logging_steps=values.get("logging_steps", 1), save_strategy=values.get("save_strategy", "no"),
