@@ -3,8 +3,9 @@
     python docs/generate.py            # rewrite every table below in place
     python docs/generate.py --check    # exit 1 and name each stale table (tests/package/test_generated_docs.py)
 
-* README.md, between ``<!-- methods:start -->`` and ``<!-- methods:end -->``: every method and alias, its
-  parameters and the ``DGPOConfig`` field each is read from (``trainer/method_fields.py``'s mapping);
+* docs/methods.md, between ``<!-- methods:start -->`` and ``<!-- methods:end -->``: every method and alias, its
+  parameters and the ``DGPOConfig`` field each is read from (``trainer/method_fields.py``'s mapping); README.md,
+  between ``<!-- method-names:start -->`` and ``<!-- method-names:end -->``: their names;
 * docs/integrations.md, between ``<!-- verl-methods:start -->`` and ``<!-- verl-methods:end -->``: verl's loss
   names and the verl field each parameter is read from (``dgpo_ops/integrations/verl_params.py``); between
   ``<!-- skyrl-methods:start -->`` and ``<!-- skyrl-methods:end -->``: SkyRL's, and the field of its algorithm config
@@ -28,7 +29,9 @@
 * dgpo_ops/api.py and dgpo_ops/ops/linear_logprobs.py, between ``# public-functions:start`` and
   ``# public-functions:end``: the definition of each public function of the module's ``PUBLIC_FUNCTIONS``,
   each keyword annotated and defaulted as the call object's field, and its docstring
-  (``public_functions_source``), for IDEs, type checkers and ``grep``.
+  (``public_functions_source``), for IDEs, type checkers and ``grep``;
+* README.md, between ``<!-- times:start -->`` and ``<!-- times:end -->``: how long each README command takes,
+  alone and beside two busy loops, read from the timing logs (``TIMED_COMMANDS``, ``docs/timing/measure.sh``).
 
 A tool of the checkout, not of the package: the tables are written here from the mappings the library and
 the trainer hold, the logs and the CI scripts; the package writes no markdown and reads no checkout path.
@@ -144,8 +147,17 @@ def format_value(value) -> str:
     return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def readme_methods_markdown() -> str:
-    """The README's table of methods, parameters, accepted values and the ``DGPOConfig`` field each is read
+def method_names_markdown() -> str:
+    """The README's line of method names (the table is docs/methods.md's)."""
+    from dgpo_ops.methods.table import ALIASES, METHODS
+
+    names = ", ".join(f"`{name}`" for name in METHODS)
+    aliases = ", ".join(f"`{name}`" for name in ALIASES)
+    return f"{len(METHODS)} methods, {names}, and the aliases {aliases}.\n"
+
+
+def methods_markdown() -> str:
+    """docs/methods.md's table of methods, parameters, accepted values and the ``DGPOConfig`` field each is read
     from (``dgpo_ops.trainer.method_fields``), with the presets of ``dgpo-ops train`` (its ``presets``)."""
     from dgpo_ops.methods.table import ALIASES, METHODS
     from dgpo_ops.trainer.app.presets import trainer_presets
@@ -262,6 +274,55 @@ def signature_markdown(name: str) -> Callable[[], str]:
         return f"`{name}({', '.join(parts)}){returns}`\n"
 
     return body
+
+
+# The README's table of how long its commands take: (what, command, log alone, log beside two busy loops), the logs
+# written by docs/timing/measure.sh (and, for the main job, as docs/train/timing/README.md says).
+TIMED_COMMANDS = (
+    ("the main job", "`dgpo-ops train`", "docs/train/timing/idle.log", None),
+    ("the main job, shortened", "`dgpo-ops train --sft-steps 60 --max-steps 6 --eval-size 100`",
+     "docs/train/timing/short_idle.log", "docs/train/timing/short_busy2.log"),
+    ("the tests", "`python -m pytest`", "docs/timing/tests_idle.log", "docs/timing/tests_busy2.log"),
+    ("the frameworks' suites", "`bash .ci/venvs.sh`", "docs/timing/venvs_idle.log", None),
+)
+
+
+class TimedRun(NamedTuple):
+    seconds: float
+    load_before: str
+    load_after: str
+    commit: str | None
+    tests: str | None  # pytest's closing counts ("3138 passed, 160 skipped"), where the log has them
+
+
+def timed_run(path: Path) -> TimedRun:
+    """The wall time (``WALL 113.26 s``), the one-minute load before and after (``uptime``'s lines), the commit and
+    pytest's closing counts of one timing log."""
+    text = path.read_text()
+    wall = re.search(r"^WALL ([0-9.]+) s$", text, re.MULTILINE)
+    loads = re.findall(r"load average: ([0-9.]+),", text)
+    if wall is None or len(loads) < 2:
+        raise ValueError(f"{path}: no WALL line or no load before and after")
+    commit = re.search(r"^# commit ([0-9a-f]+)", text, re.MULTILINE)
+    counts = re.findall(r"^=* ?(\d+ passed[^=\n]*?) in [0-9.]+s", text, re.MULTILINE)
+    return TimedRun(float(wall.group(1)), loads[0], loads[-1], commit and commit.group(1),
+                    counts[-1].strip() if counts else None)
+
+
+def times_markdown(root: Path = REPO) -> str:
+    """The README's table: each command's wall time alone and beside two busy loops, with load and log."""
+    def cell(log: str | None) -> str:
+        if log is None:
+            return "not measured"
+        run = timed_run(root / log)
+        minutes = f" ({run.seconds / 60:.1f} min)" if run.seconds >= 120 else ""
+        at = f", at {run.commit}" if run.commit else ""
+        tests = f"; {run.tests}" if run.tests else ""
+        return (f"[{run.seconds:.0f} s]({log}){minutes}, load {run.load_before} -> {run.load_after}{at}{tests}")
+
+    lines = ["| what | command | alone | beside two busy loops |", "|---|---|---|---|"]
+    lines += [f"| {what} | {command} | {cell(alone)} | {cell(busy)} |" for what, command, alone, busy in TIMED_COMMANDS]
+    return "\n".join(lines) + "\n"
 
 
 DEFAULT_RUN_LOG = REPO / "docs" / "train" / "default_run.log"
@@ -402,7 +463,8 @@ def public_functions_source(module: str) -> str:
 
 
 SECTIONS = (
-    Section("README.md", "<!-- methods:start -->", "<!-- methods:end -->", readme_methods_markdown),
+    Section("docs/methods.md", "<!-- methods:start -->", "<!-- methods:end -->", methods_markdown),
+    Section("README.md", "<!-- method-names:start -->", "<!-- method-names:end -->", method_names_markdown),
     Section("docs/integrations.md", "<!-- verl-methods:start -->", "<!-- verl-methods:end -->",
             verl_methods_markdown),
     Section("docs/integrations.md", "<!-- skyrl-methods:start -->", "<!-- skyrl-methods:end -->",

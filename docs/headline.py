@@ -87,14 +87,22 @@ def _cuda_results(benchmark: str) -> Path | None:
     return exact[-1] if exact else None
 
 
-def fused_linear_markdown() -> str:
-    path = _cuda_results("fused_linear")
+def _cuda_document(benchmark: str) -> tuple[dict, str] | None:
+    """(the newest CUDA results of ``benchmark``, the provenance that names its file, card, run and commit)."""
+    path = _cuda_results(benchmark)
     if path is None:
-        return "No GPU run of the fused linear is committed.\n"
+        return None
     doc = _load(path)
     machine = doc["machine"]
-    run = run_of(machine.get("dgpo_ops_commit"), _card(machine))
-    lines = [f"**The fused linear** ({_provenance(path, machine, run)}): forward + backward from hidden states and "
+    return doc, _provenance(path, machine, run_of(machine.get("dgpo_ops_commit"), _card(machine)))
+
+
+def fused_linear_markdown() -> str:
+    found = _cuda_document("fused_linear")
+    if found is None:
+        return "No GPU run of the fused linear is committed.\n"
+    doc, provenance = found
+    lines = [f"**The fused linear** ({provenance}): forward + backward from hidden states and "
              "the lm_head weight, median ms, and the extra peak of one call, GB.", "",
              "| N x H x V | setting | ours | TRL chunked | Liger | three GEMMs | ours / GEMMs | ours / TRL | "
              "peak ours | peak TRL | ours, logits on chip |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -118,13 +126,11 @@ def fused_linear_markdown() -> str:
 
 
 def train_step_markdown() -> str:
-    path = _cuda_results("train_step")
-    if path is None:
+    found = _cuda_document("train_step")
+    if found is None:
         return "No GPU run of the update step is committed.\n"
-    doc = _load(path)
-    machine = doc["machine"]
-    run = run_of(machine.get("dgpo_ops_commit"), _card(machine))
-    lines = [f"**One update of {doc['model']}'s architecture** ({_provenance(path, machine, run)}): seconds of one "
+    doc, provenance = found
+    lines = [f"**One update of {doc['model']}'s architecture** ({provenance}): seconds of one "
              "timed update and its peak memory, GB.", "", "| completion | " + " | ".join(
                  f"{result['path']} s | {result['path']} peak" for result in doc["results"]) + " |",
              "|---|" + "---|---|" * len(doc["results"])]
@@ -139,31 +145,21 @@ def train_step_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def passes_by_path() -> tuple[Path, dict, dict] | None:
-    """(file, machine, {path: sorted distinct pass counts}) of the CUDA pass grid."""
-    path = _cuda_results("passes")
-    if path is None:
-        return None
-    doc = _load(path)
-    counts: dict[str, set] = {}
-    for row in doc["rows"]:
-        counts.setdefault(row["path"], set()).add(row["passes"])
-    return path, doc["machine"], {name: sorted(values) for name, values in counts.items()}
-
-
 def _span(values) -> str:
     return f"{values[0]:.3g}" if len(values) == 1 else f"{values[0]:.3g}-{values[-1]:.3g}"
 
 
 def passes_markdown() -> str:
-    found = passes_by_path()
+    found = _cuda_document("passes")
     if found is None:
         return "No GPU pass grid is committed.\n"
-    path, machine, counts = found
-    run = run_of(machine.get("dgpo_ops_commit"), _card(machine))
-    parts = ", ".join(f"{name} {_span(values)}" for name, values in counts.items())
-    return (f"**GEMM passes over the lm_head weight per update** ({_provenance(path, machine, run)}; "
-            f"[table](../{_relative(path.with_suffix('.md'))})): {parts}.\n")
+    doc, provenance = found
+    counts: dict[str, set] = {}
+    for row in doc["rows"]:
+        counts.setdefault(row["path"], set()).add(row["passes"])
+    parts = ", ".join(f"{name} {_span(sorted(values))}" for name, values in counts.items())
+    table = _relative(_cuda_results("passes").with_suffix(".md"))
+    return f"**GEMM passes over the lm_head weight per update** ({provenance}; [table](../{table})): {parts}.\n"
 
 
 def headline_markdown() -> str:

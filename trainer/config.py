@@ -107,7 +107,7 @@ class DGPOConfig(GRPOConfig):
             `epsilon_high` is set (TRL's `loss_type="dapo"` is the aggregation only).
         dgpo_n, dgpo_m, dual_clip, gppo_beta1, gppo_beta2, dcpo_r_max, dispo_eps_*, sapo_gate: the methods' own
             parameters, added from the method table (each field's help names the methods that read it, its
-            range, and what None means); README.md's method table shows which field feeds which parameter.
+            range, and what None means); docs/methods.md's table shows which field feeds which parameter.
         loss_aggregation: {AGGREGATION_NAMES}; None follows the method's own (dcpo: seq_sum_token_mean,
             geo_mean: seq_mean_token_mean), else `loss_type`.
         positive_nll_coef: VAPO's positive-example NLL (NeMo-RL's `positive_example_nll_weight`; docs/math.md): the

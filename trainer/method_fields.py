@@ -1,6 +1,6 @@
 """Where ``DGPOConfig`` (TRL's ``GRPOConfig`` and the fields it adds) reads each method parameter, and the views
 derived from that one mapping: the config fields and their defaults and help (``dgpo-ops train``'s presets and
-the README's method table, written by ``python docs/generate.py``, are made from them).
+docs/methods.md's table, written by ``python docs/generate.py``, are made from them).
 
 A parameter keeps TRL's meaning where TRL has a field for it (``epsilon``, ``epsilon_high``, ``delta``); every
 other field is added to ``DGPOConfig`` from here (``config.py``). The method table itself knows no framework.

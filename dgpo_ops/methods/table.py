@@ -43,7 +43,7 @@ from dgpo_ops.methods.base import (
     straight_through_clamp,
 )
 
-# The family modules in the order of the README's table; a new method's module is added here once.
+# The family modules in the order of docs/methods.md's table; a new method's module is added here once.
 FAMILIES = (grpo, cispo, gppo, aspo, dgpo, dcpo, sapo, gpg, topr, dppo, vespo, fipo, dro, geo_mean, covariance)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for family in FAMILIES for spec in family.SPECS}

@@ -1,4 +1,4 @@
-"""Every name in the README's method table works wherever a method name is taken: ``reference_loss``,
+"""Every name in the method table (docs/methods.md) works wherever a method name is taken: ``reference_loss``,
 ``fused_dgpo_loss`` (both kernel sets), ``DGPOLoss``, ``fused_linear_dgpo_loss`` and ``method_config``; an
 alias is its method with its presets where the caller leaves them unset."""
 
@@ -14,17 +14,20 @@ from helpers import by_name, docs_tool, logits_batch
 import dgpo_ops
 from dgpo_ops.methods.table import ALIASES, METHODS
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+METHODS_PAGE = (Path(__file__).resolve().parents[2] / "docs" / "methods.md").read_text()
 
 
 def readme_names() -> list[str]:
-    (section,) = [s for s in docs_tool().SECTIONS if s.page == "README.md"]
-    table = README[README.index(section.start):README.index(section.end)]
+    """The names of docs/methods.md's table, which the README lists."""
+    (section,) = [s for s in docs_tool().SECTIONS if s.page == "docs/methods.md"]
+    table = METHODS_PAGE[METHODS_PAGE.index(section.start):METHODS_PAGE.index(section.end)]
     return re.findall(r"^\| `([a-z0-9_]+)` \|", table, re.M)
 
 
 def test_the_readme_table_lists_every_method_and_alias():
     assert readme_names() == [*METHODS, *ALIASES]
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in readme_names())  # the README's list of names
 
 
 @pytest.mark.parametrize("name", readme_names())

@@ -4,7 +4,7 @@ README stays short; the trainer's sources and the tests' module docstrings cite 
 and the generated parts of the docs pages are what their generators write now (the
 benchmark tables of docs/benchmarks.md, the compile report's markers in docs/aot_report.md).
 
-The README's method table, docs/integrations.md's verl table and docs/design.md's table of method files have
+docs/methods.md's method table, docs/integrations.md's verl table and docs/design.md's table of method files have
 their own test (tests/package/test_generated_docs.py)."""
 
 from __future__ import annotations

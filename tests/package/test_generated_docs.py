@@ -1,5 +1,5 @@
 """The docs' generated tables are what the code writes now (``python docs/generate.py`` rewrites them): the
-README's method table, docs/integrations.md's verl table and docs/design.md's table of method files; and the
+docs/methods.md's method table, docs/integrations.md's verl table and docs/design.md's table of method files; and the
 front page's statements written from the logs and scripts: the default run's result, SkyRL's CPU install."""
 
 from __future__ import annotations

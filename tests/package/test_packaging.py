@@ -63,12 +63,17 @@ def test_regular_install_in_a_new_venv(tmp_path):
 
 
 def test_readme_test_command_is_what_ci_runs():
-    """The README's two set-up commands: the test command is the one `.ci/run` runs, word for word."""
+    """The README's set-up commands: the main job, then the tests and the frameworks' venv suites, which `.ci/run`
+    runs one after the other, word for word."""
     import re
 
     readme = (REPO / "README.md").read_text()
     setup = readme.split("## Set up on a fresh machine\n")[1].split("\n## ")[0]
     blocks = re.findall(r"```bash\n(.*?)\n```", setup, re.DOTALL)
-    assert len(blocks) == 2 and blocks[0].startswith("python -m pip install") and "dgpo-ops train" in blocks[0]
+    assert len(blocks) == 3 and blocks[0].startswith("python -m pip install") and "dgpo-ops train" in blocks[0]
+    assert blocks[1].endswith("python -m pytest") and blocks[2] == "bash .ci/venvs.sh"
     ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("python -m pip")]
-    assert ci == [blocks[1]]
+    assert ci == [f"{blocks[1]} && {blocks[2]}"]
+    venvs = (REPO / ".ci" / "venvs.sh").read_text()
+    for script in ("vllm_cpu.sh", "verl_cpu.sh", "frameworks_cpu.sh", "skyrl_cpu.sh"):  # every suite still runs
+        assert f"bash .ci/{script}" in venvs
