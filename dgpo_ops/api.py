@@ -25,9 +25,10 @@ from dgpo_ops.core.docstrings import documented
 from dgpo_ops.core.inputs import LossInputs, check_generator, refuse_flat_source
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.core.validation import per_token_function, resolve_mode
+from dgpo_ops.core.validation import MESSAGES, defer_errors, per_token_function, resolve_mode
 from dgpo_ops.corrections.core import RolloutCorrection
-from dgpo_ops.corrections.stage import with_rollout_correction
+from dgpo_ops.corrections.stage import apply_rollout_correction
+from dgpo_ops.kernels.interface import InputError
 from dgpo_ops.distributed.head import head_forward
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
@@ -123,6 +124,24 @@ def policy_loss(inputs: LossInputs, options: LossOptions, *sources, logits=None,
     else:
         route = lambda batch: _linear_route(hidden, weight, bias, batch, options, layout, complete_batch)  # noqa: E731
     return with_rollout_correction(inputs, options.rollout_correction, layout.cu_seqlens, route, immediate)
+
+
+def with_rollout_correction(batch, correction, cu_seqlens, route, immediate: bool = True):
+    """``route(batch)`` (a loss route, returning a ``PolicyLossOutput``) on the batch the correction stage makes,
+    with the stage's metrics beside the route's: what every public loss function runs (``immediate``: the call's
+    validation reads values on the host now). ``rollout_logps`` the stage refuses raise now where the call
+    validates now; otherwise the loss, and so the gradient, is NaN and the error is queued after the route's
+    own check (which raises the finished errors of earlier calls), as the routes' deferred errors are."""
+    batch, metrics, errors = apply_rollout_correction(batch, correction, cu_seqlens, immediate)
+    compiling = torch.compiler.is_compiling()
+    if errors is not None and immediate and not compiling and bool(errors):
+        raise ValueError(MESSAGES[InputError.ROLLOUT_LOGPS])
+    out = route(batch)
+    if errors is not None and not (immediate and not compiling):
+        if not compiling:  # no queue while compiling: the NaN loss is the error there
+            defer_errors(errors, "policy_loss")
+        out = out._replace(loss=out.loss * torch.where(errors != 0, float("nan"), 1.0))
+    return out if metrics is None else out._replace(metrics=out.metrics.with_rollout(metrics))
 
 
 def _logits_route(logits, batch: LossInputs, options: LossOptions, layout: CallLayout) -> PolicyLossOutput:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from dgpo_ops.core.validation import MESSAGES, defer_errors
 from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, mismatch_metrics, weight_metrics
 from dgpo_ops.kernels.interface import IGNORE_INDEX, LOGP_ABOVE_ZERO_TOLERANCE, InputError
 
@@ -89,26 +88,14 @@ def refused_values(batch, inputs: CorrectionInputs) -> torch.Tensor:
     return bad
 
 
-def rollout_logps_errors(inputs: CorrectionInputs, immediate: bool) -> torch.Tensor | None:
-    """Refuse ``rollout_logps`` above 0 beyond rounding on a scored token (probabilities, or shifted
-    log-probs: every correction would weigh by a quietly wrong ratio): a ``ValueError`` now where the call
-    validates now, else its ``InputError`` bit, an int64 scalar on the device (``poison_and_defer``). A NaN is
-    no error here: an engine may give none for a token, and the corrections treat it as such."""
+def rollout_logps_errors(inputs: CorrectionInputs) -> torch.Tensor:
+    """``InputError.ROLLOUT_LOGPS`` where ``rollout_logps`` are above 0 beyond rounding on a scored token
+    (probabilities, or shifted log-probs: every correction would weigh by a quietly wrong ratio), else 0: an
+    int64 scalar on the device, no host read (the call raises it now or poisons its loss and names it later,
+    ``dgpo_ops.api``). A NaN is no error here: an engine may give none for a token, and the corrections treat it
+    as such."""
     above = (inputs.mask & (inputs.rollout_logps > LOGP_ABOVE_ZERO_TOLERANCE)).any()
-    if immediate and not torch.compiler.is_compiling():
-        if above:
-            raise ValueError(MESSAGES[InputError.ROLLOUT_LOGPS])
-        return None
     return torch.where(above, int(InputError.ROLLOUT_LOGPS), 0)
-
-
-def poison_and_defer(out, errors: torch.Tensor):
-    """``out`` (a route's ``PolicyLossOutput``) with a NaN loss, and so a NaN gradient, where ``errors`` (the
-    stage's, found without a host read) are set; the errors queued after the route's own check, which raises
-    the finished errors of earlier calls (none is queued while compiling)."""
-    if not torch.compiler.is_compiling():
-        defer_errors(errors, "policy_loss")
-    return out._replace(loss=out.loss * torch.where(errors != 0, float("nan"), 1.0))
 
 
 def apply_rollout_correction(batch, correction, cu_seqlens=None, immediate: bool = True):
@@ -127,7 +114,7 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None, immediate: bool
         raise ValueError("pass rollout_weights or a rollout_correction, not both: the correction computes the "
                          "rollout weights from rollout_logps")
     inputs = correction_inputs(batch, cu_seqlens)
-    errors = rollout_logps_errors(inputs, immediate)
+    errors = rollout_logps_errors(inputs)
     result = CorrectionResult() if correction is None else correction(inputs)
     if result.weights is not None and immediate and not torch.compiler.is_compiling():
         refuse_non_finite_weights(correction, inputs, result)
@@ -145,14 +132,3 @@ def apply_rollout_correction(batch, correction, cu_seqlens=None, immediate: bool
         changes["mask"] = keep & (batch.target_ids != IGNORE_INDEX) if batch.mask is None else torch.where(
             keep, batch.mask, torch.zeros_like(batch.mask))
     return batch._replace(**changes), metrics, errors
-
-
-def with_rollout_correction(batch, correction, cu_seqlens, route, immediate: bool = True):
-    """``route(batch)`` (a loss route, returning a ``PolicyLossOutput``) on the batch the stage makes, with the
-    stage's metrics beside the route's: what every public loss function runs (``immediate``: the call's
-    validation reads values on the host now)."""
-    batch, metrics, errors = apply_rollout_correction(batch, correction, cu_seqlens, immediate)
-    out = route(batch)
-    if errors is not None:  # found without a host read: named later, as the routes' deferred errors are
-        out = poison_and_defer(out, errors)
-    return out if metrics is None else out._replace(metrics=out.metrics.with_rollout(metrics))

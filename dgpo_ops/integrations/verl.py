@@ -52,8 +52,9 @@ FUSED_KERNELS_ENV = "DGPO_OPS_VERL_FUSED_KERNELS"
 class PolicyLossConfig(VerlPolicyLossConfig):
     """verl's ``policy_loss`` config with the two fields the losses ``dgpo_ops.*`` read beyond verl's:
     ``method_params``, the method's parameters by their dgpo-ops names (they win over verl's fields), and
-    ``importance_sampling_level`` (``"sequence"``: GSPO's ratio, for any method). Set it with
-    ``actor_rollout_ref.actor.policy_loss._target_=dgpo_ops.integrations.verl.PolicyLossConfig``."""
+    ``importance_sampling_level`` (``"sequence"``: GSPO's ratio, for any method). Importing the plugin makes it the
+    class verl's actor config names (``select_for_verl``); ``actor_rollout_ref.actor.policy_loss._target_=
+    dgpo_ops.integrations.verl.PolicyLossConfig`` names it explicitly."""
 
     method_params: dict = field(default_factory=dict)
     importance_sampling_level: str = "token"
@@ -69,6 +70,20 @@ class PolicyLossConfig(VerlPolicyLossConfig):
         elif self.method_params:
             raise ValueError(f"{POLICY_LOSS}.method_params is read by the losses dgpo_ops.* only; loss_mode is "
                              f"{self.loss_mode!r}")
+
+
+def select_for_verl() -> None:
+    """Make ``PolicyLossConfig`` the class verl's actor config names (``verl.workers.config.PolicyLossConfig``, the
+    ``_target_`` of verl's own ``actor.yaml``, which hydra looks up by that name when a worker builds its config),
+    so that ``method_params`` and ``importance_sampling_level`` need no ``_target_`` line of the user's. It is a
+    subclass of verl's with defaults for both fields, so every other config builds as before; a name some other
+    plugin has already replaced is left alone (the ``_target_`` line still selects this class there)."""
+    from verl.workers import config as verl_config
+    from verl.workers.config import actor as verl_actor
+
+    for module in (verl_config, verl_actor):
+        if getattr(module, "PolicyLossConfig", None) is VerlPolicyLossConfig:
+            module.PolicyLossConfig = PolicyLossConfig
 
 
 def verl_policy_loss(mode: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
@@ -173,6 +188,7 @@ def use_fused_kernels() -> None:
 
 
 register()
+select_for_verl()
 # verl's plugin loader swallows an exception raised here (it logs it at debug level), so a value that is not
 # a switch is read as off rather than raised; the README says how to check.
 if os.environ.get(FUSED_KERNELS_ENV, "").strip().lower() in ("1", "true", "yes", "on"):

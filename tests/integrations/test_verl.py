@@ -520,6 +520,33 @@ def test_hydra_command_line_sets_method_params():
     assert "actor_rollout_ref.actor.policy_loss.method_params.q" in str(error.value)
 
 
+def test_method_params_need_no_target_line():
+    """Without the ``_target_`` line verl's actor config names this package's PolicyLossConfig (the plugin selects
+    it on import), so ``method_params`` reach the loss; a bad name is still named; a loss of verl's builds as
+    before."""
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+
+    def actor(*overrides):
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            cfg = compose(config_name="ppo_trainer", overrides=[
+                *overrides, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+        return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+    built = actor("actor_rollout_ref.actor.policy_loss.loss_mode=dgpo_ops.dgpo",
+                  "+actor_rollout_ref.actor.policy_loss.method_params.n=3")
+    assert isinstance(built.policy_loss, dgpo_verl.PolicyLossConfig)
+    assert dgpo_verl.loss_options("dgpo_ops.dgpo", built).method.n == 3
+    with pytest.raises(Exception) as error:  # hydra wraps the config's ValueError in its InstantiationException
+        actor("actor_rollout_ref.actor.policy_loss.loss_mode=dgpo_ops.dgpo",
+              "+actor_rollout_ref.actor.policy_loss.method_params.q=3")
+    assert "actor_rollout_ref.actor.policy_loss.method_params.q" in str(error.value)
+    vanilla = actor("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla")
+    assert vanilla.policy_loss.loss_mode == "vanilla" and vanilla.policy_loss.method_params == {}
+
+
 def test_bad_input_is_named():
     logits, targets, old, _, advantages, mask, _ = rollout(3, False)
     log_prob = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
