@@ -2,9 +2,10 @@
 (``docs/generate.py`` calls these; nothing here is typed by hand). Each table names its file, the card, the run of
 the GPU run log and the commit measured.
 
-The newest results of each kind are taken: the timing file of the highest run
-(``bench/experiments/results/gpu_check-<card>-<run>-timing.json``) and each benchmark's CUDA results file
-(``bench/results/<benchmark>-cuda-<card>.json``). A file's run is in its name, or else the run whose session log
+Of each kind one results file is taken: the logits-op timing of the highest run
+(``bench/experiments/results/gpu_check-<card>-<run>-timing.json``) and, of each benchmark's CUDA results files
+(``bench/results/<benchmark>-cuda-<card>.json``), the one whose card's name sorts last (the H200's over the
+H100's). A file's run is in its name, or else the run whose session log
 (``bench/experiments/results/gpu_session-<card>-<run>.log``) names its commit.
 """
 
@@ -88,7 +89,8 @@ def _cuda_results(benchmark: str) -> Path | None:
 
 
 def _cuda_document(benchmark: str) -> tuple[dict, str] | None:
-    """(the newest CUDA results of ``benchmark``, the provenance that names its file, card, run and commit)."""
+    """(the CUDA results of ``benchmark`` that ``_cuda_results`` picks, the provenance naming its file, card, run and
+    commit)."""
     path = _cuda_results(benchmark)
     if path is None:
         return None

@@ -177,8 +177,8 @@ def token_prologue_kernel(
         elif DENOMINATOR == codes.DENOMINATOR_ONE:
             denominator = 1.0
         else:
-            tl.static_assert(False, "token_prologue_kernel: unknown DENOMINATOR (add its branch here and in "
-                                    "token_prologue_torch)")
+            tl.static_assert(False, "token_prologue_kernel: unknown DENOMINATOR (add its branch here and its "
+                                    "row of COUNTED_DENOMINATORS or FIXED_DENOMINATORS)")
         if NORMALIZER == codes.NORMALIZER_VALUE:
             denominator = normalizer
         elif NORMALIZER == codes.NORMALIZER_TENSOR:
@@ -187,7 +187,7 @@ def token_prologue_kernel(
             all_errors = all_errors | tl.where(usable, 0, codes.ERR_LOSS_NORMALIZER)
         elif NORMALIZER != codes.NORMALIZER_ABSENT:
             tl.static_assert(False, "token_prologue_kernel: unknown NORMALIZER (add its branch here and in "
-                                    "token_prologue_torch)")
+                                    "token_prologue_torch's)")
         poison = all_errors != 0
         for b_start in range(0, n_seqs, BLOCK_B):
             seqs = b_start + tl.arange(0, BLOCK_B)

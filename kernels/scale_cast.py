@@ -35,6 +35,11 @@ def scale_cast_kernel(accumulator_ptr, scale_ptr, out_ptr, n_elements, ROUND_IN_
 def scale_cast(accumulator, scale, out) -> None:
     """``out[...] = accumulator * scale`` rounded to ``out``'s dtype; both contiguous, of one shape; ``scale`` a
     one-element tensor on their device."""
+    if not (accumulator.is_contiguous() and out.is_contiguous() and accumulator.shape == out.shape
+            and scale.numel() == 1):
+        raise ValueError(f"scale_cast takes a contiguous accumulator and output of one shape and a one-element "
+                         f"scale, got {tuple(accumulator.shape)} (contiguous {accumulator.is_contiguous()}), "
+                         f"{tuple(out.shape)} (contiguous {out.is_contiguous()}), {scale.numel()} elements")
     n_elements = accumulator.numel()
     if n_elements:
         scale_cast_kernel[(cdiv(n_elements, BLOCK),)](

@@ -59,10 +59,16 @@ def _scored(batch, vocab: int, tokens: slice = slice(None)):
     return target, listed, scored, scored & in_range, in_range
 
 
+def above_zero(values: torch.Tensor) -> torch.Tensor:
+    """Where log-probs ``values`` are above 0 beyond rounding (``LOGP_ABOVE_ZERO_TOLERANCE``): no framework
+    produces them (probabilities, or shifted log-probs)."""
+    return values > LOGP_ABOVE_ZERO_TOLERANCE
+
+
 def not_log_probabilities(values: torch.Tensor) -> torch.Tensor:
     """Where ``values`` (log-probs, in the dtype they are computed in) hold no log-probability: NaN, infinite,
-    or above 0 beyond rounding (``LOGP_ABOVE_ZERO_TOLERANCE``); the prologue's ``_check_log_probability``."""
-    return ~torch.isfinite(values) | (values > LOGP_ABOVE_ZERO_TOLERANCE)
+    or ``above_zero``; the prologue's ``_check_log_probability``."""
+    return ~torch.isfinite(values) | above_zero(values)
 
 
 def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes,

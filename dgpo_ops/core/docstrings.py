@@ -36,8 +36,8 @@ ARGUMENTS = {
     "ref_logps": "log-probs of the reference model, for the k3 KL term (needed when ``beta != 0``).",
     "method": "a method of ``dgpo_ops.METHODS`` (or a ``MethodConfig``); its parameters are keywords "
               "(``method_params``).",
-    "method_params": "the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README: method "
-                     "table); unknown names raise ``ValueError``.",
+    "method_params": "the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (docs/methods.md: "
+                     "the method table); unknown names raise ``ValueError``.",
     "temperature": "the logits are divided by it before the log-softmax.",
     "logit_scale": "the logits are ``logit_scale * (hidden @ weight.T + bias)``.",
     "softcap": "``softcap * tanh(logits / softcap)`` after the scale, as Gemma's final softcap; None: off.",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from dgpo_ops.corrections.core import CorrectionInputs, CorrectionResult, mismatch_metrics, weight_metrics
-from dgpo_ops.kernels.interface import IGNORE_INDEX, LOGP_ABOVE_ZERO_TOLERANCE, InputError
+from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError
+from dgpo_ops.kernels.torch_twins import above_zero
 
 
 def _flat_tokens(name: str, value, token_shape, device) -> torch.Tensor:
@@ -94,7 +95,7 @@ def rollout_logps_errors(inputs: CorrectionInputs) -> torch.Tensor:
     int64 scalar on the device, no host read (the call raises it now or poisons its loss and names it later,
     ``dgpo_ops.api``). A NaN is no error here: an engine may give none for a token, and the corrections treat it
     as such."""
-    above = (inputs.mask & (inputs.rollout_logps > LOGP_ABOVE_ZERO_TOLERANCE)).any()
+    above = (inputs.mask & above_zero(inputs.rollout_logps)).any()
     return torch.where(above, int(InputError.ROLLOUT_LOGPS), 0)
 
 

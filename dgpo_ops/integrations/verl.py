@@ -5,9 +5,9 @@ Importing this module registers every method and alias of the table as the verl 
 (``verl.trainer.ppo.core_algos.register_policy_loss``). verl imports it in every worker by itself: the
 package's ``verl.plugins`` entry point is loaded by ``import verl``. Choose a loss with
 ``actor_rollout_ref.actor.policy_loss.loss_mode=dgpo_ops.dgpo``; the parameters verl has no field for
-(DGPO's ``n`` and ``m``, DISPO's four bounds, ...) go in ``policy_loss.method_params`` once
-``policy_loss._target_`` names this module's ``PolicyLossConfig`` (``verl_params``; docs/integrations.md, "Training
-with verl", has the command lines).
+(DGPO's ``n`` and ``m``, DISPO's four bounds, ...) go in ``policy_loss.method_params``, a field of this module's
+``PolicyLossConfig``, which importing it makes the class verl's actor config names (``select_for_verl``;
+``verl_params``; docs/integrations.md, "Training with verl", has the command lines).
 
 verl calls a policy loss on padded ``(batch, response_length)`` tensors and adds the entropy bonus and
 the KL term itself (``verl.workers.utils.losses.ppo_loss``); the loss here is ``dgpo_ops.policy_loss`` on

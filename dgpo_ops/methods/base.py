@@ -51,7 +51,7 @@ class ParamSpec:
                              f"{'inf' if high is None else high}{closing}, got {value!r}")
 
     def describe(self) -> str:
-        """The accepted values in words, for the README table and ``--help``."""
+        """The accepted values in words, for docs/methods.md's table and ``--help``."""
         if self.choices is not None:
             return "one of " + ", ".join(self.choices)
         low = "-inf" if self.low is None else f"{self.low:g}"

@@ -5,7 +5,7 @@ names a user may pass (``POLICY_LOSSES``), each method's parameters with their s
 parameters a call by name must add (``required_params``) and the parameter sets the tests run (``variants``).
 What a framework's config reads each parameter from lives with that integration (``trainer/method_fields.py``,
 ``dgpo_ops.integrations.verl_params``, ``dgpo_ops.integrations.skyrl_params``); ``docs/generate.py`` writes
-the README's and docs/integrations.md's tables from those mappings.
+docs/methods.md's and docs/integrations.md's tables from those mappings.
 """
 
 from __future__ import annotations

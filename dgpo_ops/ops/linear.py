@@ -86,8 +86,8 @@ class TileProjection:
     The weight is read where it is stored: a weight already in the GEMMs' dtype is multiplied whole, and one that
     is not (autocast over fp32 weights; the CPU's fp32 products of low-precision operands) is cast one vocabulary
     block at a time (``vocab_block_rows``), where the block is multiplied, so no copy of the whole weight exists
-    (the price: the fp32 weight is read once per token chunk in each of the two GEMMs that take it, logits and
-    d hidden)."""
+    (the price: the fp32 weight is read once per token chunk in each GEMM that takes it: the logits, d hidden,
+    and for GSPO the second sweep's logits)."""
 
     def __init__(self, weight, bias, precision: Precision, memory_budget: int):
         self.precision = precision
@@ -102,20 +102,27 @@ class TileProjection:
         self.block_rows = vocab_block_rows(memory_budget, weight) if cast else max(self.vocab, 1)
         self.bias = None if bias is None else bias.detach().to(precision.operand)
 
-    def weight_blocks(self):
+    def weight_blocks(self, cast: bool = True):
         """``(start, stop, block)``: the weight's vocabulary blocks in the GEMMs' dtype (rounded to the
-        operand dtype first), each cast as it is reached; the whole weight, uncast, when it needs no cast."""
+        operand dtype first), each cast as it is reached; the whole weight, uncast, when it needs no cast.
+        ``cast=False``: the ranges alone (block None), for a sweep whose products do not read the weight."""
         for start in range(0, self.vocab, self.block_rows):
             stop = min(start + self.block_rows, self.vocab)
-            yield start, stop, self.weight[start:stop].to(self.precision.operand).to(self.gemm_dtype)
+            yield start, stop, (self.weight[start:stop].to(self.precision.operand).to(self.gemm_dtype)
+                                if cast else None)
 
-    def _matmul(self, a, b, out, accumulate: bool):
-        """``out = a @ b`` (``accumulate``: ``out += a @ b``), accumulated in ``out``'s dtype."""
+    def _matmul(self, a, b, out, accumulate: bool, whole_operand: bool = False):
+        """``out = a @ b`` (``accumulate``: ``out += a @ b``), accumulated in ``out``'s dtype. ``whole_operand``:
+        ``b`` may be the whole weight, which a GPU without fp32-output GEMMs (torch < 2.8) multiplies in its own
+        dtype rather than copy to fp32 (the product, ``a``'s rows only, is what is widened)."""
         if self.tensor_cores:  # tensor-core GEMMs on operands in the compute dtype, accumulated in fp32 (as TRL)
             if accumulate:
                 torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
             else:
                 torch.mm(a, b, out_dtype=torch.float32, out=out)
+        elif whole_operand and b.dtype != out.dtype:
+            product = a @ b
+            out.add_(product) if accumulate else out.copy_(product)
         elif accumulate:
             out.addmm_(a.to(out.dtype), b.to(out.dtype))
         else:
@@ -152,10 +159,10 @@ class TileProjection:
             hidden = torch.where(scored[:, None], hidden, 0.0)
         grad_tile = grad_tile.to(self.gemm_dtype)
         hidden = hidden.to(self.precision.operand).to(self.gemm_dtype)
-        for start, stop, block in self.weight_blocks():
+        for start, stop, block in self.weight_blocks(cast=grad_hidden is not None):
             part = grad_tile[:, start:stop]
             if grad_hidden is not None:  # summed over the vocabulary blocks: the first one writes
-                self._matmul(part, block, grad_hidden, accumulate=start > 0)
+                self._matmul(part, block, grad_hidden, accumulate=start > 0, whole_operand=True)
             if grad_weight is not None:
                 self._matmul(part.t(), hidden, grad_weight[start:stop], accumulate=not first)
         if grad_bias is not None:

@@ -58,8 +58,8 @@ def test_nothing_outside_the_gemms_but_what_the_math_needs(setting, level, bias)
 
 
 def test_the_counter_sees_a_zero_fill_and_a_weight_copy(monkeypatch):
-    # the counter's own check: the accumulators zero-filled and the weight copied whole, as before the
-    # first-product writes and the per-block casts, show up as weight-sized passes
+    # the counter's own check: accumulators zero-filled and the weight copied whole show up as weight-sized
+    # passes
     from dgpo_ops.ops import linear
 
     monkeypatch.setattr(linear, "vocab_block_rows", lambda budget, weight: weight.shape[0])
