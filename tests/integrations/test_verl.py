@@ -420,8 +420,8 @@ def test_ppo_loss_equals_reference(method, params, mode):
     resolved = dgpo_verl.loss_options(f"dgpo_ops.{method}", config).method
     if resolved.name == "geo_mean":  # verl's geo_mean: a mean over the micro-batch's rows, its own; the terms
         # ppo_loss adds (entropy, KL) by loss_agg_mode: the policy term alone, then those with A = 0 (no policy term)
-        policy, policy_grad = reference_over_micro_batches(
-            ROW_MEAN, resolved, {}, logits, targets, old, ref, advantages, mask, weights, 0.0, 0.0, info)
+        policy, policy_grad = reference_over_micro_batches(  # no KL term here, so no reference log-probs
+            ROW_MEAN, resolved, {}, logits, targets, old, None, advantages, mask, weights, 0.0, 0.0, info)
         terms, terms_grad = reference_over_micro_batches(
             mode, resolved, {}, logits, targets, old, ref, torch.zeros_like(advantages), mask, weights, 0.05, 0.01,
             info)

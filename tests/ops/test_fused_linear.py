@@ -413,3 +413,23 @@ def test_entropy_weights_refused_where_not_supported(layout):
         compiled = torch.compile(dgpo_ops.fused_linear_dgpo_loss, fullgraph=True, backend="eager")
         with pytest.raises(Exception, match="entropy_weights are not supported under torch.compile"):
             compiled(hidden, weight, **inputs, bias=bias)
+
+
+def test_d_hidden_reads_the_whole_weight_in_its_own_dtype_where_no_gemm_writes_fp32():
+    # A GPU with torch < 2.8 has no fp32-output GEMM of bf16 operands: d hidden then multiplies the whole bf16
+    # weight as it is and widens only the product (the tile's rows), never a weight-sized fp32 copy. Stood in for
+    # on the CPU by a projection whose GEMMs take bf16 operands.
+    from dgpo_ops.ops.linear import Precision, TileProjection
+
+    V, H, rows = 600, 48, 4
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    projection = TileProjection(weight, None, Precision.resolve(weight, None, None), memory_budget=2**20)
+    projection.gemm_dtype = torch.bfloat16
+    grad_tile = torch.randn(rows, V, generator=g).to(torch.bfloat16)
+    grad_hidden = torch.empty(rows, H)
+
+    sizes = largest_allocations(lambda: projection.accumulate_grads(grad_tile, torch.zeros(rows, H), grad_hidden,
+                                                                    None, None, first=True))
+    assert sizes[0] < V * H * 4, sizes[:3]
+    torch.testing.assert_close(grad_hidden, (grad_tile @ weight).float())
