@@ -105,15 +105,17 @@ def ragged_batch(seed: int, drift: float, rollout_drift: float = 0.0):
     """Ragged responses (lengths 7, 4, 0, 2: one fully masked), float64: ``(logits, targets, mask, old_logp,
     rollout_logp, advantages)``, the old log-probs up to ``drift`` nats from the current ones and the
     rollout's a normal of scale ``rollout_drift`` from the old (the rollout's equal to the old where it is
-    0)."""
+    0), both at most 0, as log-probs are (dgpo-ops refuses log-probs above 0)."""
     generator = torch.Generator().manual_seed(seed)
     B, T, V = 4, 7, 33
     logits = torch.randn(B, T, V, generator=generator, dtype=torch.float64) * 2
     targets = torch.randint(0, V, (B, T), generator=generator)
     mask = torch.arange(T)[None, :] < torch.tensor([7, 4, 0, 2])[:, None]
     logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-    old_logp = logp + drift * (2 * torch.rand(B, T, generator=generator, dtype=torch.float64) - 1)
-    rollout_logp = old_logp + rollout_drift * torch.randn(B, T, generator=generator, dtype=torch.float64)
+    spread = 2 * torch.rand(B, T, generator=generator, dtype=torch.float64) - 1
+    old_logp = (logp + drift * spread).clamp(max=0.0)
+    rollout_logp = (old_logp + rollout_drift * torch.randn(B, T, generator=generator,
+                                                           dtype=torch.float64)).clamp(max=0.0)
     advantages = torch.randn(B, generator=generator, dtype=torch.float64)
     return logits, targets, mask, old_logp, rollout_logp, advantages
 
@@ -124,6 +126,9 @@ def far_off_policy_batch():
     rollout)."""
     logits, targets, mask, old_logp, _, advantages = ragged_batch(seed=5, drift=0.05)
     assert advantages[3] < 0 < advantages[0] and mask[3, 0] and mask[0, 1]
+    # the e^-25 token's target made improbable, so that its old log-prob, 25 nats above, is still a log-prob
+    logits = logits.clone()
+    logits[0, 1, targets[0, 1]] -= 40.0
     logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
     old_logp = old_logp.clone()
     old_logp[3, 0] = logp[3, 0] - 25.0
