@@ -343,8 +343,8 @@ def fused_dgpo_loss(
       are the whole vocabulary's, the gradient this process's share's (the hidden state's is summed over the
       group). 16 bytes per token cross processes, never logits or weights: the row kernels' per-row partials,
       merged by one all-reduce (``dgpo_ops/layouts/vocab.py``); None: not split.
-    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README:
-      method table); unknown names raise ``ValueError``.
+    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m``
+      (docs/methods.md: the method table); unknown names raise ``ValueError``.
 
     Returns ``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token ``logps`` and ``entropy``
     (fp32, detached, 0 on tokens not scored) and ``metrics`` (region fractions, EUR, ratio, entropy, KL; read
@@ -447,8 +447,8 @@ def reference_loss(
       It runs before the loss on ``old_logps`` and ``rollout_logps`` (both required), giving the rollout
       weights (so not together with ``rollout_weights``) and the rejections, which leave the mask (the
       normaliser counts only the tokens kept).
-    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README:
-      method table); unknown names raise ``ValueError``.
+    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m``
+      (docs/methods.md: the method table); unknown names raise ``ValueError``.
 
     Returns ``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token ``logps`` and ``entropy``
     (fp32, detached, 0 on tokens not scored) and ``metrics`` (region fractions, EUR, ratio, entropy, KL; read
@@ -584,8 +584,8 @@ def fused_linear_dgpo_loss(
       are the whole vocabulary's, the gradient this process's share's (the hidden state's is summed over the
       group). 16 bytes per token cross processes, never logits or weights: the row kernels' per-row partials,
       merged by one all-reduce (``dgpo_ops/layouts/vocab.py``); None: not split.
-    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m`` (README:
-      method table); unknown names raise ``ValueError``.
+    * ``method_params``: the method's own parameters, e.g. ``eps_low``, ``eps_high``, ``n``, ``m``
+      (docs/methods.md: the method table); unknown names raise ``ValueError``.
 
     Returns ``PolicyLossOutput``: ``loss`` (a scalar, differentiable), per-token ``logps`` and ``entropy``
     (fp32, detached, 0 on tokens not scored) and ``metrics`` (region fractions, EUR, ratio, entropy, KL; read

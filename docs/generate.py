@@ -279,7 +279,7 @@ def signature_markdown(name: str) -> Callable[[], str]:
 # The README's table of how long its commands take: (what, command, log alone, log beside two busy loops), the logs
 # written by docs/timing/measure.sh (and, for the main job, as docs/train/timing/README.md says).
 TIMED_COMMANDS = (
-    ("the main job", "`dgpo-ops train`", "docs/train/timing/idle.log", None),
+    ("the main job", "`dgpo-ops train`", "docs/train/timing/idle.log", "docs/timing/mainjob_busy2.log"),
     ("the main job, shortened", "`dgpo-ops train --sft-steps 60 --max-steps 6 --eval-size 100`",
      "docs/train/timing/short_idle.log", "docs/train/timing/short_busy2.log"),
     ("the tests", "`python -m pytest`", "docs/timing/tests_idle.log", "docs/timing/tests_busy2.log"),
@@ -292,7 +292,7 @@ class TimedRun(NamedTuple):
     load_before: str
     load_after: str
     commit: str | None
-    tests: str | None  # pytest's closing counts ("3138 passed, 160 skipped"), where the log has them
+    tests: str | None  # pytest's closing counts ("3138 passed, 160 skipped"; summed over several suites)
 
 
 def timed_run(path: Path) -> TimedRun:
@@ -304,9 +304,16 @@ def timed_run(path: Path) -> TimedRun:
     if wall is None or len(loads) < 2:
         raise ValueError(f"{path}: no WALL line or no load before and after")
     commit = re.search(r"^# commit ([0-9a-f]+)", text, re.MULTILINE)
-    counts = re.findall(r"^=* ?(\d+ passed[^=\n]*?) in [0-9.]+s", text, re.MULTILINE)
-    return TimedRun(float(wall.group(1)), loads[0], loads[-1], commit and commit.group(1),
-                    counts[-1].strip() if counts else None)
+    summaries = re.findall(r"^=* ?(\d+ passed[^=\n]*?) in [0-9.]+s", text, re.MULTILINE)
+    counts = [dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (passed|failed|skipped)", line))
+              for line in summaries]
+    tests = None
+    if len(counts) == 1:
+        tests = ", ".join(f"{n} {kind}" for kind, n in counts[0].items())
+    elif counts:  # several suites in one command (the frameworks' venvs)
+        tests = f"{len(counts)} suites, {sum(c.get('passed', 0) for c in counts)} passed, " \
+                f"{sum(c.get('failed', 0) for c in counts)} failed"
+    return TimedRun(float(wall.group(1)), loads[0], loads[-1], commit and commit.group(1), tests)
 
 
 def times_markdown(root: Path = REPO) -> str:
@@ -465,6 +472,7 @@ def public_functions_source(module: str) -> str:
 SECTIONS = (
     Section("docs/methods.md", "<!-- methods:start -->", "<!-- methods:end -->", methods_markdown),
     Section("README.md", "<!-- method-names:start -->", "<!-- method-names:end -->", method_names_markdown),
+    Section("README.md", "<!-- times:start -->", "<!-- times:end -->", times_markdown),
     Section("docs/integrations.md", "<!-- verl-methods:start -->", "<!-- verl-methods:end -->",
             verl_methods_markdown),
     Section("docs/integrations.md", "<!-- skyrl-methods:start -->", "<!-- skyrl-methods:end -->",

@@ -137,3 +137,17 @@ def test_the_skyrl_section_lists_what_its_wheel_leaves_out_with_the_ci_install()
     assert "--ignore-requires-python skyrl-gym==0.4.0" in install
     named = " ".join((REPO / "docs/integrations.md").read_text().split())
     assert "**ray, jaxtyping, loguru, omegaconf and skyrl-gym**" in named
+
+
+def test_a_timing_log_gives_its_wall_time_load_commit_and_counts(tmp_path):
+    log = tmp_path / "t.log"
+    log.write_text("# commit abc1234, busy loops 2: python -m pytest\n"
+                   "#  10:00:00 up 1:00,  0 user,  load average: 2.21, 2.04, 2.23  (uptime before)\n"
+                   "==== 3 passed, 1 skipped, 4 warnings in 5.00s ====\nWALL 6.50 s\n"
+                   "#  10:00:07 up 1:00,  0 user,  load average: 4.16, 3.84, 3.12  (uptime after)\n")
+    run = docs_tool().timed_run(log)
+    assert (run.seconds, run.load_before, run.load_after, run.commit, run.tests) == (
+        6.5, "2.21", "4.16", "abc1234", "3 passed, 1 skipped")
+    log.write_text(log.read_text().replace("WALL 6.50 s\n", ""))
+    with pytest.raises(ValueError, match="no WALL line"):
+        docs_tool().timed_run(log)
