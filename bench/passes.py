@@ -43,6 +43,8 @@ if str(REPO) not in sys.path:  # `python bench/passes.py` from anywhere: bench.*
     sys.path.insert(0, str(REPO))
 
 from bench.train_step import MODELS, RESPONSES, synthetic_rollouts
+from dgpo_ops.core.options import DEFAULT_MEMORY_BUDGET
+from dgpo_ops.ops.linear import vocab_block_rows
 
 RESULTS_DIR = REPO / "bench" / "results"
 
@@ -131,6 +133,11 @@ def count_case(path: str, method: str, option: str, model_name: str = "tiny", de
     if vocab in _other_dimensions(config, prompt_length, completion_length):
         raise ValueError(f"the vocabulary ({vocab}) equals another dimension of {model_name}: its matmuls would "
                          "be counted as the lm_head's")
+    if vocab > vocab_block_rows(DEFAULT_MEMORY_BUDGET, torch.empty(0, hidden)):
+        # a weight cast one vocabulary block at a time (autocast; bf16 on the CPU) is multiplied in products whose
+        # dimension is the block's, not the vocabulary's: the counter would miss them
+        raise ValueError(f"the vocabulary ({vocab}) spans several of the fused linear's cast blocks at hidden size "
+                         f"{hidden}: its lm_head products would not be counted")
     policy_loss, method_fields = METHODS[method]
     with tempfile.TemporaryDirectory() as scratch:
         trainer = build_trainer(path, model_name, completion_length, workdir or scratch, device,

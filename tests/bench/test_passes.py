@@ -157,3 +157,12 @@ def test_the_timing_table_shows_each_case_and_why_one_failed():
     assert "| grpo | plain | 7.50 s / 2.05 | - |" in table
     assert "| grpo | all | - | failed |" in table
     assert "* grpo all trl: exited -9: killed" in table
+
+
+def test_a_vocabulary_over_one_cast_block_is_refused(monkeypatch):
+    # the counter sees the lm_head's products by their vocabulary dimension; a weight cast in blocks hides it
+    import bench.passes as passes
+
+    monkeypatch.setattr(passes, "vocab_block_rows", lambda budget, weight: 8)
+    with pytest.raises(ValueError, match="several of the fused linear's cast blocks"):
+        passes.count_case("dgpo_linear", "grpo", "plain")
