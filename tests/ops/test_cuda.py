@@ -12,8 +12,8 @@ import dgpo_ops
 pytestmark = CUDA_MARKS
 
 
-def cuda_inputs(B=4, T=64, V=32000, seed=0, dtype=torch.bfloat16):
-    inputs = logits_batch(B, T, V, seed=seed, dtype=dtype)
+def cuda_inputs(B=4, T=64, V=32000, seed=0, dtype=torch.bfloat16, ref_logps=False):
+    inputs = logits_batch(B, T, V, seed=seed, dtype=dtype, ref_logps=ref_logps)
     return {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
 
 
@@ -30,7 +30,7 @@ def fresh_checks():
     dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean"),
 ], ids=["token", "token_kl_entropy", "sequence"])
 def test_logits_op_never_synchronises(options):
-    inputs = cuda_inputs()
+    inputs = cuda_inputs(ref_logps="beta" in options)
     logits = inputs.pop("logits").requires_grad_(True)
     inputs["loss_normalizer"] = inputs["mask"].sum().float()  # a device tensor, as TRL passes one
     inputs["mask"] = inputs["mask"].int()
@@ -85,7 +85,7 @@ def test_linear_op_never_synchronises(autocast, on_chip):
     g = torch.Generator(device="cuda").manual_seed(1)
     hidden = torch.randn(4, 64, 256, device="cuda", generator=g, requires_grad=True)
     weight = (torch.randn(32000, 256, device="cuda", generator=g) * 0.05).requires_grad_(True)
-    inputs = cuda_inputs()
+    inputs = cuda_inputs(ref_logps=True)
     inputs.pop("logits")
 
     def step():
@@ -133,7 +133,7 @@ def test_linear_op_matches_the_models_logits(setting, method, on_chip):
     B, T, H, V = 2, 16, 64, 3000
     hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
     weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2
-    inputs = logits_batch(B, T, V, seed=3, logits=hidden @ weight.T)
+    inputs = logits_batch(B, T, V, seed=3, logits=hidden @ weight.T, ref_logps=True)
     inputs.pop("logits")
     params_dtype = torch.bfloat16 if setting == "bf16_params" else torch.float32
     low = setting != "fp32"

@@ -166,7 +166,7 @@ def test_fused_matches_reference_on_cuda(variant, aggregation, dtype):
 @pytest.mark.parametrize("layout", ["sliced_time", "vocab_strided", "flat", "inplace"])
 @requires_cuda
 def test_layouts_on_cuda(layout):
-    inputs = logits_batch(2, 6, 5000, seed=31)
+    inputs = logits_batch(2, 6, 5000, seed=31, ref_logps=True)
     logits = inputs.pop("logits")
     ref_logits = logits.double().requires_grad_(True)
     cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
