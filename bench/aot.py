@@ -88,6 +88,10 @@ MMA_OF_ARCH = {"sm_80": "HMMA", "sm_90": "HGMMA"}  # what the on-chip fused-line
 MAX_SHARED_OF_ARCH = {"sm_80": 166912, "sm_90": 232448}
 # The backward is bound by memory only while the SFU keeps up: one exp per element, 1 - p of the target once per row
 MAX_BACKWARD_MUFU_PER_ELEMENT = 1.0
+# The bf16 forward is bound by HBM only while the schedulers issue its loop faster than the logits arrive. On an
+# H200 (132 SMs x 4 schedulers x 1.98 GHz, one warp instruction each per clock; 4.2-4.3 TB/s read) 2 bytes per
+# element allow about 15.6 instructions per element; at 19.2 (run 21) the forward ran at 3.47 TB/s. Kept under 14.
+MAX_FORWARD_BF16_OPS_PER_ELEMENT = 14.0
 
 
 @dataclass(frozen=True)
@@ -260,7 +264,8 @@ def sass_loops(sass: str) -> list[tuple[int, int]]:
 
 
 def hot_loop_mufu(sass: str) -> dict:
-    """MUFU instructions in the loop that issues the most 128-bit loads (the vocabulary loop)."""
+    """MUFU instructions, and all instructions, in the loop that issues the most 128-bit loads (the vocabulary
+    loop)."""
     loops = sass_loops(sass)
     instructions = [(int(m.group(1), 16), m.group(2)) for m in INSTRUCTION.finditer(sass)]
     best = None
@@ -269,8 +274,8 @@ def hot_loop_mufu(sass: str) -> dict:
         loads = sum(op.startswith("LDG.E.128") for op in body)
         if loads and (best is None or loads > best["ldg128"]):
             mufu = [op for op in body if op.startswith("MUFU")]
-            best = {"ldg128": loads, "mufu": len(mufu), "mufu_ops": sorted(set(mufu))}
-    return best or {"ldg128": 0, "mufu": 0, "mufu_ops": []}
+            best = {"ldg128": loads, "mufu": len(mufu), "mufu_ops": sorted(set(mufu)), "instructions": len(body)}
+    return best or {"ldg128": 0, "mufu": 0, "mufu_ops": [], "instructions": 0}
 
 
 def _compile(job: tuple[Specialisation, int]) -> tuple[dict, bytes | None]:
@@ -312,6 +317,7 @@ def _count_sass(row: dict, spec: Specialisation, sass: str) -> dict:
         elements_per_thread = dict(spec.constexprs)["BLOCK_V"] / (32 * spec.launch["num_warps"])
         row["mufu_per_element"] = loop["mufu"] / elements_per_thread
         row["mufu_ops"] = loop["mufu_ops"]
+        row["ops_per_element"] = loop["instructions"] / elements_per_thread
     return row
 
 
@@ -399,15 +405,16 @@ def run(archs=(80, 90), full=False, jobs=2) -> list[dict]:
 
 def format_report(rows: list[dict]) -> str:
     header = (f"{'arch':<6} {'specialisation':<58} {'regs':>4} {'smem':>6} {'local':>5} {'stack':>5} "
-              f"{'LDG.128':>7} {'STG.128':>7} {'MUFU/elt':>8} {'MMA':>5}")
+              f"{'LDG.128':>7} {'STG.128':>7} {'MUFU/elt':>8} {'ops/elt':>7} {'MMA':>5}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if "error" in row:
             lines.append(f"{row['arch']:<6} {row['label']:<58} FAILED {row['error']}")
             continue
         mufu = f"{row['mufu_per_element']:.2f}" if "mufu_per_element" in row else "-"
+        ops = f"{row['ops_per_element']:.1f}" if "ops_per_element" in row else "-"
         lines.append(f"{row['arch']:<6} {row['label']:<58} {row['reg']:>4} {row['shared']:>6} {row['local']:>5} "
-                     f"{row['stack']:>5} {row['ldg128']:>7} {row['stg128']:>7} {mufu:>8} {row['mma']:>5}")
+                     f"{row['stack']:>5} {row['ldg128']:>7} {row['stg128']:>7} {mufu:>8} {ops:>7} {row['mma']:>5}")
     return "\n".join(lines)
 
 
@@ -432,6 +439,10 @@ def problems(rows: list[dict]) -> list[str]:
         elif row["kernel"] == "backward" and row["mufu_per_element"] > MAX_BACKWARD_MUFU_PER_ELEMENT:
             found.append(f"{where}: {row['mufu_per_element']:.2f} MUFU instructions per element in the hot loop "
                          f"({', '.join(row['mufu_ops'])}); the backward must stay at one exp")
+        elif row["label"].startswith("forward  bf16") and row["ops_per_element"] > MAX_FORWARD_BF16_OPS_PER_ELEMENT:
+            found.append(f"{where}: {row['ops_per_element']:.1f} instructions per element in the hot loop, over "
+                         f"{MAX_FORWARD_BF16_OPS_PER_ELEMENT:g}: the forward would be bound by instruction issue, not "
+                         "by HBM")
     return found
 
 
@@ -455,7 +466,8 @@ def main(argv=None) -> int:
         format_report(rows),
         f"bf16 gradient stores convert with: {', '.join(bf16)} (cvt.rn: round to nearest even)",
         "MUFU/elt: special-function instructions per vocabulary element in the row kernels' hot loop "
-        f"(the backward must stay at {MAX_BACKWARD_MUFU_PER_ELEMENT:g})",
+        f"(the backward must stay at {MAX_BACKWARD_MUFU_PER_ELEMENT:g}); ops/elt: all its instructions per element "
+        f"(the bf16 forward must stay under {MAX_FORWARD_BF16_OPS_PER_ELEMENT:g}: issue faster than HBM delivers)",
         "MMA: tensor-core instructions in the SASS (the on-chip fused-linear products: "
         + ", ".join(f"{arch} {op}" for arch, op in MMA_OF_ARCH.items()) + ")",
         f"{len(rows) - len(found)} of {len(rows)} specialisations compiled without problems",

@@ -63,5 +63,10 @@ LOGP_ABOVE_ZERO_TOLERANCE = tl.constexpr(_LOGP_ABOVE_ZERO_TOLERANCE)
 IGNORE_INDEX = tl.constexpr(_IGNORE_INDEX)
 NAN_PROPAGATING = tl.constexpr(tl.PropagateNan.ALL)
 NO_TOKEN = tl.constexpr(2**31 - 1)  # past every token and response index (both are int32-sized)
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln 2: exp(z) = 2^(z log2 e)
+LN2 = tl.constexpr(0.6931471805599453)
+# The row forward's exponents (base 2) are floored here: 2^-1024 is 0 in fp32 and 0 x -1024 is 0, where a -inf
+# logit's own exponent would give 0 x -inf = nan; every exponent under -150 gives 0 either way.
+EXP2_FLOOR = tl.constexpr(-1024.0)
 HALF_SQRT_PI_OVER_2 = tl.constexpr(1.2533141373155003)  # sqrt(pi / 2)
 INV_SQRT2 = tl.constexpr(0.7071067811865476)

@@ -114,24 +114,27 @@ def logprob_entropy_fwd_kernel(
     tl.store(target_index_ptr + token, target)  # what the finalize and backward kernels read
     vocab_end = tl.where(valid, vocab, 0)
 
-    # Running over the row: max m, S = sum exp(x - m) and U = sum exp(x - m) (x - m). Centring U on
-    # the running max keeps the entropy H = log S - U / S accurate for peaked rows with large logits.
+    # Running over the row: max m, S = sum exp(x - m) and U = sum exp(x - m) (x - m), x the logits over the
+    # temperature. Centring U on the running max keeps the entropy H = log S - U / S accurate for peaked rows with
+    # large logits. The loop runs on the raw logits: m_raw = max of the stored logits (m = m_raw / temperature,
+    # exactly the max of the scaled ones) and base-2 exponents y = (x_raw - m_raw) * exp2_scale, so each element
+    # costs a subtraction, a product, the floor, one exp2 and the two sums (fewer instructions than exp of the
+    # scaled logits: on an H200 the pass is then bound by HBM, not by instruction issue). U is summed in base-2
+    # units (U2 = U / ln 2). Full tiles are read without a mask; the last, partial one with it.
+    exp2_scale = inv_temperature * codes.LOG2E
     row_max = -float("inf")
     sum_exp = 0.0
-    sum_exp_dx = 0.0
-    for start in range(0, vocab_end, BLOCK_V):
-        offsets = start + tl.arange(0, BLOCK_V)
+    sum_exp_dy = 0.0
+    full_end = vocab_end - vocab_end % BLOCK_V
+    for start in range(0, full_end, BLOCK_V):
+        x = tl.load(row_ptr + (start + tl.arange(0, BLOCK_V)) * stride_v).to(tl.float32)
+        row_max, sum_exp, sum_exp_dy = online_sums(x, row_max, sum_exp, sum_exp_dy, exp2_scale)
+    if full_end < vocab_end:
+        offsets = full_end + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offsets * stride_v, mask=offsets < vocab, other=-float("inf")).to(tl.float32)
-        x = x * inv_temperature
-        new_max = tl.maximum(row_max, tl.max(x, axis=0))
-        # A tile of -inf logits (vocabulary masking) must not give exp(-inf - -inf) = nan.
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        e = tl.exp(x - shift)
-        rescale = tl.exp(row_max - shift)
-        recentre = tl.where(sum_exp > 0.0, (row_max - shift) * sum_exp, 0.0)  # (x - m) = (x - m') + (m' - m)
-        sum_exp_dx = rescale * (sum_exp_dx + recentre) + tl.sum(tl.where(e > 0.0, e * (x - shift), 0.0), axis=0)
-        sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
-        row_max = new_max
+        row_max, sum_exp, sum_exp_dy = online_sums(x, row_max, sum_exp, sum_exp_dy, exp2_scale)
+    row_max = row_max * inv_temperature
+    sum_exp_dx = sum_exp_dy * codes.LN2
 
     target_logit = tl.load(row_ptr + target * stride_v, mask=owned, other=0.0).to(tl.float32) * inv_temperature
     if WRITES_PARTIALS:
@@ -146,6 +149,23 @@ def logprob_entropy_fwd_kernel(
                    entropy_coef, adv_stride_b, adv_stride_t, old_stride_b, old_stride_t, ref_stride_b, ref_stride_t,
                    rw_stride_b, rw_stride_t, METHOD, GATE, HAS_EPILOGUE, HAS_OLD_LOGPS, HAS_KL, KL_TIMES_RATIO,
                    HAS_ROLLOUT_WEIGHTS)
+
+
+@triton.jit
+def online_sums(x, row_max, sum_exp, sum_exp_dy, exp2_scale):
+    """One tile of raw logits ``x`` folded into a row's running max of the raw logits, ``S`` and ``U2`` (base-2
+    exponents ``(x - max) * exp2_scale``; ``exp2_scale`` > 0 is log2 e over the temperature)."""
+    new_max = tl.maximum(row_max, tl.max(x, axis=0))
+    # A tile of -inf logits (vocabulary masking) must not give -inf - -inf = nan.
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+    y = tl.maximum((x - shift) * exp2_scale, codes.EXP2_FLOOR, propagate_nan=codes.NAN_PROPAGATING)
+    e = tl.math.exp2(y)
+    old = (row_max - shift) * exp2_scale  # -inf for the first tile: its rescale is 0 and S, U2 are 0
+    rescale = tl.math.exp2(old)
+    recentre = tl.where(sum_exp > 0.0, old * sum_exp, 0.0)  # (x - m) = (x - m') + (m' - m)
+    sum_exp_dy = rescale * (sum_exp_dy + recentre) + tl.sum(e * y, axis=0)
+    sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
+    return new_max, sum_exp, sum_exp_dy
 
 
 @triton.jit

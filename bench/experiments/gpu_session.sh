@@ -37,7 +37,9 @@
 #   trainstep  train_step.py: one update of Qwen2.5-1.5B's architecture at completions of 2k and 8k,
 #              DGPOTrainer(fused="linear") and GRPOTrainer                                        (limit 170 s)
 #   passes     passes.py: the GEMM passes over the lm_head weight, per method and path, on CUDA (limit 120 s)
-# Other stages, by name only (not in the dry run): bench (the benchmark suite, its results JSON as bench.json),
+# Other stages, by name only: rows (row_shapes.py: the row kernels alone across launch shapes, the forward of this
+# tree against ROWS_BASELINE_FORWARD, another version of kernels/logprob_entropy.py carried as a file, where set;
+# in the dry run too) (limit 120 s); and (not in the dry run) bench (the benchmark suite, its results JSON as bench.json),
 # onchip (on_chip_split.py: the on-chip fused linear's kernels one by one, and other tiles of its gradient kernel:
 # ONCHIP_GRAD_SHAPES, ONCHIP_SETTINGS), host (host_overhead.py), repro (the bf16 cuDNN attention repro), mainjob
 # (20 bf16 runs of the main job), trainfit (the longest completion).
@@ -160,6 +162,7 @@ if [ "$DRY" = 1 ]; then
   LINEAR_ARGS=(--sizes 64x32x500 --settings fp32 --competitors ours gemm_floor --repeats 1)
   TRAINSTEP_ARGS=(--model tiny --completions 16 --paths dgpo_linear)
   PASSES_ARGS=(--methods gspo --options all --paths dgpo_linear)
+  ROWS_ARGS=(--tokens 64 --vocab 1000)
 else
   TESTS=(tests)
   TEST_WORKERS=8
@@ -168,13 +171,15 @@ else
   LINEAR_ARGS=(--competitors ours ours_on_chip trl liger gemm_floor --repeats 3)
   TRAINSTEP_ARGS=(--completions 2048,8192 --paths dgpo_linear,trl)
   PASSES_ARGS=()
+  ROWS_ARGS=()
 fi
+[ -n "${ROWS_BASELINE_FORWARD:-}" ] && ROWS_ARGS+=(--baseline-forward "$TREE/$ROWS_BASELINE_FORWARD")
 
 STAGES=("$@")
 [ ${#STAGES[@]} = 0 ] && STAGES=(setup tests floors logits linear trainstep passes)
 [ "${STAGES[0]}" = fetch-wheels ] && { fetch_wheels; exit $?; }
 [ "${STAGES[0]}" = setup ] || { echo "setup must be the first stage" >&2; exit 2; }
-KNOWN_STAGES=" setup tests floors logits linear trainstep passes bench onchip host repro trainfit mainjob "
+KNOWN_STAGES=" setup tests floors logits linear trainstep passes rows bench onchip host repro trainfit mainjob "
 for stage in "${STAGES[@]}"; do  # refused before the setup spends a minute of the lease
   [[ $KNOWN_STAGES == *" $stage "* ]] || { echo "unknown stage $stage (stages:$KNOWN_STAGES)" >&2; exit 2; }
 done
@@ -213,6 +218,8 @@ for stage in "${STAGES[@]}"; do
       --output train_step.json "${TRAINSTEP_ARGS[@]}" ;;
   passes)
     run_stage passes 120 passes.json "$PYTHON" bench/passes.py --output passes.json "${PASSES_ARGS[@]}" ;;
+  rows)
+    run_stage rows 120 row_shapes.json "$PYTHON" bench/experiments/row_shapes.py --out row_shapes.json "${ROWS_ARGS[@]}" ;;
   bench)
     run_stage bench 600 bench.json bash -c "$PYTHON -m pytest bench/ --benchmark-only -q -p no:cacheprovider \
       --bench-no-report; rc=\$?; cp \$(ls -t bench/results/*.json | head -n 1) bench.json; exit \$rc" ;;

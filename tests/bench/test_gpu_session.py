@@ -79,6 +79,21 @@ def test_dry_run_of_every_stage(tmp_path):
     assert grid["rows"][0]["passes"] == 4.0 and grid["rows"][0]["designed_passes"] == 4.0
 
 
+def test_dry_run_of_the_row_shapes_stage_against_a_baseline_forward(tmp_path):
+    baseline = tmp_path / "logprob_entropy_baseline.py"
+    baseline.write_text((REPO / "kernels" / "logprob_entropy.py").read_text())
+    relative = os.path.relpath(baseline, REPO)
+    proc, out, _, stages = run_session(tmp_path, "setup", "rows", ROWS_BASELINE_FORWARD=relative)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert [(s[0], s[1]) for s in stages] == [("setup", "0"), ("rows", "0")]
+    doc = json.loads((out / "row_shapes.json").read_text())
+    timed = [row for row in doc["rows"] if "ms" in row]
+    assert len(timed) == len(doc["rows"]) and {row["kernel"] for row in timed} == {"forward", "backward"}
+    versions = {row["version"] for row in timed if row["kernel"] == "forward"}
+    assert versions == {"this tree", "baseline logprob_entropy_baseline.py"}
+    assert doc["copy"]["tb_per_s"] > 0
+
+
 def test_a_stage_without_budget_left_is_skipped_and_recorded(tmp_path):
     proc, _, _, stages = run_session(tmp_path, "setup", "tests", GPU_SESSION_BUDGET_S="5")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

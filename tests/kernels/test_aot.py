@@ -109,6 +109,18 @@ def test_a_block_over_the_architectures_shared_memory_is_a_problem():
     assert problems([{**row, "shared": 131072}]) == []
 
 
+def test_a_bf16_forward_loop_of_more_instructions_than_hbm_allows_is_a_problem():
+    # run 21's forward (H200): 19.2 instructions per element on sm_90, 3.47 TB/s against a 4.2 TB/s copy
+    from bench.aot import MAX_FORWARD_BF16_OPS_PER_ELEMENT, problems
+
+    row = dict(arch="sm_90", label="forward  bf16 dgpo", kernel="forward", local=0, stack=0, shared=1024, ldg128=8,
+               mma_ops=[], mufu_per_element=1.03, ops_per_element=19.2)
+    assert problems([row]) == [f"sm_90 forward  bf16 dgpo: 19.2 instructions per element in the hot loop, over "
+                               f"{MAX_FORWARD_BF16_OPS_PER_ELEMENT:g}: the forward would be bound by instruction "
+                               "issue, not by HBM"]
+    assert problems([{**row, "ops_per_element": 11.5}]) == []
+
+
 def test_aot_refuses_to_run_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-m", "bench.aot"], env=env, cwd=REPO, capture_output=True, text=True)
