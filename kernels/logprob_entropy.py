@@ -39,12 +39,12 @@ class LaunchShape:
     num_stages: int
 
 
-# Chosen from H100 measurements (csrc_notes.md, "Launch shapes"). The forward: 4096 x 4 warps ran
-# the whole op as fast as 8192 x 8 warps and its forward alone faster (0.79 vs 0.84 ms at V = 151,936),
-# and it compiles without a spill where 8192 x 8 warps spills one register for dcpo and aspo on sm_90.
-# The backward: 8192 x 8 warps was the fastest bare gradient kernel at V = 32,000 to 262,144.
+# Chosen by measurement (csrc_notes.md, "Launch shapes"; H200 run 22, bench/experiments/row_shapes.py, N = 8192,
+# V = 151,936 bf16). The forward: 4096 x 4 warps, 0.561 ms (4.44 TB/s), 2-4 stages alike, every other shape tried
+# 10-80 % slower. The backward: 4096 x 8 warps, 0.877 ms (5.68 TB/s read + written) against 0.973 for the 8192 x 8
+# of the H100's sweep.
 FORWARD_SHAPE = LaunchShape(block_v=4096, num_warps=4, num_stages=3)
-BACKWARD_SHAPE = LaunchShape(block_v=8192, num_warps=8, num_stages=3)
+BACKWARD_SHAPE = LaunchShape(block_v=4096, num_warps=8, num_stages=3)
 
 
 @triton.jit
