@@ -90,7 +90,7 @@ MAX_SHARED_OF_ARCH = {"sm_80": 166912, "sm_90": 232448}
 MAX_BACKWARD_MUFU_PER_ELEMENT = 1.0
 # The bf16 forward is bound by HBM only while the schedulers issue its loop faster than the logits arrive. On an
 # H200 (132 SMs x 4 schedulers x 1.98 GHz, one warp instruction each per clock; 4.2-4.3 TB/s read) 2 bytes per
-# element allow about 15.6 instructions per element; at 19.2 (run 21) the forward ran at 3.47 TB/s. Kept under 14.
+# element allow about 15.6 instructions per element; at 19.2 (run 21) the forward read about 3.05 TB/s. Kept under 14.
 MAX_FORWARD_BF16_OPS_PER_ELEMENT = 14.0
 
 

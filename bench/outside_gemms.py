@@ -128,6 +128,7 @@ def count_setting(setting: str, level: str = "token", bias: bool = False) -> dic
     """``{phase: {kind: ops}}`` and the ops by name of one forward + backward of grpo under ``SETTINGS[setting]``
     (``level="sequence"``: GSPO's ratio, whose gradients come in a second sweep of the tiles)."""
     import dgpo_ops
+    from dgpo_ops.ops import linear
 
     dtype, autocast = SETTINGS[setting]
     B, T, H, V = (SHAPE[k] for k in ("B", "T", "H", "V"))
@@ -141,16 +142,27 @@ def count_setting(setting: str, level: str = "token", bias: bool = False) -> dic
     advantages = torch.randn(B, generator=g)
     tile_bytes = 4 if dtype == torch.float32 and autocast is None else 2
     counter = OutsideGemmCounter(SHAPE)
-    with counted_kernels(counter), counter:
-        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, target, advantages, None, old, bias=bias_t,
-                                                  method="grpo", importance_sampling_level=level, backend="torch",
-                                                  memory_budget=SHAPE["tile_rows"] * V * tile_bytes)
-        counter.phase = "backward"
-        out.loss.backward()
+    made = []  # the tile buffers' rows: the op halves them where it pipelines the sweep (ops/linear.py)
+    original_tiles = linear.Tiles.__init__
+
+    def recording_tiles(self, *args, **kwargs):
+        original_tiles(self, *args, **kwargs)
+        made.append(self.rows)
+
+    linear.Tiles.__init__ = recording_tiles
+    try:
+        with counted_kernels(counter), counter:
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, target, advantages, None, old, bias=bias_t,
+                                                      method="grpo", importance_sampling_level=level,
+                                                      backend="torch", memory_budget=SHAPE["tile_rows"] * V * tile_bytes)
+            counter.phase = "backward"
+            out.loss.backward()
+    finally:
+        linear.Tiles.__init__ = original_tiles
     return {"counts": {phase: dict(c) for phase, c in counter.counts.items()},
             "ops": {phase: dict(c) for phase, c in counter.ops.items()},
-            "tiles": -(-B * T // SHAPE["tile_rows"])}
+            "tiles": -(-B * T // made[0])}
 
 
 def main():

@@ -119,13 +119,19 @@ def derived(kind: str, spec, method: str | None) -> dict:
     def names(expr) -> set:
         return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
 
-    def account(call, op: str, in_loop: bool) -> None:
+    loop_rows, tail_rows = set(), set()  # (pointer, op) of the row accesses in the loop / in a last-tile branch
+
+    def account(call, op: str, in_loop: bool, tail: bool = False) -> None:
         ptr = base(call.args[0])
         if ptr is None:
             raise ValueError(f"cannot tell which pointer {ast.unparse(call)} uses")
         size = TYPE_BYTES[signature[ptr]]
         label = ptr.removesuffix("_ptr").replace("_", " ")
+        if tail and "offsets" in names(call.args[0]):
+            tail_rows.add((ptr, op))  # the row's last tile: its elements are the loop's per-element units
+            return
         if in_loop and "offsets" in names(call.args[0]):
+            loop_rows.add((ptr, op))
             out["row_read_units" if op == "load" else "row_write_units"] += size / 2
             return
         if "target" in names(call.args[0]) and ptr == "logits_ptr":
@@ -133,12 +139,12 @@ def derived(kind: str, spec, method: str | None) -> dict:
         side = out["side_reads" if op == "load" else "side_writes"]
         side[label] = side.get(label, 0) + size
 
-    def scan(node, in_loop: bool) -> None:
+    def scan(node, in_loop: bool, tail: bool = False) -> None:
         for sub in ast.walk(node):
             if _is_tl_call(sub, "load"):
-                account(sub, "load", in_loop)
+                account(sub, "load", in_loop, tail)
             elif _is_tl_call(sub, "store"):
-                account(sub, "store", in_loop)
+                account(sub, "store", in_loop, tail)
             elif isinstance(sub, ast.Call) and any(isinstance(a, ast.Name) and a.id == "method_params_ptr"
                                                    for a in sub.args):
                 out["param_bytes"] += 4 * param_words(method)
@@ -169,27 +175,35 @@ def derived(kind: str, spec, method: str | None) -> dict:
         visit(ast.parse(helper.src).body[0].body, in_loop)
         return True
 
-    def visit(stmts, in_loop: bool) -> None:
+    def visit(stmts, in_loop: bool, tail: bool = False) -> None:
         for st in stmts:
             if inlined(st, in_loop):
                 continue
             if isinstance(st, ast.If):
                 test = st.test
                 if isinstance(test, ast.Name) and test.id in consts:
-                    visit(st.body if consts[test.id] else st.orelse, in_loop)
+                    visit(st.body if consts[test.id] else st.orelse, in_loop, tail)
                     continue
-                raise ValueError(f"non-constexpr branch in the kernel: {ast.unparse(test)}")
+                if in_loop or st.orelse:
+                    raise ValueError(f"non-constexpr branch in the kernel: {ast.unparse(test)}")
+                # A runtime branch after the loop: the row's last, partial tile (the loop reads the full ones
+                # without a mask). Its row accesses are elements the per-element units already count.
+                visit(st.body, False, tail=True)
+                continue
             if isinstance(st, (ast.For, ast.While)):
-                visit(st.body, True)
+                visit(st.body, True, tail)
                 continue
             if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
                 ptr = base(st.value)
                 if ptr is not None and st.targets[0].id.endswith("_ptr"):
                     aliases[st.targets[0].id] = ptr
-            scan(st, in_loop)
+            scan(st, in_loop, tail)
 
     function = ast.parse(source.fn.src).body[0]
     visit(function.body, False)
+    if not tail_rows <= loop_rows:
+        raise ValueError(f"a runtime branch accesses rows the vocabulary loop does not: {tail_rows - loop_rows}")
+    out["last_tile_rows"] = bool(tail_rows)
     out["side_read_bytes"] = sum(out["side_reads"].values())
     out["side_write_bytes"] = sum(out["side_writes"].values())
     return out
@@ -210,18 +224,20 @@ def sass_traffic(sass: str, spec) -> dict:
     loops = aot.sass_loops(sass)
     threads = spec.launch["num_warps"] * 32
     block_v = dict(spec.constexprs)["BLOCK_V"]
-    inventory = {"loop": {}, "outside": {}}
+    inventory = {"loop": {}, "last tile": {}, "outside": {}}
     loop_bytes = {"LDG": 0, "STG": 0}
     side_bytes = {"LDG": 0, "STG": 0}
     for match in ACCESS.finditer(sass):
         at, op, suffix = int(match.group(1), 16), match.group(3), match.group(4)
         name = op + (suffix or "")
         in_loop = any(lo <= at <= hi for lo, hi in loops)
-        where = "loop" if in_loop else "outside"
+        # a 128-bit access outside the loop is a vector of the row's last, partial tile (the loop reads the full
+        # ones without a mask): elements the loop's per-entry bytes count; the per-token scalars are narrower
+        where = "loop" if in_loop else "last tile" if _width(suffix) == 16 else "outside"
         inventory[where][name] = inventory[where].get(name, 0) + 1
         if in_loop:
             loop_bytes[op] += _width(suffix) * threads  # per tile of BLOCK_V entries
-        else:
+        elif where == "outside":
             side_bytes[op] += _width(suffix)  # a scalar: one address per token
     per_entry = {op: b / block_v for op, b in loop_bytes.items()}  # bytes per vocabulary entry
     return {"loops": len(loops), "row_read_units": per_entry["LDG"] / 2, "row_write_units": per_entry["STG"] / 2,
@@ -259,14 +275,17 @@ def analyse() -> list[dict]:
             rows.append(row)
             continue
         d, s = row["derived"], row["sass"]
-        loop = s["inventory"]["loop"]
+        loop, last = s["inventory"]["loop"], s["inventory"]["last tile"]
         row["checks"] = {
             "row read (x V*2)": (d["row_read_units"], s["row_read_units"]),
             "row write (x V*2)": (d["row_write_units"], s["row_write_units"]),
             "side read B": (d["side_read_bytes"] + d["param_bytes"], s["side_read_bytes"]),
             "side write B": (d["side_write_bytes"], s["side_write_bytes"]),
-            "aot LDG.E.128 == loop LDG.E.128": (row["aot"].get("ldg128"), loop.get("LDG.E.128", 0)),
-            "aot STG.E.128 == loop STG.E.128": (row["aot"].get("stg128"), loop.get("STG.E.128", 0)),
+            "aot LDG.E.128 == loop + last tile LDG.E.128": (row["aot"].get("ldg128"),
+                                                            loop.get("LDG.E.128", 0) + last.get("LDG.E.128", 0)),
+            "aot STG.E.128 == loop + last tile STG.E.128": (row["aot"].get("stg128"),
+                                                            loop.get("STG.E.128", 0) + last.get("STG.E.128", 0)),
+            "a last-tile branch": (d["last_tile_rows"], bool(last)),
         }
         row["agree"] = all(a == b for a, b in row["checks"].values())
         rows.append(row)

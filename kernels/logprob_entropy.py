@@ -39,12 +39,11 @@ class LaunchShape:
     num_stages: int
 
 
-# Chosen by measurement (csrc_notes.md, "Launch shapes"; H200 run 22, bench/experiments/row_shapes.py, N = 8192,
-# V = 151,936 bf16). The forward: 4096 x 4 warps, 0.561 ms (4.44 TB/s), 2-4 stages alike, every other shape tried
-# 10-80 % slower. The backward: 4096 x 8 warps, 0.877 ms (5.68 TB/s read + written) against 0.973 for the 8192 x 8
-# of the H100's sweep.
+# Chosen by measurement (csrc_notes.md, "Launch shapes"). The forward (H200 run 22, bench/experiments/row_shapes.py,
+# N = 8192, V = 151,936 bf16): 4096 x 4 warps, 0.561 ms (4.44 TB/s), 2-4 stages alike, every other shape tried
+# 10-80 % slower. The backward (H100): 8192 x 8 warps, the fastest bare gradient kernel at V = 32,000 to 262,144.
 FORWARD_SHAPE = LaunchShape(block_v=4096, num_warps=4, num_stages=3)
-BACKWARD_SHAPE = LaunchShape(block_v=4096, num_warps=8, num_stages=3)
+BACKWARD_SHAPE = LaunchShape(block_v=8192, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -127,7 +126,8 @@ def logprob_entropy_fwd_kernel(
     sum_exp_dy = 0.0
     full_end = vocab_end - vocab_end % BLOCK_V
     for start in range(0, full_end, BLOCK_V):
-        x = tl.load(row_ptr + (start + tl.arange(0, BLOCK_V)) * stride_v).to(tl.float32)
+        offsets = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offsets * stride_v).to(tl.float32)
         row_max, sum_exp, sum_exp_dy = online_sums(x, row_max, sum_exp, sum_exp_dy, exp2_scale)
     if full_end < vocab_end:
         offsets = full_end + tl.arange(0, BLOCK_V)

@@ -19,6 +19,10 @@ tile in the operands' dtype, so each logit element costs 8 bytes of HBM traffic 
 operand reads (2 written by the GEMM, 2 + 2 read by the row kernels, 2 written back) for bf16,
 16 for fp32 (csrc_notes.md, "Memory traffic per token"). With ``softcap`` the tile is fp32 (tanh of the unrounded product).
 
+With more than one chunk and the weight multiplied whole, the tile budget is split into two buffers and each
+tile's row kernels run on a side stream beside the previous tile's gradient GEMMs (``TileSchedule``,
+``PIPELINE_TILES``): the row kernels move bytes while the GEMMs compute.
+
 Every token goes through the GEMMs (picking the unmasked ones would need their count on the
 host); rows not scored read nothing in the row kernels and get a zero gradient. Peak extra memory:
 the tile buffers (``memory_budget`` bytes), the fp32 gradient accumulators, one vocabulary block of
@@ -172,27 +176,54 @@ class TileProjection:
                 grad_bias += grad_tile.sum(dim=0, dtype=grad_bias.dtype)
 
 
+def pipelined(projection: TileProjection) -> bool:
+    """Whether a sweep over ``projection`` runs two tile buffers (``PIPELINE_TILES``): not where the weight is
+    cast per vocabulary block, which twice the chunks would cast twice as often."""
+    return PIPELINE_TILES and projection.block_rows >= projection.vocab
+
+
 def vocab_block_rows(memory_budget: int, weight: torch.Tensor) -> int:
     """Rows of one weight block ``TileProjection`` casts: an eighth of the tiles' budget in fp32, at least 128."""
     rows = max(128, memory_budget // 8 // (4 * max(weight.shape[1], 1)))
     return rows - rows % 128
 
 
-class Tiles:
-    """The tile buffers, and the scale the row kernels apply to what they read."""
+# A tile's row kernels run on a side stream beside the GEMMs of the tile before it (``TileSchedule``), over two
+# tile buffers of half the budget each, where the weight is multiplied whole (a weight cast per vocabulary block
+# would be cast twice as often). False: one buffer, every launch on the caller's stream, one after the other.
+PIPELINE_TILES = True
 
-    def __init__(self, n_tokens, vocab, precision: Precision, device, options: LossOptions):
+
+@dataclass
+class TileSlot:
+    """One tile buffer: the logits tile and the gradient tile (the same memory unless the dtypes differ or
+    softcap keeps the tile)."""
+
+    logits: torch.Tensor
+    grad: torch.Tensor
+
+
+class Tiles:
+    """The tile buffers (``slots``: two where the sweep is pipelined), and the scale the row kernels apply to what
+    they read."""
+
+    def __init__(self, n_tokens, vocab, precision: Precision, device, options: LossOptions, pipelined: bool = False):
         self.softcap = options.softcap
         self.logit_scale = options.logit_scale
         separate_grad = self.softcap is not None or precision.grad != precision.tile
         tile_bytes = torch.finfo(precision.tile).bits // 8
         grad_bytes = torch.finfo(precision.grad).bits // 8 if separate_grad else 0
         rows = max(1, min(n_tokens, options.memory_budget // (vocab * (tile_bytes + grad_bytes))))
+        slots = 2 if pipelined and rows < n_tokens else 1  # one chunk has nothing to overlap
+        rows = max(1, rows // slots)
         self.rows = rows if rows < 16 else rows - rows % 16
-        self.logits = torch.empty((self.rows, vocab), dtype=precision.tile, device=device)
-        self.grad = self.logits
-        if separate_grad:
-            self.grad = torch.empty((self.rows, vocab), dtype=precision.grad, device=device)
+
+        def slot():
+            logits = torch.empty((self.rows, vocab), dtype=precision.tile, device=device)
+            return TileSlot(logits, torch.empty((self.rows, vocab), dtype=precision.grad, device=device)
+                            if separate_grad else logits)
+
+        self.slots = [slot() for _ in range(slots)]
         # With softcap the buffer holds t = tanh(logit_scale y / softcap) and the logits are softcap t.
         self.kernel_scale = (self.softcap if self.softcap is not None else self.logit_scale) / options.temperature
 
@@ -208,9 +239,10 @@ class Tiles:
 
 @dataclass
 class TileGradients:
-    """The backward of one logits tile, shared by every tile sweep: the row backward kernel writes d loss / d
-    logits into the gradient tile (from the workspace's planes, or from per-token coefficients), the chain
-    rule makes it d loss / d y, and the GEMMs add it into the fp32 accumulators of hidden, weight and bias."""
+    """The backward of one logits tile, shared by every tile sweep: ``rows``, the row backward kernel writes d
+    loss / d logits into the gradient tile (from the workspace's planes, or from per-token coefficients) and the
+    chain rule makes it d loss / d y; ``products``, the GEMMs add it into the fp32 accumulators of hidden, weight
+    and bias (on CUDA the two can run on different streams: ``TileSchedule``)."""
 
     plan: CallPlan
     tiles: Tiles
@@ -224,8 +256,9 @@ class TileGradients:
     entropy_grad: torch.Tensor | None = None  # pipeline.entropy_gradient of the plan's entropy weights, ditto
     written: bool = False  # a tile's products are in the accumulators (the first one writes them)
 
-    def add(self, start, stop, tile, entropy_coef: float, dloss_dlogp=None, dloss_dentropy=None):
-        grad = self.tiles.grad[: stop - start]
+    def rows(self, start, stop, slot: TileSlot, entropy_coef: float, dloss_dlogp=None, dloss_dentropy=None):
+        """The row kernels of one tile: d loss / d y into the slot's gradient tile."""
+        tile, grad = slot.logits[: stop - start], slot.grad[: stop - start]
         plan = self.plan
         if self.backward_view is None:
             self.backward_view = plan.rows.backward_workspace(self.workspace, plan.grid_seq_len)
@@ -236,7 +269,10 @@ class TileGradients:
                       dloss_dlogp=dloss_dlogp, token_offset=start, dloss_dentropy=dloss_dentropy,
                       entropy_coef=entropy_coef)
         self.tiles.chain_rule(tile, grad)
-        self.projection.accumulate_grads(grad, self.hidden[start:stop],
+
+    def products(self, start, stop, slot: TileSlot):
+        """The GEMMs of one tile's gradient into the accumulators (the first tile's write them)."""
+        self.projection.accumulate_grads(slot.grad[: stop - start], self.hidden[start:stop],
                                          None if self.grad_hidden is None else self.grad_hidden[start:stop],
                                          self.grad_weight, self.grad_bias,
                                          scored=self.workspace.target_index[start:stop] >= 0, first=not self.written)
@@ -271,14 +307,72 @@ def completing(complete_batch: CompleteBatch, batch: LossInputs, replan: Callabl
     return complete
 
 
-def sweep_tiles(hidden, projection, tiles, on_tile):
-    """Compute each token chunk's logits tile and hand it to ``on_tile``."""
-    for start in range(0, hidden.shape[0], tiles.rows):
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class TileSchedule:
+    """Where a sweep's launches run. On CUDA with two tile buffers, each tile's row kernels run on a side stream
+    (one per device, kept) once the GEMM that wrote its logits is done, while the caller's stream multiplies the
+    previous tile's gradient: the memory-bound row kernels beside the compute-bound GEMMs instead of between
+    them. Elsewhere (the CPU, one buffer) everything runs in order on the caller's stream."""
+
+    def __init__(self, device: torch.device, slots: int):
+        self.side = None
+        if device.type == "cuda" and slots > 1:
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+            if device not in _SIDE_STREAMS:
+                _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+            self.side = _SIDE_STREAMS[device]
+
+    def on_side(self, launch: Callable[[], None]):
+        """``launch()`` after everything queued so far on the caller's stream; a handle for ``after``."""
+        if self.side is None:
+            launch()
+            return None
+        main = torch.cuda.current_stream(self.side.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            launch()
+            done = torch.cuda.Event()
+            done.record(self.side)
+        return done
+
+    def after(self, done, launch: Callable[[], None]) -> None:
+        """``launch()`` on the caller's stream once the side-stream work of ``done`` is finished."""
+        if done is not None:
+            torch.cuda.current_stream(self.side.device).wait_event(done)
+        launch()
+
+    def join(self) -> None:
+        """The caller's stream waits for all the side stream ran (before anything reads or frees its results)."""
+        if self.side is not None:
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+
+
+def sweep_tiles(hidden, projection, tiles: Tiles, rows, products=None):
+    """Each token chunk's logits tile, made by the GEMM and handed to ``rows(start, stop, slot)`` (the row kernels);
+    then ``products(start, stop, slot)`` (the GEMMs that read its gradient), if given. With two slots a tile's
+    products come after the next tile's logits, so that its row kernels run beside them (``TileSchedule``)."""
+    slots = tiles.slots
+    schedule = TileSchedule(hidden.device, len(slots))
+    pending = None  # (start, stop, slot, done) of the tile whose products are still to run
+    for index, start in enumerate(range(0, hidden.shape[0], tiles.rows)):
         stop = min(start + tiles.rows, hidden.shape[0])
-        tile = tiles.logits[: stop - start]
+        slot = slots[index % len(slots)]
+        tile = slot.logits[: stop - start]
         projection.logits(hidden[start:stop], out=tile)
         tiles.transform(tile)
-        on_tile(start, stop, tile)
+        done = schedule.on_side(lambda start=start, stop=stop, slot=slot: rows(start, stop, slot))
+        if products is not None:
+            if len(slots) == 1:
+                products(start, stop, slot)
+            else:
+                if pending is not None:
+                    schedule.after(pending[3], lambda p=pending: products(*p[:3]))
+                pending = (start, stop, slot, done)
+    if pending is not None:
+        schedule.after(pending[3], lambda: products(*pending[:3]))
+    schedule.join()
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -330,7 +424,7 @@ def linear_forward_pass(hidden, weight, bias, call: CallPlan, wants, compute_aut
     precision = Precision.resolve(weight, options.softcap, compute_autocast)
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
         projection = TileProjection(weight, bias, precision, options.memory_budget)
-        tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, options)
+        tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, options, pipelined(projection))
         workspace = RowWorkspace.allocate(call.rows.token_shape, call.inputs.grid[0], hidden.device,
                                           compute_dtype(precision.tile), zero_planes)
         accumulate = precision.accumulate
@@ -341,21 +435,25 @@ def linear_forward_pass(hidden, weight, bias, call: CallPlan, wants, compute_aut
         grad_hidden, grad_weight, grad_bias = (accumulator(t, w) for t, w in zip((hidden, weight, bias), wants))
         gradients = TileGradients(call, tiles, projection, workspace, hidden, grad_hidden, grad_weight, grad_bias)
 
-        def sweep(row_forward):
-            def first_pass(start, stop, tile):
-                row_forward(tile, tiles.kernel_scale, start)
-                if call.needs_grad and call.uses_epilogue:  # the coefficients are known: the gradient of this tile
-                    gradients.add(start, stop, tile, options.entropy_coef)
+        # The coefficients of a token-level method are known after the row forward: the gradient of each tile
+        # is made in the same sweep.
+        gradient_in_first_sweep = call.needs_grad and call.uses_epilogue
 
-            sweep_tiles(hidden, projection, tiles, first_pass)
+        def sweep(row_forward):
+            def first_rows(start, stop, slot):
+                row_forward(slot.logits[: stop - start], tiles.kernel_scale, start)
+                if gradient_in_first_sweep:
+                    gradients.rows(start, stop, slot, options.entropy_coef)
+
+            sweep_tiles(hidden, projection, tiles, first_rows, gradients.products if gradient_in_first_sweep else None)
 
         result = forward_rows(call, workspace, sweep, "fused_linear_dgpo_loss", prologue_first=True)
         if call.needs_grad and not call.uses_epilogue:
             # The objective's coefficients are known only now: a second sweep recomputes the tiles (with the
             # inputs CallPlan.complete made from the first, where the call has it).
             gradients = dataclasses.replace(gradients, plan=result.plan, backward_view=None)
-            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
-                start, stop, tile, options.entropy_coef, dloss_dlogp=result.dloss_dlogp))
+            sweep_tiles(hidden, projection, tiles, lambda start, stop, slot: gradients.rows(
+                start, stop, slot, options.entropy_coef, dloss_dlogp=result.dloss_dlogp), gradients.products)
         if call.needs_grad:
             gradients.finish()
         call.rows.reduce_hidden_grad(grad_hidden)

@@ -38,6 +38,7 @@ from dgpo_ops.ops.linear import (
     autocast_dtype,
     flatten_tokens,
     linear_plan,
+    pipelined,
     sweep_tiles,
 )
 from dgpo_ops.ops.pipeline import nan_rows_on_error, row_forward, run_prologue
@@ -54,11 +55,12 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are ours to choose
             projection = TileProjection(weight, bias, precision, plan.options.memory_budget)
-            tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.options)
+            tiles = Tiles(max(n_tokens, 1), vocab, precision, hidden.device, plan.options, pipelined(projection))
             workspace = RowWorkspace.allocate((n_tokens,), 1, hidden.device, compute_dtype(precision.tile))
             run_prologue(plan, workspace)
             forward = row_forward(plan, workspace, with_epilogue=False)  # the method is not this op's
-            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: forward(tile, tiles.kernel_scale, start))
+            sweep_tiles(hidden, projection, tiles,
+                        lambda start, stop, slot: forward(slot.logits[: stop - start], tiles.kernel_scale, start))
             plan.rows.merge(workspace)
         if plan.deferred:
             nan_rows_on_error(workspace)
@@ -84,10 +86,11 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
                  for t, wanted in zip((hidden, weight, bias), wants)]  # the first tile writes them
         with torch.autocast(hidden.device.type, enabled=False):
             projection = TileProjection(weight, bias, precision, plan.options.memory_budget)
-            tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, plan.options)
+            tiles = Tiles(max(hidden.shape[0], 1), weight.shape[0], precision, hidden.device, plan.options,
+                          pipelined(projection))
             gradients = TileGradients(plan, tiles, projection, workspace, hidden, *grads)
-            sweep_tiles(hidden, projection, tiles, lambda start, stop, tile: gradients.add(
-                start, stop, tile, 0.0, dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy))
+            sweep_tiles(hidden, projection, tiles, lambda start, stop, slot: gradients.rows(
+                start, stop, slot, 0.0, dloss_dlogp=dloss_dlogp, dloss_dentropy=dloss_dentropy), gradients.products)
             gradients.finish()
             plan.rows.reduce_hidden_grad(grads[0])
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, (hidden, weight, bias))), None)

@@ -88,7 +88,8 @@ def test_dry_run_of_the_row_shapes_stage_against_a_baseline_forward(tmp_path):
     assert [(s[0], s[1]) for s in stages] == [("setup", "0"), ("rows", "0")]
     doc = json.loads((out / "row_shapes.json").read_text())
     timed = [row for row in doc["rows"] if "ms" in row]
-    assert len(timed) == len(doc["rows"]) and {row["kernel"] for row in timed} == {"forward", "backward"}
+    assert len(timed) == len(doc["rows"])
+    assert {row["kernel"] for row in timed} == {"forward", "backward", "backward with entropy"}
     versions = {row["version"] for row in timed if row["kernel"] == "forward"}
     assert versions == {"this tree", "baseline logprob_entropy_baseline.py"}
     assert doc["copy"]["tb_per_s"] > 0

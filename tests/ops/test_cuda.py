@@ -104,6 +104,37 @@ def test_linear_op_never_synchronises(autocast, on_chip):
     dgpo_ops.raise_deferred_errors()
 
 
+def test_the_pipelined_linear_op_never_synchronises_and_equals_the_serial_one(monkeypatch):
+    # Eight chunks over two tile buffers: each tile's row kernels on the side stream beside the previous tile's
+    # gradient GEMMs (ops/linear.py, TileSchedule); the same numbers as one buffer on the caller's stream.
+    from dgpo_ops.ops import linear as linear_module
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    hidden = torch.randn(4, 64, 256, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(32000, 256, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    inputs = cuda_inputs()
+    inputs.pop("logits")
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
+        out = dgpo_ops.fused_linear_dgpo_loss(*leaves, **inputs, memory_budget=32000 * 2 * 64)
+        return (out.loss, *torch.autograd.grad(out.loss, leaves))
+
+    monkeypatch.setattr(linear_module, "PIPELINE_TILES", False)
+    serial = step()
+    monkeypatch.setattr(linear_module, "PIPELINE_TILES", True)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    pipelined = step()
+    torch.cuda.set_sync_debug_mode(0)
+    assert linear_module._SIDE_STREAMS  # the row kernels did run on a side stream
+    torch.testing.assert_close(pipelined[0], serial[0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(pipelined[1:], serial[1:]):  # the fp32 sums regroup, then round to bf16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=1e-3 * want.abs().max().item())
+    dgpo_ops.raise_deferred_errors()
+
+
 def test_deferred_errors_on_the_device():
     inputs = cuda_inputs(V=1000)
     inputs["target_ids"][1, 3] = 1000

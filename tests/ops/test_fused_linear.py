@@ -433,3 +433,88 @@ def test_d_hidden_reads_the_whole_weight_in_its_own_dtype_where_no_gemm_writes_f
                                                                     None, None, first=True))
     assert sizes[0] < V * H * 4, sizes[:3]
     torch.testing.assert_close(grad_hidden, (grad_tile @ weight).float())
+
+
+class RecordingProjection:
+    """Stands in for TileProjection in sweep_tiles: records each logits product."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def logits(self, hidden, out):
+        self.log.append(("logits", hidden[0, 0].item(), out.data_ptr()))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 8])
+def test_a_pipelined_sweep_runs_each_tiles_products_after_the_next_tiles_logits(tokens):
+    # Two tile buffers: tile c's gradient GEMMs wait until tile c + 1's logits are made, so that on CUDA tile c + 1's
+    # row kernels run on the side stream beside them; a buffer is written again only after its products ran.
+    from dgpo_ops.ops.linear import Tiles, sweep_tiles
+
+    options = dgpo_ops.LossOptions.build("grpo", memory_budget=10 * 4 * 4)  # 4 rows of 10 fp32 columns
+    precision = linear_precision(torch.float32)
+    tiles = Tiles(tokens, 10, precision, torch.device("cpu"), options, pipelined=True)
+    assert len(tiles.slots) == (2 if tokens > 4 else 1) and tiles.rows == (2 if tokens > 4 else min(tokens, 4))
+    log = []
+    hidden = torch.arange(tokens, dtype=torch.float32)[:, None].expand(tokens, 3)
+    sweep_tiles(hidden, RecordingProjection(log), tiles,
+                lambda start, stop, slot: log.append(("rows", start, slot.logits.data_ptr())),
+                lambda start, stop, slot: log.append(("products", start, slot.logits.data_ptr())))
+    starts = list(range(0, tokens, tiles.rows))
+    expected = []
+    for index, start in enumerate(starts):
+        slot = tiles.slots[index % len(tiles.slots)].logits.data_ptr()
+        expected += [("logits", float(start), slot), ("rows", start, slot)]
+        if len(tiles.slots) == 1:
+            expected.append(("products", start, slot))
+        elif index > 0:
+            expected.append(("products", starts[index - 1], tiles.slots[(index - 1) % 2].logits.data_ptr()))
+    if len(tiles.slots) == 2:
+        expected.append(("products", starts[-1], tiles.slots[(len(starts) - 1) % 2].logits.data_ptr()))
+    assert log == expected
+
+
+def linear_precision(dtype):
+    from dgpo_ops.ops.linear import Precision
+
+    return Precision.resolve(torch.empty(1, 1, dtype=dtype), None, None)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_pipelined_sweep_equals_the_serial_one(monkeypatch, level):
+    # Same loss and gradients with two half-size tile buffers (PIPELINE_TILES) as with one: only the chunks'
+    # boundaries move, so the fp32 sums of the weight gradient regroup.
+    from dgpo_ops.ops import linear as linear_module
+
+    (hidden, weight, bias), inputs = linear_case(seed=3, ref_logps=False)
+    made = []
+    original = linear_module.Tiles.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(len(self.slots))
+
+    monkeypatch.setattr(linear_module.Tiles, "__init__", recording)
+    results = {}
+    for pipelined in (True, False):
+        monkeypatch.setattr(linear_module, "PIPELINE_TILES", pipelined)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], method="grpo",
+                                              importance_sampling_level=level, memory_budget=70 * 4 * 4,
+                                              backend="triton")
+        results[pipelined] = (out.loss, *torch.autograd.grad(out.loss, leaves))
+    assert made[0] == 2 and made[-1] == 1
+    for got, want in zip(results[True], results[False]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_weight_cast_per_vocabulary_block_is_not_pipelined():
+    # Twice the chunks would cast every weight block twice as often (autocast over fp32 weights on CUDA; bf16
+    # weights multiplied in fp32 on the CPU).
+    from dgpo_ops.ops.linear import Precision, TileProjection, pipelined
+
+    weight = torch.randn(600, 48).to(torch.bfloat16)
+    cast = TileProjection(weight, None, Precision.resolve(weight, None, None), memory_budget=2**16)
+    whole = TileProjection(weight.float(), None, Precision.resolve(weight.float(), None, None), memory_budget=2**16)
+    assert cast.block_rows < 600 and not pipelined(cast)
+    assert pipelined(whole)
