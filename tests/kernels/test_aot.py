@@ -16,7 +16,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {"forward", "backward", "prologue", "finalize", "linear_partials", "linear_rows", "linear_grad", "scale_cast"}
 ROW = re.compile(rf"^(sm_\d+)\s+({'|'.join(sorted(KINDS))})\s+(\S+)?.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
-                 r"\s+(\d+)\s+([0-9.]+|-)\s+(\d+)$")
+                 r"\s+(\d+)\s+([0-9.]+|-)\s+([0-9.]+|-)\s+(\d+)$")
 
 
 # The tests read one compile report (bench.aot in a subprocess): they run on one xdist worker.
@@ -57,7 +57,7 @@ def test_no_local_memory_and_vectorised_bf16_loads(report):
     matched = rows(report)
     assert len(matched) >= 2 * 40
     for m in matched:
-        arch, kernel, dtype, regs, smem, local, stack, ldg128, stg128, mufu, mma = m.groups()
+        arch, kernel, dtype, regs, smem, local, stack, ldg128, stg128, mufu, ops, mma = m.groups()
         assert int(local) == 0 and int(stack) == 0, m.group(0)
         assert int(smem) <= MAX_SHARED_OF_ARCH[arch], m.group(0)  # else it would not launch there
         assert 0 < int(regs) <= 255, m.group(0)
@@ -74,13 +74,15 @@ def test_one_exp_per_element_in_the_hot_loops(report):
     # The backward's hot loop runs one MUFU (ex2) per element: 1 - p of the target is taken once per
     # row. The forward adds one rescale exp per tile to its one exp per element.
     for m in rows(report):
-        kernel, mufu = m.group(2), m.group(10)
+        kernel, mufu, ops = m.group(2), m.group(10), m.group(11)
         if kernel == "backward":
             assert float(mufu) == 1.0, m.group(0)
         elif kernel == "forward":
             assert 1.0 <= float(mufu) <= 1.1, m.group(0)
         else:
-            assert mufu == "-", m.group(0)
+            assert mufu == ops == "-", m.group(0)
+        if kernel in ("forward", "backward"):  # every instruction of the hot loop, per element: MUFU among them
+            assert float(ops) > float(mufu), m.group(0)
 
 
 def test_on_chip_linear_products_run_on_tensor_cores(report):
@@ -88,7 +90,7 @@ def test_on_chip_linear_products_run_on_tensor_cores(report):
     # in registers; the row kernels multiply nothing.
     seen = set()
     for m in rows(report):
-        arch, kernel, mma = m.group(1), m.group(2), int(m.group(11))
+        arch, kernel, mma = m.group(1), m.group(2), int(m.group(12))
         if kernel in ("linear_partials", "linear_grad"):
             assert mma > 0, m.group(0)
             seen.add((arch, kernel))

@@ -73,7 +73,8 @@ def test_the_headline_takes_the_newest_logits_timing_and_names_its_run_card_and_
     assert path.name in text and doc["env"]["dgpo_ops_commit"] in text and doc["env"]["device_name"] in text
     row = next(r for r in doc["logits_timing"] if r["impl"] == "ours-dgpo" and "error" not in r)
     assert f"{row['do_bench_ms']:.2f} / {row['sync_ms']:.2f}" in text
-    assert headline.run_of(doc["env"]["dgpo_ops_commit"], "h100") != "?"
+    card = headline.TIMING.search(path.name)["card"]
+    assert headline.run_of(doc["env"]["dgpo_ops_commit"], card) != "?"
 # ----------------------------------------------------------------------------- the front page
 
 DEFAULT_RESULT_PAGES = ("README.md", "docs/training.md", "docs/train/README.md")
