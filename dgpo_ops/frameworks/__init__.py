@@ -12,7 +12,12 @@ MODULES = (trl, verl, roll, openrlhf, nemo_rl, areal, skyrl, ms_swift)
 FRAMEWORKS: dict[str, FrameworkSpec] = {module.SPEC.name: module.SPEC for module in MODULES}
 # "framework:mode" -> the row; the mode is the framework's own config value (TRL's loss_type, verl's, ROLL's and
 # OpenRLHF's loss_agg_mode, NeMo-RL's token_level_loss, SkyRL's loss_reduction; AReaL has one aggregation).
-FRAMEWORK_AGGREGATIONS: dict[str, AggregationRow] = {
-    f"{spec.name}:{row.mode}": row for spec in FRAMEWORKS.values() for row in spec.aggregations}
+def aggregation_table(specs) -> dict[str, AggregationRow]:
+    """``"name:mode"`` -> row, for every row of every spec of ``specs``, in their order."""
+    return {f"{spec.name}:{row.mode}": row for spec in specs for row in spec.aggregations}
 
-__all__ = ["FRAMEWORKS", "FRAMEWORK_AGGREGATIONS", "AggregationRow", "FrameworkSpec", "Scope", "step_normalizer"]
+
+FRAMEWORK_AGGREGATIONS: dict[str, AggregationRow] = aggregation_table(FRAMEWORKS.values())
+
+__all__ = ["FRAMEWORKS", "FRAMEWORK_AGGREGATIONS", "MODULES", "AggregationRow", "FrameworkSpec", "Scope",
+           "aggregation_table", "step_normalizer"]

@@ -8,7 +8,8 @@ from dgpo_ops.frameworks.core import AggregationRow, FrameworkSpec, Scope
 from dgpo_ops.kernels.interface import Denominator
 
 SOURCE = ("NVIDIA-NeMo/RL 7ea279a nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn L678-693; "
-          "nemo_rl/models/automodel/data.py process_global_batch L381-420")
+          "nemo_rl/models/automodel/data.py process_global_batch L381-420; nemo_rl/models/automodel/train.py L547 (the "
+          "loss x dp_size)")
 
 SPEC = FrameworkSpec(
     name="nemo_rl", title="NeMo-RL",
