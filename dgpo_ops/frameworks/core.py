@@ -154,18 +154,16 @@ class FrameworkSpec:
             raise AssertionError(f"{self.name}: a correction needs the place of its config, and only it")
 
     def row(self, mode: str) -> AggregationRow:
-        for row in self.aggregations:
-            if row.mode == mode:
-                return row
-        raise ValueError(f"{self.name} has no aggregation {mode!r}; its aggregations: "
-                         f"{', '.join(row.mode for row in self.aggregations)}")
+        rows = {row.mode: row for row in self.aggregations}
+        if mode not in rows:
+            raise ValueError(f"{self.name} has no aggregation {mode!r}; its aggregations: {', '.join(rows)}")
+        return rows[mode]
 
     def loss_type(self, name: str) -> LossType:
-        for loss_type in self.loss_types:
-            if loss_type.name == name:
-                return loss_type
-        raise ValueError(f"loss_type must be one of {self.title}'s "
-                         f"{', '.join(t.name for t in self.loss_types)}, got {name!r}")
+        types = {loss_type.name: loss_type for loss_type in self.loss_types}
+        if name not in types:
+            raise ValueError(f"loss_type must be one of {self.title}'s {', '.join(types)}, got {name!r}")
+        return types[name]
 
     @property
     def correction_fields(self) -> tuple[str, ...]:

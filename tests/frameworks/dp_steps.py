@@ -14,13 +14,12 @@ source (``SOURCES``): TRL's and verl's released code runs in venvs of their own,
 
 from __future__ import annotations
 
-import os
-import traceback
 from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from worlds import gloo_rank
 
 import dgpo_ops
 from dgpo_ops.frameworks import FRAMEWORK_AGGREGATIONS, FRAMEWORKS, Scope, step_normalizer
@@ -298,13 +297,4 @@ def rank_gradients(rank: int, framework: str) -> dict:
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, framework: str) -> None:
-    result = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        result = {"gradients": rank_gradients(rank, framework)}
-    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
-        result = {"error": traceback.format_exc()}
-    finally:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    gloo_rank(rank, world, init_file, out_dir, lambda: {"gradients": rank_gradients(rank, framework)})
