@@ -4,18 +4,18 @@
     python docs/generate.py --check    # exit 1 and name each stale table (tests/package/test_generated_docs.py)
 
 * docs/methods.md, between ``<!-- methods:start -->`` and ``<!-- methods:end -->``: every method and alias, its
-  parameters and the ``DGPOConfig`` field each is read from (``trainer/method_fields.py``'s mapping); README.md,
+  parameters and the ``DGPOConfig`` field each is read from (TRL's spec, ``dgpo_ops/frameworks/trl.py``); README.md,
   between ``<!-- method-names:start -->`` and ``<!-- method-names:end -->``: their names;
 * docs/integrations.md, between ``<!-- verl-methods:start -->`` and ``<!-- verl-methods:end -->``: verl's loss
-  names and the verl field each parameter is read from (``dgpo_ops/integrations/verl_params.py``); between
+  names and the verl field each parameter is read from (``dgpo_ops/frameworks/verl.py``); between
   ``<!-- skyrl-methods:start -->`` and ``<!-- skyrl-methods:end -->``: SkyRL's, and the field of its algorithm config
-  each parameter is read from (``dgpo_ops/integrations/skyrl_params.py``);
+  each parameter is read from (``dgpo_ops/frameworks/skyrl.py``);
 * docs/design.md, between ``<!-- method-files:start -->`` and ``<!-- method-files:end -->``: each method's file,
   its Triton branch (``MethodId``) and the stage that evaluates it (``method_files_markdown`` below); between
   ``<!-- package-layout:start -->`` and ``<!-- package-layout:end -->``: every folder and module of the
   package and what its docstring says it is (``package_layout_markdown``);
 * docs/normalization.md, between ``<!-- framework-aggregations:start -->`` and ``<!-- framework-aggregations:end
-  -->``: every framework's aggregation row (``dgpo_ops.FRAMEWORK_AGGREGATIONS``), what it divides by;
+  -->``: every framework's aggregation row (``dgpo_ops.frameworks``), what it divides by;
 * docs/benchmarks.md, between ``<!-- headline:start -->`` and ``<!-- headline:end -->``: every GPU figure of the
   headline, from the committed results files, with its card, run and commit (``docs/headline.py``; the README states
   none and links there);
@@ -126,19 +126,21 @@ def package_layout_markdown() -> str:
 
 
 def framework_aggregations_markdown() -> str:
-    """docs/normalization.md's table: each framework's aggregation mode, what one call divides by, what a whole
-    step passes as ``loss_normalizer``, and the framework's source."""
-    from dgpo_ops.core.aggregation import FRAMEWORK_AGGREGATIONS
+    """docs/normalization.md's table: each framework's aggregation row (``dgpo_ops.frameworks``), what one call
+    divides by, what that count runs over in a step and the step count ``N`` (every call passes ``N / dp_size``),
+    and the framework's source."""
+    from dgpo_ops.frameworks import FRAMEWORK_AGGREGATIONS
     from dgpo_ops.kernels.interface import Denominator
 
     words = {Denominator.TOKENS: "scored tokens", Denominator.RESPONSES: "responses (every row)",
              Denominator.GRID: "responses x T", Denominator.ONE: "1",
              Denominator.SCORED_RESPONSES: "responses with a scored token", Denominator.HORIZON: "T"}
-    lines = ["| aggregation | each token weighs | divided by (one call) | over a whole step | source |",
-             "|---|---|---|---|---|"]
+    lines = ["| aggregation | each token weighs | divided by (one call) | counted over | N, over a whole step | source |",
+             "|---|---|---|---|---|---|"]
     for name, row in FRAMEWORK_AGGREGATIONS.items():
         weight = "1 / its response length" if row.per_response else "1"
-        lines.append(f"| `{name}` | {weight} | {words[row.denominator]} | {row.global_normalizer} | {row.source} |")
+        lines.append(f"| `{name}` | {weight} | {words[row.denominator]} | {row.scope.value} | {row.step_count} | "
+                     f"{row.source} |")
     return "\n".join(lines) + "\n"
 
 
@@ -222,28 +224,29 @@ def framework_methods_markdown(framework: str, name_field: str, config_path: str
 def verl_methods_markdown() -> str:
     """docs/integrations.md's table of verl loss names, papers and where each parameter is read from
     (``dgpo_ops.integrations.verl_params``)."""
-    from dgpo_ops.integrations.verl_params import ACTOR, VERL_FALLBACKS, loss_mode, verl_field
+    from dgpo_ops.frameworks.verl import SPEC
+    from dgpo_ops.integrations.verl_params import loss_mode, verl_field
 
     def field_text(p):
         if (source := verl_field(p)) is None:
             return None
-        fallback = VERL_FALLBACKS.get(source.path)
-        return f"`{p.name}` <- `{source.path}`" + (f" (None: `{fallback}`)" if fallback else "")
+        return f"`{p.name}` <- `{source.path}`" + (f" (None: `{source.fallback}`)" if source.fallback else "")
 
-    return framework_methods_markdown("verl", "loss_mode", ACTOR, "policy_loss.method_params", loss_mode,
+    return framework_methods_markdown("verl", "loss_mode", SPEC.fields.root, SPEC.fields.params_field, loss_mode,
                                       field_text)
 
 
 def skyrl_methods_markdown() -> str:
     """docs/integrations.md's table of SkyRL loss names, papers and where each parameter is read from
     (``dgpo_ops.integrations.skyrl_params``)."""
+    from dgpo_ops.frameworks.skyrl import SPEC
     from dgpo_ops.integrations.skyrl_params import ALGORITHM, loss_type, skyrl_field
 
     def field_text(p):
         path = skyrl_field(p)
         return None if path is None else f"`{p.name}` <- `{path}`"
 
-    return framework_methods_markdown("SkyRL", "policy_loss_type", ALGORITHM, "method_params", loss_type,
+    return framework_methods_markdown("SkyRL", "policy_loss_type", ALGORITHM, SPEC.fields.params_field, loss_type,
                                       field_text)
 
 

@@ -12,7 +12,11 @@ test folders are on the path)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import traceback
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What a rank of the suite's worlds imports before its work (a module that fails to import is left out, as
@@ -28,3 +32,18 @@ def start_world(worker, args: tuple, nprocs: int, join: bool = True):
     fit."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts
     return mp.start_processes(worker, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
+def gloo_rank(rank: int, world: int, init_file: str, out_dir: str, work) -> None:
+    """One rank of a gloo world: ``work()`` in the process group, its dict saved to ``out_dir/rank<rank>.pt``, or
+    ``{"error": traceback}`` for the parent to fail the test with."""
+    result = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        result = work()
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        result = {"error": traceback.format_exc()}
+    finally:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -14,6 +14,7 @@ from trl import GRPOConfig
 
 from dgpo_ops.core.aggregation import AGGREGATIONS
 from dgpo_ops.core.options import LossOptions
+from dgpo_ops.frameworks import trl
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.catalog import POLICY_LOSSES, method_params
 from dgpo_ops.methods.table import METHODS, NOT_METHODS, method_config, refuse_unknown_params, resolve
@@ -22,28 +23,6 @@ from .method_fields import config_default, config_help, config_method_params, co
 
 FUSED_MODES = ("linear", "logits")
 ADVANTAGE_ESTIMATORS = ("grpo", "dcpo")
-
-# TRL loss_type -> its aggregation (the trainer's _loss_normalizer gives each TRL's denominator: bnpo counts the
-# micro-batch's tokens, dapo and cispo the generation batch's, dr_grpo is B x max_completion_length, luspo B).
-TRL_LOSS_TYPE_AGGREGATION = {
-    "grpo": "seq_mean_token_mean",
-    "sapo": "seq_mean_token_mean",
-    "bnpo": "token_mean",
-    "dr_grpo": "seq_mean_token_sum_norm",
-    "dapo": "token_mean",
-    "cispo": "token_mean",
-    "luspo": "seq_mean_token_sum",
-    "vespo": "token_mean",
-}
-
-# TRL loss_type -> the policy objective it names in TRL. grpo, bnpo, dr_grpo, dapo and luspo are TRL's clipped
-# objective (dgpo-ops' grpo) under different aggregations; cispo, sapo and vespo are objectives of their own.
-TRL_LOSS_TYPE_METHOD = {
-    "grpo": "grpo", "bnpo": "grpo", "dr_grpo": "grpo", "dapo": "grpo", "luspo": "grpo",
-    "cispo": "cispo", "sapo": "sapo", "vespo": "vespo",
-}
-# The loss types that name an objective other than the clipped one: with an explicit policy_loss they must agree.
-OBJECTIVE_LOSS_TYPES = ("cispo", "sapo", "vespo")
 
 TRL_FIELDS = frozenset(f.name for f in dataclasses.fields(GRPOConfig))
 # loss_aggregation's values, as its help and the class docstring list them
@@ -186,13 +165,12 @@ class DGPOConfig(GRPOConfig):
     def _resolve_objective(self) -> None:
         """``policy_loss`` from ``loss_type`` when unset, and the check of the two (the class docstring's rule)."""
         loss_type, policy_loss = self.loss_type, self.policy_loss
-        if loss_type not in TRL_LOSS_TYPE_METHOD:
-            raise ValueError(f"loss_type must be one of TRL's {', '.join(TRL_LOSS_TYPE_METHOD)}, got {loss_type!r}")
+        named = trl.SPEC.loss_type(loss_type).method  # TRL's spec: unknown loss types raise
         if policy_loss is None:
-            policy_loss = TRL_LOSS_TYPE_METHOD[loss_type]
-        elif loss_type in OBJECTIVE_LOSS_TYPES and policy_loss in POLICY_LOSSES and \
-                resolve(policy_loss)[0] != TRL_LOSS_TYPE_METHOD[loss_type]:
-            same = {"cispo": "dapo", "sapo": "grpo", "vespo": "dapo"}[loss_type]
+            policy_loss = named
+        elif loss_type in trl.OBJECTIVE_LOSS_TYPES and policy_loss in POLICY_LOSSES and \
+                resolve(policy_loss)[0] != named:
+            same = trl.same_aggregation(loss_type)
             raise ValueError(
                 f"loss_type={loss_type!r} names TRL's {loss_type} objective, but policy_loss={policy_loss!r} asks for "
                 f"another: drop one. For {policy_loss} with {loss_type}'s aggregation pass loss_type={same!r} "
@@ -272,8 +250,10 @@ class DGPOConfig(GRPOConfig):
     def aggregation(self) -> str:
         if self.loss_aggregation is not None:
             return self.loss_aggregation
-        # a method's own (dcpo, geo_mean: methods TRL lacks, whose loss_type has no opinion on them), else TRL's
-        return METHODS[resolve(self.policy_loss)[0]].aggregation or TRL_LOSS_TYPE_AGGREGATION[self.loss_type]
+        # a method's own (dcpo, geo_mean: methods TRL lacks, whose loss_type has no opinion on them), else the row
+        # of TRL's loss_type (dgpo_ops.frameworks.trl), which the trainer divides by
+        own = METHODS[resolve(self.policy_loss)[0]].aggregation
+        return own or f"{trl.SPEC.name}:{trl.SPEC.loss_type(self.loss_type).aggregation}"
 
     def method(self) -> MethodConfig:
         return self._build_method(self.policy_loss)

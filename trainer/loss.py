@@ -1,8 +1,8 @@
 """The loss of ``DGPOTrainer``: the method's objective on the fused ops, with everything else of TRL's loss.
 
-The loss returned is already scaled for gradient accumulation, as TRL's is: the aggregation's normaliser is
-chosen to reproduce TRL's for the same ``loss_type`` (micro-batch size x accumulation steps, or
-``num_items_in_batch`` across processes for token_mean/dapo).
+The loss returned is already scaled for gradient accumulation, as TRL's is: the normaliser is the step normaliser
+of the ``trl:<loss_type>`` row in TRL's spec (``dgpo_ops.frameworks.trl``: micro-batch size x accumulation steps,
+or ``num_items_in_batch`` across processes for dapo), or of one of dgpo-ops' own aggregations over TRL's step.
 
 Everything of TRL's loss that is not the method's objective is TRL's, in the same fused call: the entropy
 bonus (a token mean, divided only by gradient accumulation; adaptive entropy control) as the op's entropy weights,
@@ -20,8 +20,10 @@ import dataclasses
 import torch
 from trl import GRPOTrainer
 
+from dgpo_ops.core.aggregation import aggregation_codes
 from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.objective import entropy_weight_term
+from dgpo_ops.frameworks import trl
 
 from .advantages import per_token_advantages
 from .model_call import MULTIMODAL_INPUTS, Head
@@ -42,29 +44,18 @@ class FusedLoss(TRLMetrics):
         self._model_call, self._after_metrics_read = model_call, after_metrics_read
 
     def _loss_normalizer(self, inputs, mask, mode):
-        """The denominator TRL's `_compute_loss` uses for this aggregation and loss_type, already
-        including gradient accumulation (so the returned loss is GA-scaled, like TRL's), and the factor
-        that turns the loss into TRL's `policy_loss` metric (TRL logs it before dividing by the
-        accumulation steps, except for the loss types normalised by `num_items_in_batch`)."""
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        batch_size = mask.size(0)
+        """The denominator TRL's `_compute_loss` uses for this aggregation and loss_type, already including
+        gradient accumulation (so the returned loss is GA-scaled, like TRL's), and the factor that turns the loss
+        into TRL's `policy_loss` metric: the row's step normaliser over TRL's step (`dgpo_ops.frameworks.trl`)."""
+        train = mode == "train"
+        accumulation = self.current_gradient_accumulation_steps if train else 1
         aggregation = self.loss_options.aggregation
-        trl_aggregation = self.args.loss_aggregation is None
-        if aggregation == "seq_mean_token_mean":
-            return float(batch_size * accumulation), accumulation
-        if aggregation == "seq_mean_token_sum_norm":  # TRL's dr_grpo
-            return float(batch_size * self.max_completion_length * accumulation), accumulation
-        if aggregation == "seq_sum_token_mean":
-            return float(accumulation), accumulation
-        if aggregation == "seq_mean_token_sum":  # TRL's luspo
-            return float(batch_size * accumulation), accumulation
-        if self.args.loss_type == "bnpo" and trl_aggregation:
-            return mask.sum().clamp(min=1.0).float() * accumulation, accumulation
-        # dapo/cispo: tokens of the whole generation batch, per process and accumulation window
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0).float() / self.accelerator.num_processes
-        if mode == "train":
-            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        return normalizer, 1
+        row = trl.trainer_row(aggregation, *aggregation_codes(aggregation))
+        step = trl.TrlStep(mask=mask, max_completion_length=self.max_completion_length,
+                           num_items_in_batch=inputs.get("num_items_in_batch"), accumulation=accumulation,
+                           window=accumulation / self.args.steps_per_generation if train else 1,
+                           processes=self.accelerator.num_processes)
+        return trl.trainer_normalizer(row, step)
 
     def _rollout_weights(self, inputs, mask):
         """vLLM's importance-sampling correction, as TRL multiplies the per-token loss by it, or None."""

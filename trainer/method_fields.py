@@ -2,63 +2,20 @@
 derived from that one mapping: the config fields and their defaults and help (``dgpo-ops train``'s presets and
 docs/methods.md's table, written by ``python docs/generate.py``, are made from them).
 
-A parameter keeps TRL's meaning where TRL has a field for it (``epsilon``, ``epsilon_high``, ``delta``); every
-other field is added to ``DGPOConfig`` from here (``config.py``). The method table itself knows no framework.
+The mapping is TRL's spec (``dgpo_ops.frameworks.trl``): a parameter keeps TRL's meaning where TRL has a field for
+it (``epsilon``, ``epsilon_high``, ``delta``); every other field is added to ``DGPOConfig`` from here
+(``config.py``). The method table itself knows no framework.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dgpo_ops.frameworks.core import ConfigField
+from dgpo_ops.frameworks.trl import SPEC as TRL
 from dgpo_ops.methods.base import ParamSpec
 from dgpo_ops.methods.catalog import MethodParam, method_params
 from dgpo_ops.methods.table import METHODS
-
-
-@dataclass(frozen=True)
-class ConfigField:
-    """A config field that a method parameter is read from. None in the field means the method's default, except
-    where ``fallback`` names the field whose value stands in (TRL's ``epsilon_high=None`` means ``epsilon``).
-    ``offset`` is added on the way to the config (CISPO's cap ``1 + eps_high`` is TRL's ``epsilon_high``)."""
-
-    name: str
-    fallback: str | None = None
-    offset: float = 0.0
-
-    def to_config(self, value):
-        """The parameter's value in the field's terms."""
-        return value if value is None or isinstance(value, str) else value + self.offset
-
-    def from_config(self, value):
-        """The parameter's value from the field's value."""
-        return value if value is None or isinstance(value, str) else value - self.offset
-
-
-# The field of a method parameter that is not named after its method, by the parameter's name: TRL's own fields
-# (a parameter keeps TRL's meaning), and names several methods share. Any other parameter is read from a field of
-# its own named after the method (``config_field``): dgpo's ``n`` from ``dgpo_n``, dro's ``dro_beta`` from itself.
-FIELDS: dict[str, ConfigField] = {
-    "eps_low": ConfigField("epsilon"),
-    "eps_high": ConfigField("epsilon_high", fallback="epsilon"),
-    "dual_clip": ConfigField("dual_clip"),
-    "delta": ConfigField("delta"),
-    "beta1": ConfigField("gppo_beta1"),  # ce_gppo's (gppo's boundary scales are fixed at 1)
-    "beta2": ConfigField("gppo_beta2"),
-    "tau_pos": ConfigField("sapo_temperature_pos"),  # TRL's names for SAPO's temperatures
-    "tau_neg": ConfigField("sapo_temperature_neg"),
-    "delta_low": ConfigField("dppo_delta_low"),  # dppo_tv's and dppo_kl's
-    "delta_high": ConfigField("dppo_delta_high"),
-    "is_cap": ConfigField("dppo_is_cap"),
-    "ppo_kl_coef": ConfigField("ppo_kl_coef"),  # kl_cov's, verl's name
-    "adv_tau": ConfigField("prime_adv_tau"),  # prime_dppo's and prime_ipo's
-    "kl_tau": ConfigField("prime_kl_tau"),
-}
-# A method that reads a parameter of that name otherwise; None: the trainer leaves it at its default.
-METHOD_FIELDS: dict[tuple[str, str], ConfigField | None] = {
-    # TRL's CISPO has no lower bound on the weight and calls the cap itself epsilon_high
-    ("cispo", "eps_low"): None,
-    ("cispo", "eps_high"): ConfigField("epsilon_high", fallback="epsilon", offset=1.0),
-}
 
 
 @dataclass(frozen=True)
@@ -73,14 +30,9 @@ class ConfigParam:
 
 
 def config_field(param: MethodParam) -> ConfigField | None:
-    """The field ``param`` is read from (None: fixed at its default): ``METHOD_FIELDS``, else ``FIELDS``, else a
-    field named after the method (the parameter's own name where it already starts with the method's)."""
-    key = (param.method, param.name)
-    if key in METHOD_FIELDS:
-        return METHOD_FIELDS[key]
-    if param.name in FIELDS:
-        return FIELDS[param.name]
-    return ConfigField(param.name if param.name.startswith(param.method) else f"{param.method}_{param.name}")
+    """The field ``param`` is read from (None: fixed at its default): TRL's spec (``dgpo_ops.frameworks.trl``),
+    whose fields keep TRL's meaning and give any other parameter a field named after its method."""
+    return TRL.fields.field_of(param)
 
 
 def config_method_params(method: str) -> list[ConfigParam]:

@@ -8,10 +8,10 @@ response count across gradient-accumulation steps and processes.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
+from dgpo_ops import frameworks
 from dgpo_ops.core.validation import FLOAT32_MAX, FLOAT32_TINY, MESSAGES
 from dgpo_ops.kernels.interface import Denominator, InputError
 from dgpo_ops.kernels.torch_twins import denominator_of
@@ -28,94 +28,8 @@ AGGREGATIONS: dict[str, tuple[bool, Denominator]] = {
 }
 
 
-class FrameworkAggregation(NamedTuple):
-    """A framework's aggregation mode as its trainer applies it to one call's tokens: the within-response weight,
-    what the token sum is divided by, what a step over several processes or accumulated micro-batches passes as
-    ``loss_normalizer`` to keep the framework's number, and where the framework's code says so."""
-
-    per_response: bool  # each token weighs 1 / |o_i| (the response's scored tokens)
-    denominator: Denominator
-    global_normalizer: str  # the framework's divisor over a whole step, in its own terms
-    source: str  # file and lines (loss function; the trainer's step that sets the divisor), version or commit
-
-
-_TRL = "trl 1.16.0 trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss L3153-3184"
-_VERL = ("verl 0.9.1 verl/trainer/ppo/core_algos.py agg_loss L1170-1202; global_batch_info from "
-         "verl/workers/engine/fsdp/transformer_impl.py L724-735, verl/workers/utils/losses.py L64-68; the row count "
-         "from verl/trainer/ppo/ray_trainer.py L1352-1362")
-_ROLL = ("alibaba/ROLL 8eb27cc roll/utils/functionals.py agg_loss L229-282; roll/distributed/strategy/strategy.py "
-         "_get_batch_num_tokens / _get_global_valid_samples L355-431; loss_scale = micro-batches x dp "
-         "(apply_loss_scale, roll/configs/worker_config.py L230)")
-_OPENRLHF = ("openrlhf 0.11.2 openrlhf/models/loss.py aggregate_loss L11-39 (loss_agg_mode, "
-             "openrlhf/trainer/ray/ppo_actor.py L76-86); openrlhf/utils/loss_utils.py L54-105")
-_NEMO_RL = ("NVIDIA-NeMo/RL 7ea279a nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn L678-693; "
-            "nemo_rl/models/automodel/data.py process_global_batch L381-420")
-_AREAL = ("areal 1.0.4 areal/utils/functional/functional.py ppo_actor_loss_fn L479-483, L542; "
-          "areal/trainer/ppo/actor.py L336-364, L446-448")
-_SKYRL = ("skyrl 0.3.0 skyrl/backends/skyrl_train/utils/ppo_utils.py apply_loss_reduction_to_advantages_minibatch "
-          "L1095-1150 (the advantages scaled before the off-policy correction; the loss sums)")
-
-# "framework:mode" -> the row; the mode is the framework's own config value (TRL's loss_type, verl's, ROLL's and
-# OpenRLHF's loss_agg_mode, NeMo-RL's token_level_loss, SkyRL's loss_reduction; AReaL has one aggregation).
-FRAMEWORK_AGGREGATIONS: dict[str, FrameworkAggregation] = {
-    "trl:grpo": FrameworkAggregation(True, Denominator.RESPONSES, "B x gradient_accumulation_steps", _TRL),
-    "trl:sapo": FrameworkAggregation(True, Denominator.RESPONSES, "B x gradient_accumulation_steps", _TRL),
-    "trl:bnpo": FrameworkAggregation(False, Denominator.TOKENS, "the micro-batch's tokens x gradient_accumulation_steps",
-                                     _TRL),
-    "trl:dr_grpo": FrameworkAggregation(False, Denominator.GRID,
-                                        "B x max_completion_length x gradient_accumulation_steps (T is "
-                                        "max_completion_length, not the padded width)", _TRL),
-    "trl:dapo": FrameworkAggregation(False, Denominator.TOKENS, "num_items_in_batch / processes x "
-                                     "gradient_accumulation_steps / steps_per_generation", _TRL),
-    "trl:cispo": FrameworkAggregation(False, Denominator.TOKENS, "as trl:dapo", _TRL),
-    "trl:vespo": FrameworkAggregation(False, Denominator.TOKENS, "as trl:dapo", _TRL),
-    "trl:luspo": FrameworkAggregation(False, Denominator.RESPONSES, "B x gradient_accumulation_steps", _TRL),
-    "verl:token-mean": FrameworkAggregation(False, Denominator.TOKENS, "global_batch_info batch_num_tokens / dp_size",
-                                            _VERL),
-    "verl:token-sum": FrameworkAggregation(False, Denominator.ONE, "1 / dp_size", _VERL),
-    "verl:seq-mean-token-mean": FrameworkAggregation(True, Denominator.RESPONSES,
-                                                     "global_batch_size / dp_size (every row, fully masked ones "
-                                                     "included)", _VERL),
-    "verl:seq-mean-token-sum": FrameworkAggregation(False, Denominator.RESPONSES, "global_batch_size / dp_size",
-                                                    _VERL),
-    "verl:seq-mean-token-sum-norm": FrameworkAggregation(False, Denominator.GRID,
-                                                         "global_batch_size x loss_scale_factor (else the padded "
-                                                         "width) / dp_size", _VERL),
-    "roll:token-mean": FrameworkAggregation(False, Denominator.TOKENS,
-                                            "batch_num_tokens: the step's scored tokens over every dp rank", _ROLL),
-    "roll:seq-mean-token-mean": FrameworkAggregation(True, Denominator.SCORED_RESPONSES,
-                                                     "global_valid_samples: the step's responses with a scored "
-                                                     "token over every dp rank", _ROLL),
-    "roll:seq-mean-token-sum": FrameworkAggregation(False, Denominator.SCORED_RESPONSES, "global_valid_samples",
-                                                    _ROLL),
-    "roll:seq-mean-token-sum-norm": FrameworkAggregation(False, Denominator.HORIZON,
-                                                         "the micro-batch's padded width alone (ROLL's loss_mask "
-                                                         "spans prompt and response: pass its width - 1 where the "
-                                                         "call holds responses only); the step's loss is the sum "
-                                                         "of every response's token sum / T", _ROLL),
-    "openrlhf:token-mean": FrameworkAggregation(False, Denominator.TOKENS,
-                                                "the accumulation window's action tokens over every dp rank, "
-                                                "counted before the IS mask", _OPENRLHF),
-    "openrlhf:seq-mean-token-mean": FrameworkAggregation(True, Denominator.SCORED_RESPONSES,
-                                                         "the window's responses with an action token over every "
-                                                         "dp rank", _OPENRLHF),
-    "nemo_rl:token_level_loss=true": FrameworkAggregation(False, Denominator.TOKENS,
-                                                          "global_valid_toks: the global batch's tokens over every "
-                                                          "dp rank, counted before TIS / icepop", _NEMO_RL),
-    "nemo_rl:token_level_loss=false": FrameworkAggregation(True, Denominator.RESPONSES,
-                                                           "global_valid_seqs: the global batch's sample_mask sum",
-                                                           _NEMO_RL),
-    "areal:token-mean": FrameworkAggregation(False, Denominator.TOKENS,
-                                             "the mini-batch's loss_mask tokens over every dp rank, counted before "
-                                             "rejection sampling, after M2PO per micro-batch (AReaL's one "
-                                             "aggregation, no config field)", _AREAL),
-    "skyrl:token_mean": FrameworkAggregation(False, Denominator.TOKENS,
-                                             "the mini-batch's tokens, counted before the off-policy correction",
-                                             _SKYRL),
-    "skyrl:sequence_mean": FrameworkAggregation(True, Denominator.RESPONSES, "the mini-batch's responses", _SKYRL),
-    "skyrl:seq_mean_token_sum_norm": FrameworkAggregation(False, Denominator.GRID,
-                                                          "the mini-batch's responses x max_seq_len", _SKYRL),
-}
+# "framework:mode" -> the row: each framework's rows are in its spec (``dgpo_ops.frameworks``).
+FRAMEWORK_AGGREGATIONS = frameworks.FRAMEWORK_AGGREGATIONS
 
 
 def aggregation_codes(aggregation: str) -> tuple[bool, Denominator]:

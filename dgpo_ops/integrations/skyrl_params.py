@@ -6,7 +6,7 @@ through ``docs/generate.py``).
   (SkyRL has its own ``cispo``, ``gspo``, ``sapo``, ... : the prefix keeps every name apart from SkyRL's).
 * A parameter comes from ``trainer.algorithm.method_params.<name>`` when set there (a field of
   ``dgpo_ops.integrations.skyrl.AlgorithmConfig``), else from the field of SkyRL's ``AlgorithmConfig`` that means the
-  same (``SKYRL_FIELDS``: ``eps_clip_low/high``, ``sapo.tau_pos/neg``, ``cispo.cispo_eps_clip_low/high``,
+  same (SkyRL's spec, ``dgpo_ops.frameworks.skyrl``: ``eps_clip_low/high``, ``sapo.tau_pos/neg``, ``cispo.cispo_eps_clip_low/high``,
   ``dppo.delta_low/high``, ``clip_cov.*``, ``kl_cov.*``), else it keeps the table's default. An alias's parameters
   (dapo's ``eps_high=0.28``) win over SkyRL's fields, as ``method_params`` does.
 * SkyRL's ``clip_ratio_c`` is its ``dual_clip`` loss's parameter, not ``regular``'s: the dual clip of
@@ -21,6 +21,7 @@ import dataclasses
 
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
 from dgpo_ops.corrections.skyrl import SkyRLCorrection
+from dgpo_ops.frameworks.skyrl import SPEC as SKYRL
 from dgpo_ops.integrations.config_fields import (
     check_method_params,
     checked_value,
@@ -31,35 +32,11 @@ from dgpo_ops.methods.catalog import method_params as table_params
 from dgpo_ops.methods.table import METHODS, resolve
 
 PREFIX = "dgpo_ops."
-ALGORITHM = "trainer.algorithm"
-METHOD_PARAMS = f"{ALGORITHM}.method_params"
-CORRECTION = f"{ALGORITHM}.off_policy_correction"
+ALGORITHM = SKYRL.fields.root
+METHOD_PARAMS = f"{ALGORITHM}.{SKYRL.fields.params_field}"
+CORRECTION = SKYRL.correction_config
 EXPECTED = "the policy losses dgpo_ops.* take SkyRL's algorithm config (trainer.algorithm, an AlgorithmConfig)"
 
-# The field of SkyRL's AlgorithmConfig (a dotted path under trainer.algorithm) that means a method parameter, by
-# the parameter's name; a parameter without one is read from method_params only.
-SKYRL_FIELDS: dict[str, str] = {
-    "eps_low": "eps_clip_low",
-    "eps_high": "eps_clip_high",
-    "tau_pos": "sapo.tau_pos",
-    "tau_neg": "sapo.tau_neg",
-    # SkyRL's dppo reads its own thresholds; prime_dppo's keep band is the same total variation
-    "delta_low": "dppo.delta_low",
-    "delta_high": "dppo.delta_high",
-    "clip_cov_ratio": "clip_cov.clip_ratio",
-    "clip_cov_lb": "clip_cov.clip_cov_lb",
-    "clip_cov_ub": "clip_cov.clip_cov_ub",
-    "kl_cov_ratio": "kl_cov.kl_cov_frac",
-    "ppo_kl_coef": "kl_cov.ppo_kl_coef",
-}
-# A method whose parameter of that name SkyRL's field does not mean, or means through another field: SkyRL's cispo
-# reads its own bounds (defaults 0 and 5), DCPO's eps bound the old probability.
-METHOD_SKYRL_FIELDS: dict[tuple[str, str], str | None] = {
-    ("cispo", "eps_low"): "cispo.cispo_eps_clip_low",
-    ("cispo", "eps_high"): "cispo.cispo_eps_clip_high",
-    ("dcpo", "eps_low"): None,
-    ("dcpo", "eps_high"): None,
-}
 # The methods whose behaviour policy is the inference engine's where SkyRL passes its log-probs, as SkyRL's own
 # rollout_is (which needs them) and dppo (which takes them when given) form their ratio against rollout_logprobs;
 # old_log_probs still feed the off-policy correction.
@@ -68,9 +45,10 @@ NEEDS_ROLLOUT_LOGPROBS = ("rollout_is",)
 
 
 def skyrl_field(param: MethodParam) -> str | None:
-    """The path under ``trainer.algorithm`` of the SkyRL field that means ``param``, None where only
-    ``method_params`` sets it."""
-    return METHOD_SKYRL_FIELDS.get((param.method, param.name), SKYRL_FIELDS.get(param.name))
+    """The path under ``trainer.algorithm`` of the SkyRL field that means ``param`` (SkyRL's spec,
+    ``dgpo_ops.frameworks.skyrl``), None where only ``method_params`` sets it."""
+    field = SKYRL.fields.field_of(param)
+    return None if field is None else field.path
 
 
 def loss_type(name: str) -> str:
@@ -125,7 +103,7 @@ def loss_options(policy_loss_type: str, config) -> LossOptions:
                              **params_from_skyrl(name, config))
 
 
-CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(SkyRLCorrection))
+CORRECTION_FIELDS = SKYRL.correction_fields
 # the parts of off_policy_correction each of which turns it on (off_policy_correction_enabled)
 CORRECTION_SWITCHES = ("tis_ratio_type", "sequence_mask_metric", "outlier_token_is_threshold_low",
                        "outlier_token_is_threshold_high", "token_mask_is_threshold_low", "token_mask_is_threshold_high")
@@ -157,9 +135,9 @@ def correction_from_skyrl(config) -> SkyRLCorrection | None:
         raise ValueError(f"{CORRECTION}: {error}") from None
 
 
-for _method, _param in METHOD_SKYRL_FIELDS:  # every override names a real parameter
+for _method, _param in SKYRL.fields.by_method:  # every override names a real parameter
     if _param not in {p.name for p in table_params(_method)}:
-        raise AssertionError(f"METHOD_SKYRL_FIELDS[({_method!r}, {_param!r})]: {_method} has no such parameter")
+        raise AssertionError(f"SkyRL's by_method[({_method!r}, {_param!r})]: {_method} has no such parameter")
 if not set(ROLLOUT_BEHAVIOUR) <= set(METHODS):
     raise AssertionError(f"ROLLOUT_BEHAVIOUR names a method the table lacks: {set(ROLLOUT_BEHAVIOUR) - set(METHODS)}")
 

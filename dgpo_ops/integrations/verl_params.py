@@ -7,21 +7,22 @@ from here).
   apart from verl's, now and later. An alias's parameters (dapo's ``eps_high=0.28``) win over verl's
   fields, as ``method_params`` does, since verl's fields always hold a value.
 * A parameter comes from ``policy_loss.method_params.<name>`` when set there, else from the field of
-  verl's actor config that means the same (``VERL_FIELDS``: ``clip_ratio_low/high``, ``clip_ratio_c``,
-  ``tau_pos/neg``, ``policy_loss.<field>``), else it keeps the table's default.
-* verl's five aggregations (``agg_loss``) are per-token scales with verl's normalisation across
-  data-parallel ranks and micro-batches (``global_batch_info``).
+  verl's actor config that means the same (verl's spec, ``dgpo_ops.frameworks.verl``: ``clip_ratio_low/high``,
+  ``clip_ratio_c``, ``tau_pos/neg``, ``policy_loss.<field>``), else it keeps the table's default.
+* verl's five aggregations (``agg_loss``) are per-token scales: the rows of verl's spec over verl's step
+  (``global_batch_info``'s counts across data-parallel ranks and micro-batches).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from dgpo_ops.core.aggregation import FRAMEWORK_AGGREGATIONS
 from dgpo_ops.core.options import IMPORTANCE_SAMPLING_LEVELS, LossOptions
+from dgpo_ops.frameworks.core import AggregationRow, ConfigField, step_normalizer
+from dgpo_ops.frameworks.verl import ACTOR, COUNT_KEYS, HORIZON_DENOMINATORS, METHOD_AGGREGATIONS, ROW_MEAN
+from dgpo_ops.frameworks.verl import SPEC as VERL
 from dgpo_ops.integrations import config_fields
 from dgpo_ops.integrations.config_fields import REQUIRED, checked_value
 from dgpo_ops.methods.catalog import POLICY_LOSSES, MethodParam
@@ -29,50 +30,13 @@ from dgpo_ops.methods.catalog import method_params as table_params
 from dgpo_ops.methods.table import METHODS, resolve
 
 PREFIX = "dgpo_ops."
-ACTOR = "actor_rollout_ref.actor"
 POLICY_LOSS = f"{ACTOR}.policy_loss"
-# verl's clip_ratio_low / clip_ratio_high: None means clip_ratio (as verl's own losses read them).
-VERL_FALLBACKS = {"clip_ratio_low": "clip_ratio", "clip_ratio_high": "clip_ratio"}
+FIELDS = VERL.fields
 
 
-@dataclass(frozen=True)
-class VerlField:
-    """A field of verl's actor config (``policy_loss.<name>``: of its policy-loss config) that means a method
-    parameter; ``when_null``: the value verl's own loss uses where the field is null (verl's code constant, which
-    may differ from its config's default)."""
-
-    path: str
-    when_null: float | None = None
-
-
-# The verl field of each method parameter, by the parameter's name; a parameter without one is read from
-# policy_loss.method_params only.
-VERL_FIELDS: dict[str, VerlField] = {
-    "eps_low": VerlField("clip_ratio_low"),
-    "eps_high": VerlField("clip_ratio_high"),
-    "dual_clip": VerlField("clip_ratio_c"),
-    # dppo's divergence thresholds and weight cap are what verl's dppo losses read its clip fields as
-    "delta_low": VerlField("clip_ratio_low"),
-    "delta_high": VerlField("clip_ratio_high"),
-    "is_cap": VerlField("clip_ratio_c"),
-    "tau_pos": VerlField("tau_pos"),
-    "tau_neg": VerlField("tau_neg"),
-    "dro_beta": VerlField("policy_loss.dro_beta"),  # no constant: None raises in verl too
-    "clip_cov_ratio": VerlField("policy_loss.clip_cov_ratio", when_null=2e-4),
-    "clip_cov_lb": VerlField("policy_loss.clip_cov_lb", when_null=1.0),
-    "clip_cov_ub": VerlField("policy_loss.clip_cov_ub", when_null=5.0),
-    "kl_cov_ratio": VerlField("policy_loss.kl_cov_ratio", when_null=2e-4),
-    "ppo_kl_coef": VerlField("policy_loss.ppo_kl_coef", when_null=1.0),  # the config's default is 0.1
-}
-# A method whose parameter of that name verl's field does not mean: DCPO's eps bound the old probability.
-METHOD_VERL_FIELDS: dict[tuple[str, str], VerlField | None] = {("dcpo", "eps_low"): None, ("dcpo", "eps_high"): None}
-# verl's loss of this name aggregates its own way, whatever loss_agg_mode says.
-METHOD_AGGREGATIONS: dict[str, str] = {"geo_mean": "row-mean"}
-
-
-def verl_field(param: MethodParam) -> VerlField | None:
-    """The verl field that means ``param``, None where only ``policy_loss.method_params`` sets it."""
-    return METHOD_VERL_FIELDS.get((param.method, param.name), VERL_FIELDS.get(param.name))
+def verl_field(param: MethodParam) -> ConfigField | None:
+    """The verl field that means ``param`` (verl's spec), None where only ``policy_loss.method_params`` sets it."""
+    return FIELDS.field_of(param)
 
 
 def loss_mode(name: str) -> str:
@@ -82,44 +46,15 @@ def loss_mode(name: str) -> str:
 
 
 LOSS_MODES: dict[str, str] = {loss_mode(name): name for name in POLICY_LOSSES}
+LOSS_AGG_MODES = tuple(row.mode for row in VERL.aggregations)
 
 
-@dataclass(frozen=True)
-class VerlAggregation:
-    """verl's ``agg_loss`` mode as per-token scales: each token weighs 1 (or ``1/|o_i|``), divided by the
-    global count ``denominator`` names (or 1), times ``dp_size`` (data-parallel gradients are averaged),
-    and by the horizon ``loss_scale_factor`` (None: the padded response length)."""
-
-    per_response: bool
-    denominator: str | None  # "batch_num_tokens", "global_batch_size" or None
-    horizon: bool = False
-
-
-# verl's geo_mean: torch.mean over the micro-batch's rows of each response's loss (its length plus 1e-8 divides
-# the token sum), whatever loss_agg_mode and global_batch_info say (METHOD_AGGREGATIONS).
-ROW_MEAN = "row-mean"
-
-def _verl_row(loss_agg_mode: str, denominator: str | None, horizon: bool = False) -> VerlAggregation:
-    """The plugin's reading of verl's ``global_batch_info`` for a mode, its within-response weight from the
-    mode's row of ``FRAMEWORK_AGGREGATIONS`` (one copy of what verl's trainer divides by)."""
-    row = FRAMEWORK_AGGREGATIONS[f"verl:{loss_agg_mode}"]
-    return VerlAggregation(row.per_response, denominator, horizon)
-
-
-VERL_AGGREGATIONS: dict[str, VerlAggregation] = {
-    "token-mean": _verl_row("token-mean", "batch_num_tokens"),
-    "token-sum": _verl_row("token-sum", None),
-    "seq-mean-token-sum": _verl_row("seq-mean-token-sum", "global_batch_size"),
-    "seq-mean-token-sum-norm": _verl_row("seq-mean-token-sum-norm", "global_batch_size", horizon=True),
-    "seq-mean-token-mean": _verl_row("seq-mean-token-mean", "global_batch_size"),
-}
-
-
-def check_loss_agg_mode(loss_agg_mode) -> VerlAggregation:
-    if loss_agg_mode not in VERL_AGGREGATIONS:
+def check_loss_agg_mode(loss_agg_mode) -> AggregationRow:
+    """verl's row of ``loss_agg_mode`` (``dgpo_ops.frameworks.verl``)."""
+    if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"{ACTOR}.loss_agg_mode: verl has no aggregation {loss_agg_mode!r}; "
-                         f"its aggregations are {', '.join(VERL_AGGREGATIONS)}")
-    return VERL_AGGREGATIONS[loss_agg_mode]
+                         f"its aggregations are {', '.join(LOSS_AGG_MODES)}")
+    return VERL.row(loss_agg_mode)
 
 
 def _positive_count(name: str, value):
@@ -131,9 +66,37 @@ def _positive_count(name: str, value):
     return value
 
 
+# Without global_batch_info's count (one process), verl counts this micro-batch: its tokens, or its responses that
+# have a scored token.
+LOCAL_COUNTS = {"batch_num_tokens": lambda mask: mask.sum(),
+                "global_batch_size": lambda mask: mask.any(dim=-1).sum()}
+
+
+def step_count(row: AggregationRow, mask: torch.Tensor, info: dict, dp_size: int, dtype):
+    """``row.denominator`` counted over verl's step: the global count ``global_batch_info`` holds for it
+    (``COUNT_KEYS``), times the horizon where the row divides by it; without it (one process) the micro-batch's."""
+    key = COUNT_KEYS[row.denominator]
+    count = 1.0
+    if key is not None:
+        count = info.get(key)
+        if count is None:
+            if dp_size > 1:
+                raise ValueError(f"loss_agg_mode {row.mode!r} with dp_size {dp_size} needs "
+                                 f"global_batch_info[{key!r}] (verl's engine sets it)")
+            count = LOCAL_COUNTS[key](mask).clamp(min=1).to(dtype)
+        else:
+            count = _positive_count(key, count)
+    if row.denominator in HORIZON_DENOMINATORS:
+        horizon = info.get("loss_scale_factor")
+        count = count * (mask.shape[-1] if horizon is None else _positive_count("loss_scale_factor", horizon))
+    return count
+
+
 def verl_token_scales(mask: torch.Tensor, loss_agg_mode: str, global_batch_info, dtype) -> torch.Tensor:
     """Per-token scales ``s`` (0 on masked tokens) with ``sum(s * L)`` equal to verl's
-    ``agg_loss(L, mask, loss_agg_mode, **global_batch_info)`` on a ``(B, T)`` boolean mask.
+    ``agg_loss(L, mask, loss_agg_mode, **global_batch_info)`` on a ``(B, T)`` boolean mask: the row's
+    within-response weight over its step normaliser (``dgpo_ops.frameworks.step_normalizer``: the global count
+    over ``dp_size``).
 
     Without a global count (one process, ``dp_size`` 1) verl counts this micro-batch: its tokens, or its
     responses that have a scored token (fully masked responses are left out of the count, as verl does;
@@ -142,30 +105,16 @@ def verl_token_scales(mask: torch.Tensor, loss_agg_mode: str, global_batch_info,
     if loss_agg_mode == ROW_MEAN:
         lengths = mask.sum(dim=-1, keepdim=True).to(dtype) + 1e-8
         return mask.to(dtype) / lengths / max(mask.shape[0], 1)
-    aggregation = check_loss_agg_mode(loss_agg_mode)
+    row = check_loss_agg_mode(loss_agg_mode)
     info = dict(global_batch_info or {})
     dp_size = info.get("dp_size")
     dp_size = 1 if dp_size is None else dp_size
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"global_batch_info['dp_size'] must be a positive integer, got {dp_size!r}")
     scale = mask.to(dtype)
-    if aggregation.per_response:
+    if row.per_response:
         scale = scale / mask.sum(dim=-1, keepdim=True).clamp(min=1)
-    if aggregation.denominator is not None:
-        count = info.get(aggregation.denominator)
-        if count is None:
-            if dp_size > 1:
-                raise ValueError(f"loss_agg_mode {loss_agg_mode!r} with dp_size {dp_size} needs "
-                                 f"global_batch_info[{aggregation.denominator!r}] (verl's engine sets it)")
-            local = mask.sum() if aggregation.denominator == "batch_num_tokens" else mask.any(dim=-1).sum()
-            count = local.clamp(min=1).to(dtype)
-        else:
-            count = _positive_count(aggregation.denominator, count)
-        scale = scale / count
-    if aggregation.horizon:
-        horizon = info.get("loss_scale_factor")
-        scale = scale / (mask.shape[-1] if horizon is None else _positive_count("loss_scale_factor", horizon))
-    return scale * dp_size
+    return scale / step_normalizer(row, step_count(row, mask, info, dp_size, dtype), dp_size=dp_size)
 
 
 def read_field(config, name: str, where: str = ACTOR, default=REQUIRED):
@@ -194,8 +143,8 @@ def params_from_verl(name: str, config) -> dict:
         elif (source := verl_field(p)) is not None:
             field = source.path
             value = read_verl_field(config, field)
-            if value is None and field in VERL_FALLBACKS:
-                field = VERL_FALLBACKS[field]
+            if value is None and source.fallback is not None:
+                field = source.fallback
                 value = read_verl_field(config, field)
             if value is None and source.when_null is not None:
                 value = source.when_null  # what verl's own loss reads a null field as
@@ -211,7 +160,7 @@ def read_verl_field(config, field: str):
 
 
 for _method, _mode in METHOD_AGGREGATIONS.items():  # a method's own aggregation must be one this module computes
-    if _method not in METHODS or _mode not in (ROW_MEAN, *VERL_AGGREGATIONS):
+    if _method not in METHODS or _mode not in (ROW_MEAN, *LOSS_AGG_MODES):
         raise AssertionError(f"METHOD_AGGREGATIONS[{_method!r}] = {_mode!r}: not a method, or not {ROW_MEAN!r} or a mode")
 
 

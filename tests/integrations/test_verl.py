@@ -30,10 +30,10 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 import dgpo_ops  # noqa: E402
 from dgpo_ops import Region, method_config, reference_loss, token_terms  # noqa: E402
 from dgpo_ops.integrations import verl as dgpo_verl  # noqa: E402
-from dgpo_ops.integrations.verl_params import ROW_MEAN, VERL_AGGREGATIONS  # noqa: E402
+from dgpo_ops.integrations.verl_params import LOSS_AGG_MODES, ROW_MEAN  # noqa: E402
 from dgpo_ops.methods.catalog import POLICY_LOSSES, variants  # noqa: E402
 
-MODES = tuple(VERL_AGGREGATIONS)
+MODES = LOSS_AGG_MODES
 # verl's mode -> the package's aggregation with that per-token weight; the normaliser carries verl's counts
 OUR_AGGREGATION = {"token-mean": "token_mean", "token-sum": "token_sum", "seq-mean-token-sum": "token_mean",
                    "seq-mean-token-sum-norm": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean"}
@@ -339,9 +339,8 @@ def test_sapo_follows_loss_agg_mode(mode):
 
 def our_normalizer(mode, info, T_):
     """The package's loss_normalizer giving verl's normalisation: counts over dp_size (DP's averaging)."""
-    count = {"batch_num_tokens": info["batch_num_tokens"], "global_batch_size": info["global_batch_size"],
-             None: 1}[VERL_AGGREGATIONS[mode].denominator]
-    if VERL_AGGREGATIONS[mode].horizon:
+    count = {"token-mean": info["batch_num_tokens"], "token-sum": 1}.get(mode, info["global_batch_size"])
+    if mode == "seq-mean-token-sum-norm":
         count = count * (info["loss_scale_factor"] or T_)
     return count / info["dp_size"]
 

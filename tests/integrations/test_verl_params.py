@@ -43,7 +43,7 @@ def test_parameters_come_from_method_params_then_verl_fields_then_defaults():
         lambda: verl_params.loss_options("dgpo_ops.aspo", {**plain, "clip_ratio_c": 0.5}))
 
 
-@pytest.mark.parametrize("mode", list(verl_params.VERL_AGGREGATIONS))
+@pytest.mark.parametrize("mode", verl_params.LOSS_AGG_MODES)
 def test_verl_token_scales_sum_to_verl_normalisation(mode):
     """Per-token scales: with a mask of known counts the sum of each response's scales is what verl's
     agg_loss gives a loss of 1 per token (its arithmetic, written out here for this mask)."""

@@ -4,11 +4,9 @@ on every process, this process's half of the lm_head's rows, verl's ``linear_cro
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import torch
 import torch.distributed as dist
+from worlds import gloo_rank
 
 H, VOCAB, TEMPERATURE = 16, 38, 0.7  # VOCAB divisible by the 2 processes
 
@@ -23,23 +21,18 @@ def split_inputs():
 
 
 def split_vocabulary_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    result = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from dgpo_ops.integrations.verl import linear_cross_entropy
+    gloo_rank(rank, world, init_file, out_dir, lambda: split_vocabulary(rank, world))
 
-        hidden, weight, labels, grads = split_inputs()
-        rows = VOCAB // world
-        shard = weight[rank * rows:(rank + 1) * rows].clone().requires_grad_(True)
-        hidden = hidden.clone().requires_grad_(True)
-        logp, entropy = linear_cross_entropy(hidden, shard, labels, TEMPERATURE, "none",
-                                             dist_process_group=dist.group.WORLD)
-        (logp * grads[0].reshape(-1) + entropy * grads[1].reshape(-1)).sum().backward()
-        result = {"logp": logp.detach(), "entropy": entropy.detach(), "grad_hidden": hidden.grad,
-                  "grad_weight": shard.grad}
-    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
-        result = {"error": traceback.format_exc()}
-    finally:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def split_vocabulary(rank: int, world: int) -> dict:
+    from dgpo_ops.integrations.verl import linear_cross_entropy
+
+    hidden, weight, labels, grads = split_inputs()
+    rows = VOCAB // world
+    shard = weight[rank * rows:(rank + 1) * rows].clone().requires_grad_(True)
+    hidden = hidden.clone().requires_grad_(True)
+    logp, entropy = linear_cross_entropy(hidden, shard, labels, TEMPERATURE, "none",
+                                         dist_process_group=dist.group.WORLD)
+    (logp * grads[0].reshape(-1) + entropy * grads[1].reshape(-1)).sum().backward()
+    return {"logp": logp.detach(), "entropy": entropy.detach(), "grad_hidden": hidden.grad,
+            "grad_weight": shard.grad}

@@ -96,31 +96,27 @@ def test_the_readme_method_table_lists_every_policy_loss():
 
 def test_a_parameter_without_a_listed_field_gets_one_named_after_its_method():
     """A new method's parameters reach DGPOConfig without an edit of the trainer: the field is derived."""
+    from dgpo_ops.frameworks.trl import SPEC
     from dgpo_ops.trainer import method_fields
 
     spec = ParamSpec(help="x")
     assert method_fields.config_field(catalog.MethodParam("new_method", "k", spec, 1.0)).name == "new_method_k"
     assert method_fields.config_field(catalog.MethodParam("new_method", "new_method_k", spec, 1.0)).name == \
         "new_method_k"
-    # every listed field is read by a method, and listing a parameter that would derive the same name is redundant
+    # listing a parameter that would derive the same name is redundant
     params = [p for method in METHODS for p in catalog.method_params(method)]
-    assert set(method_fields.FIELDS) <= {p.name for p in params}, "FIELDS names a parameter no method has"
-    for name, field in method_fields.FIELDS.items():
+    for name, field in SPEC.fields.by_param.items():
         readers = [p for p in params if p.name == name]
         derived = [p.name if p.name.startswith(p.method) else f"{p.method}_{p.name}" for p in readers]
-        assert any(field.name != d for d in derived), f"FIELDS[{name!r}] is the field it would derive anyway"
-    assert {method for method, _ in method_fields.METHOD_FIELDS} <= set(METHODS)
+        assert any(field.name != d for d in derived), f"TRL's by_param[{name!r}] is the field it would derive anyway"
     from dgpo_ops.trainer.app import presets
 
     assert set(presets.PRESETS) <= set(METHODS)
 
 
-def test_the_verl_mapping_names_only_parameters_of_the_table():
+def test_verls_own_aggregations_are_methods_of_the_table():
     from dgpo_ops.integrations import verl_params
 
-    names = {p.name for method in METHODS for p in catalog.method_params(method)}
-    assert set(verl_params.VERL_FIELDS) <= names
-    assert {method for method, _ in verl_params.METHOD_VERL_FIELDS} <= set(METHODS)
     assert set(verl_params.METHOD_AGGREGATIONS) <= set(METHODS)
 
 
@@ -218,8 +214,8 @@ def test_the_recipe_names_real_files_and_commands_and_its_derived_lists_cover_ev
     design = (root / "docs" / "design.md").read_text()
     recipe = design[design.index("## Adding a method"):design.index("## Layout")]
     paths = set(re.findall(r"`((?:dgpo_ops|kernels|trainer|docs|tests|bench)/[\w/.]+\.(?:py|md))`", recipe))
-    assert {"dgpo_ops/methods/table.py", "trainer/method_fields.py", "docs/math.md", "kernels/method_table.py",
-            "dgpo_ops/integrations/verl_params.py"} <= paths
+    assert {"dgpo_ops/methods/table.py", "dgpo_ops/frameworks/trl.py", "docs/math.md", "kernels/method_table.py",
+            "dgpo_ops/frameworks/verl.py"} <= paths
     for path in paths:
         assert (root / path).exists(), f"the recipe names {path}, which is not in the repository"
     for module in re.findall(r"python -m ([\w.]+)", recipe):

@@ -87,7 +87,7 @@ def test_flat_logits_name_the_methods_own_aggregation():
     ({"policy_loss": "geo_mean"}, "seq_mean_token_mean"),
     ({"policy_loss": "geo_mean", "loss_aggregation": "token_mean"}, "token_mean"),
     ({"policy_loss": "dcpo"}, "seq_sum_token_mean"),
-    ({"policy_loss": "dgpo", "loss_type": "grpo"}, "seq_mean_token_mean"),  # TRL's loss_type where the method has none
+    ({"policy_loss": "dgpo", "loss_type": "grpo"}, "trl:grpo"),  # TRL's loss_type where the method has none
 ])
 def test_dgpo_config_takes_a_methods_own_aggregation_unless_loss_aggregation_is_set(tmp_path, fields, aggregation):
     pytest.importorskip("trl")

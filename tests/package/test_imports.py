@@ -5,7 +5,7 @@ architecture to a higher one.
 The checkout's three parts are the folders ``kernels/`` (installed as ``dgpo_ops.kernels``), ``dgpo_ops/``
 and ``trainer/`` (installed as ``dgpo_ops.trainer``). Their layers, lowest first (docs/design.md, "Layout"):
 
-    kernels -> methods -> core -> layouts -> ops -> distributed -> api -> integrations | trainer -> app
+    kernels -> methods -> corrections -> frameworks -> core -> layouts -> ops -> distributed -> api -> integrations | trainer -> app
 
 ``dgpo_ops.kernels`` imports nothing else of the package; ``dgpo_ops.api`` and the package's own
 ``__init__`` are the public front; ``integrations`` and ``trainer`` (the library: ``DGPOTrainer``,
@@ -25,8 +25,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dgpo_ops"
 # Each folder of the checkout and the package it installs as (pyproject.toml's package-dir).
 PARTS = {REPO / "kernels": "dgpo_ops.kernels", PACKAGE: "dgpo_ops", REPO / "trainer": "dgpo_ops.trainer"}
-LAYERS = {"kernels": 0, "methods": 1, "corrections": 1.5, "core": 2, "layouts": 3, "ops": 4, "distributed": 5, "api": 6,
-          "integrations": 7, "trainer": 7, "app": 8}
+LAYERS = {"kernels": 0, "methods": 1, "corrections": 1.5, "frameworks": 1.75, "core": 2, "layouts": 3, "ops": 4,
+          "distributed": 5, "api": 6, "integrations": 7, "trainer": 7, "app": 8}
 APP = "dgpo_ops.trainer.app"
 # The folder of each layer outside dgpo_ops/ (the others are dgpo_ops/<layer>)
 FOLDERS = {"kernels": REPO / "kernels", "trainer": REPO / "trainer", "app": REPO / "trainer" / "app"}

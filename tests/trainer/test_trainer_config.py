@@ -128,18 +128,18 @@ def test_every_method_and_alias_gives_loss_options_that_run_it(tmp_path, name):
 
 
 @pytest.mark.parametrize("fields, method, loss_type, aggregation", [
-    ({}, "grpo", "dapo", "token_mean"),  # GRPOConfig's defaults: TRL's clipped objective, token mean
-    ({"loss_type": "grpo"}, "grpo", "grpo", "seq_mean_token_mean"),
-    ({"loss_type": "bnpo"}, "grpo", "bnpo", "token_mean"),
-    ({"loss_type": "dr_grpo"}, "grpo", "dr_grpo", "seq_mean_token_sum_norm"),
-    ({"loss_type": "luspo"}, "grpo", "luspo", "seq_mean_token_sum"),  # TRL's luspo: one aggregation, one path
-    ({"loss_type": "cispo", "epsilon_high": 5.0}, "cispo", "cispo", "token_mean"),
-    ({"loss_type": "sapo"}, "sapo", "sapo", "seq_mean_token_mean"),
-    ({"policy_loss": "dgpo"}, "dgpo", "dapo", "token_mean"),
-    ({"policy_loss": "dgpo", "loss_type": "grpo"}, "dgpo", "grpo", "seq_mean_token_mean"),  # the aggregation only
-    ({"policy_loss": "dapo", "loss_type": "dr_grpo"}, "dapo", "dr_grpo", "seq_mean_token_sum_norm"),
-    ({"policy_loss": "cispo", "loss_type": "cispo"}, "cispo", "cispo", "token_mean"),
-    ({"policy_loss": "sapo", "loss_type": "sapo", "sapo_gate": "erf"}, "sapo", "sapo", "seq_mean_token_mean"),
+    ({}, "grpo", "dapo", "trl:dapo"),  # GRPOConfig's defaults: TRL's clipped objective, token mean
+    ({"loss_type": "grpo"}, "grpo", "grpo", "trl:grpo"),
+    ({"loss_type": "bnpo"}, "grpo", "bnpo", "trl:bnpo"),
+    ({"loss_type": "dr_grpo"}, "grpo", "dr_grpo", "trl:dr_grpo"),
+    ({"loss_type": "luspo"}, "grpo", "luspo", "trl:luspo"),  # TRL's luspo: one aggregation, one path
+    ({"loss_type": "cispo", "epsilon_high": 5.0}, "cispo", "cispo", "trl:cispo"),
+    ({"loss_type": "sapo"}, "sapo", "sapo", "trl:sapo"),
+    ({"policy_loss": "dgpo"}, "dgpo", "dapo", "trl:dapo"),
+    ({"policy_loss": "dgpo", "loss_type": "grpo"}, "dgpo", "grpo", "trl:grpo"),  # the aggregation only
+    ({"policy_loss": "dapo", "loss_type": "dr_grpo"}, "dapo", "dr_grpo", "trl:dr_grpo"),
+    ({"policy_loss": "cispo", "loss_type": "cispo"}, "cispo", "cispo", "trl:cispo"),
+    ({"policy_loss": "sapo", "loss_type": "sapo", "sapo_gate": "erf"}, "sapo", "sapo", "trl:sapo"),
     ({"policy_loss": "dcpo"}, "dcpo", "dapo", "seq_sum_token_mean"),
 ])
 def test_loss_type_names_the_objective_unless_policy_loss_is_set(tmp_path, fields, method, loss_type, aggregation):
@@ -163,7 +163,7 @@ def test_unknown_loss_type_is_refused_and_vespo_needs_the_method_table(tmp_path)
         make(tmp_path, loss_type="ppo")
     if "vespo" in POLICY_LOSSES:  # TRL's VESPO objective, from the method table
         config = make(tmp_path, loss_type="vespo", vespo_k_pos=1.5)
-        assert (config.policy_loss, config.aggregation, config.method().k_pos) == ("vespo", "token_mean", 1.5)
+        assert (config.policy_loss, config.aggregation, config.method().k_pos) == ("vespo", "trl:vespo", 1.5)
     else:
         with pytest.raises(ValueError, match="loss_type='vespo' is not yet fused.*GRPOTrainer"):
             make(tmp_path, loss_type="vespo")

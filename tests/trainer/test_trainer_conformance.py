@@ -41,7 +41,10 @@ from trainer_fixtures import (  # noqa: E402
     prompt_dataset,
 )
 
-TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+from dgpo_ops.frameworks import trl as trl_spec  # noqa: E402
+
+# TRL's loss types from TRL's spec (dgpo_ops.frameworks.trl); vespo's cases are their own (below)
+TRL_LOSS_TYPES = tuple(name for name in trl_spec.LOSS_TYPES if name != "vespo")
 # TRL's CISPO cap is epsilon_high itself (5.0 recommended); its default (epsilon, 0.2) caps every weight below 1.
 LOSS_TYPE_FIELDS = {name: {"loss_type": name, **({"epsilon_high": 5.0} if name == "cispo" else {})}
                     for name in TRL_LOSS_TYPES}
