@@ -1,7 +1,7 @@
 """The op's own host Python per call, measured on the CPU: a proxy for the host time of one
 ``fused_dgpo_loss`` forward + backward on CUDA without a GPU.
 
-    python bench/experiments/host_python_cpu.py [--calls 300] [--profile] [--out FILE.json]
+    python bench/experiments/host_python_cpu.py [--calls 300] [--liger] [--profile] [--out FILE.json]
 
 The Triton kernels are the ones CUDA runs (``backend="triton"``, the interpreter's kernel objects) but each
 launch is replaced by a no-op that only records it, and validation is ``"deferred"`` (CUDA's default), so
@@ -10,6 +10,11 @@ too) is everything the host does around the launches: options, the plan, the che
 allocations, the autograd Function and engine, the deferred-check bookkeeping. Not timed: Triton's own
 per-launch binding (60-110 us per launch on the H100 VM, csrc_notes.md, "Host time") and the CUDA caching
 allocator. The inputs are tiny, so torch's CPU kernels for the few O(N) ops cost next to nothing.
+
+``--liger`` times Liger-Kernel's ``triton_grpo_loss`` forward + backward the same way in the same process, on the
+same inputs (its ``(B, T + 1, V)`` logits, as ``gpu_check.py`` calls it): its Triton kernels are interpreter
+kernel objects too, so the same no-op launches apply, and its torch ops on O(N) vectors run as ours do. Without
+liger-kernel installed the run says so and times ours alone.
 """
 
 from __future__ import annotations
@@ -53,6 +58,55 @@ def python_calls(fn) -> int:
     fn()
     profile.disable()
     return sum(stat[1] for stat in pstats.Stats(profile).stats.values())
+
+
+def timed(name: str, fn, calls: int, repeats: int) -> dict:
+    """``name`` (``..._us``): the median over ``repeats`` loops of ``calls`` calls of this thread's CPU time per
+    call, with each loop's, the wall time, the launches of one call and its Python-level calls."""
+    for _ in range(20):
+        fn()
+    LAUNCHES.clear()
+    fn()
+    out = {name.replace("_us", "_launches"): list(LAUNCHES)}
+    loops, walls = [], []
+    for _ in range(repeats):
+        start, wall = time.thread_time(), time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.thread_time() - start) / calls * 1e6)
+        walls.append((time.perf_counter() - wall) / calls * 1e6)
+    out[name] = statistics.median(loops)
+    out[name.replace("_us", "_loops_us")] = loops
+    out[name.replace("_us", "_wall_us")] = statistics.median(walls)
+    out[name.replace("_us", "_python_calls")] = python_calls(fn)
+    return out
+
+
+# Liger's call, as bench/experiments/gpu_check.py makes it: grpo with the token mean (bnpo), no KL.
+LIGER_CALL = ("triton_grpo_loss(padded, old, None, target, adv, completion_mask=mask.int(), temperature=1.0, "
+              "beta=0.0, eps_low=0.2, eps_high=0.2, inplace=False, loss_type='bnpo', reduce=True)")
+
+
+def liger_step(logits, target, adv, mask, old):
+    """A forward + backward of Liger-Kernel's ``triton_grpo_loss`` on these inputs (its logits carry one more
+    position, which it drops), or why there is none."""
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    except ImportError as error:
+        return f"liger-kernel is not installed ({error})"
+    B, T, V = logits.shape
+    padded = torch.zeros(B, T + 1, V, dtype=logits.dtype)
+    padded[:, :-1] = logits.detach()
+    padded.requires_grad_(True)
+    cmask = mask.int()
+
+    def step():
+        padded.grad = None
+        loss, _ = triton_grpo_loss(padded, old, None, target, adv, completion_mask=cmask, temperature=1.0, beta=0.0,
+                                   eps_low=0.2, eps_high=0.2, inplace=False, loss_type="bnpo", reduce=True)
+        loss.backward()
+
+    return step
 
 
 def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
@@ -104,6 +158,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5, help="timed loops of --calls calls; the median is kept")
+    parser.add_argument("--liger", action="store_true",
+                        help="also time Liger-Kernel's triton_grpo_loss forward + backward the same way")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of 100 calls")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -127,24 +183,18 @@ def main(argv=None) -> int:
 
     results = {"machine": describe(torch.device("cpu")), "shape": [B, T, V]}
     for name, fn in (("fwd_bwd_us", fwd_bwd), ("fwd_no_grad_us", fwd_no_grad)):
-        for _ in range(20):
-            fn()
-        LAUNCHES.clear()
-        fn()
-        results[name.replace("_us", "_launches")] = list(LAUNCHES)
-        loops, walls = [], []
-        for _ in range(args.repeats):
-            start, wall = time.thread_time(), time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            loops.append((time.thread_time() - start) / args.calls * 1e6)
-            walls.append((time.perf_counter() - wall) / args.calls * 1e6)
-        results[name] = statistics.median(loops)
-        results[name.replace("_us", "_loops_us")] = loops
-        results[name.replace("_us", "_wall_us")] = statistics.median(walls)
-        results[name.replace("_us", "_python_calls")] = python_calls(fn)
+        results.update(timed(name, fn, args.calls, args.repeats))
         dgpo_ops.raise_deferred_errors()
     results["stages_us"] = stage_times(logits, target, adv, mask, old, args.calls * 5)
+    if args.liger:
+        step = liger_step(logits, target, adv, mask, old)
+        if isinstance(step, str):
+            results["liger"] = {"unavailable": step}
+        else:
+            liger = timed("fwd_bwd_us", step, args.calls, args.repeats)
+            liger["call"] = LIGER_CALL
+            results["liger"] = liger
+            results["ours_over_liger"] = results["fwd_bwd_us"] / liger["fwd_bwd_us"]
     print(json.dumps({k: v for k, v in results.items() if k != "machine"}, indent=1))
     if args.profile:
         profile = cProfile.Profile(time.thread_time)  # this thread's CPU time: other load does not show
