@@ -96,6 +96,8 @@ OBJECTIVE_FLOATS = tuple(name for name in TOKEN_FLOATS if name not in KERNEL_FLO
 # refused under compile; the generator stays on the host).
 OP_TENSORS = tuple(name for name in LossInputs._fields
                    if name in ("target_ids", "mask") or name in TOKEN_FLOATS)
+# The fields of RowInputs that are fields of LossInputs too (the target ids, the mask, the floats the kernels read).
+_ROW_FIELDS = tuple(f.name for f in fields(RowInputs) if f.name in LossInputs._fields)
 
 
 @dataclass
@@ -176,10 +178,9 @@ def row_inputs(batch: LossInputs, grid: tuple[int, int], flat: bool) -> RowInput
     """The call's tensors as the kernels read them, on the ``(B, T)`` ``grid`` (``(1, N)`` when ``flat``), from
     inputs whose structure ``check_structure`` passed: nothing checked, copied or converted, and detached where
     they carry a graph (a tensor that needs no gradient has none, and its ``detach`` would only cost a tensor)."""
-    floats = {name: _without_graph(getattr(batch, name)) for name in TOKEN_FLOATS}
-    return RowInputs(grid=grid, flat=flat, target_ids=_without_graph(batch.target_ids),
-                     mask=_without_graph(batch.mask),
-                     objective_inputs={name: floats.pop(name) for name in OBJECTIVE_FLOATS}, **floats)
+    kernel_fields = {name: _without_graph(getattr(batch, name)) for name in _ROW_FIELDS}
+    return RowInputs(grid, flat, **kernel_fields,
+                     objective_inputs={name: _without_graph(getattr(batch, name)) for name in OBJECTIVE_FLOATS})
 
 
 def _without_graph(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -34,12 +34,9 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # subclasses may dispatch a
 _NORMALIZER = LossInputs._fields.index("loss_normalizer")
 
 
-def _tensor_signature(tensor: torch.Tensor) -> tuple:
-    return tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad
-
-
 def input_signature(logits, batch: LossInputs, options: LossOptions, needs_grad: bool) -> tuple | None:
-    """The key of a call's template, or None for a call the cache does not serve (module docstring)."""
+    """The key of a call's template, or None for a call the cache does not serve (module docstring). Written for
+    the common call, whose fields are tensors or None: anything else takes ``_other_signature``."""
     if type(logits) not in _PLAIN_TENSORS:
         return None
     device = logits.device
@@ -47,23 +44,36 @@ def input_signature(logits, batch: LossInputs, options: LossOptions, needs_grad:
         autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
     except RuntimeError:  # a device type autocast does not know (meta)
         return None
-    key = [_tensor_signature(logits), options, needs_grad, autocast]
+    key = [(logits.shape, logits.stride(), logits.dtype, device, logits.requires_grad), options, needs_grad, autocast]
     for position, value in enumerate(batch):
         if value is None:
             key.append(None)
-        elif type(value) in _PLAIN_TENSORS:
-            if position == _NORMALIZER and value.device != device:
-                return None  # read on the host each call (normalizer_spec): its value would be part of the plan
-            key.append(_tensor_signature(value))
-        elif type(value) in (int, float) and position == _NORMALIZER:
-            key.append((type(value), value))
-        elif type(value) is int:  # max_seqlen, which goes with cu_seqlens (an uncached layout) anyway
-            key.append(value)
-        elif isinstance(value, torch.Generator):
-            key.append((torch.Generator, value.device))
+        elif type(value) in _PLAIN_TENSORS and position != _NORMALIZER:
+            key.append((value.shape, value.stride(), value.dtype, value.device, value.requires_grad))
         else:
-            return None  # the checks refuse it: an uncached call raises their error
+            signature = _other_signature(position, value, device)
+            if signature is None:
+                return None
+            key.append(signature)
     return tuple(key)
+
+
+def _other_signature(position: int, value, device: torch.device):
+    """A field that is neither None nor a plain tensor of any field but the normaliser, or None where the call is
+    not cached."""
+    if position == _NORMALIZER:
+        if type(value) in _PLAIN_TENSORS:
+            if value.device != device:
+                return None  # read on the host each call (normalizer_spec): its value would be part of the plan
+            return value.shape, value.stride(), value.dtype, value.device, value.requires_grad
+        if type(value) in (int, float):
+            return type(value), value
+        return None
+    if type(value) is int:  # max_seqlen, which goes with cu_seqlens (an uncached layout) anyway
+        return value
+    if isinstance(value, torch.Generator):
+        return torch.Generator, value.device
+    return None  # the checks refuse it: an uncached call raises their error
 
 
 class PlanCache:
@@ -80,15 +90,14 @@ class PlanCache:
         """The template of ``key``: the cached one, or ``make()``'s with its launches bound; None for a key that
         cannot be hashed (options holding an unhashable value: such a call is planned uncached)."""
         try:
-            hash(key)
-        except TypeError:
+            with self._lock:
+                template = self._templates.get(key)
+                if template is not None:
+                    self._templates.move_to_end(key)
+                    self.hits += 1
+                    return template
+        except TypeError:  # hashing the key
             return None
-        with self._lock:
-            template = self._templates.get(key)
-            if template is not None:
-                self._templates.move_to_end(key)
-                self.hits += 1
-                return template
         template = make()
         template = dataclasses.replace(template, kernels=bind_launches(template.kernels))
         with self._lock:
