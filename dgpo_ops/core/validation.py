@@ -119,6 +119,11 @@ class _PendingCheck:
     def finished(self) -> bool:
         return self.done is None or self.done.query()
 
+    def values(self):
+        """The status's values, a numpy view of the host memory (no aten op, no sync): final once finished, and
+        until a ring's slot is freed."""
+        return self.status.numpy() if self.ring is None else self.ring.values[self.slot]
+
 
 class _PinnedRing:
     """Pinned host slots and their events for one device, made once and reused: queuing a call's
@@ -128,6 +133,8 @@ class _PinnedRing:
 
     def __init__(self, shape, dtype):
         self.host = torch.empty((self.SLOTS, *shape), dtype=dtype, pin_memory=True)
+        self.slots = self.host.unbind(0)  # each slot's tensor, made once: no indexing op per call
+        self.values = self.host.numpy()  # the host's read of them, likewise
         self.events = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.busy = [False] * self.SLOTS
         self.next = 0
@@ -185,7 +192,7 @@ def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op:
             ring = _rings[key] = _PinnedRing(status.shape, status.dtype)
         slot = ring.take()
     if slot >= 0:
-        host, done = ring.host[slot], ring.events[slot]
+        host, done = ring.slots[slot], ring.events[slot]
     else:  # more calls in flight than slots: a fresh pinned buffer and event (still no wait)
         ring, host, done = None, torch.empty(status.shape, dtype=status.dtype, pin_memory=True), torch.cuda.Event()
     host.copy_(status, non_blocking=True)  # on the status device's current stream
@@ -202,31 +209,33 @@ def defer_errors(errors: torch.Tensor, op: str) -> None:
     defer(status, vocab=1, normalizer=None, op=op)
 
 
-def _read_and_release(checks: list[_PendingCheck]) -> list:
-    """The finished checks' statuses as numpy copies (no aten op, no sync); their slots are freed."""
-    statuses = [check.status.numpy().copy() for check in checks]
+def _raise_first(checks: list[_PendingCheck]) -> None:
+    """Free the finished checks' slots and raise the first error among them. A status is read where it lies, and
+    only one with an error is copied and made a message: a clean call costs one read."""
+    message = None
+    for check in checks:
+        values = check.values()
+        if message is None and values[Status.ERRORS] != 0:
+            message = error_message(values.copy(), check.vocab, check.normalizer, check.op, check.objective_inputs)
     with _lock:
         for check in checks:
             if check.ring is not None:
                 check.ring.busy[check.slot] = False
-    return statuses
-
-
-def _raise_first(checks: list[_PendingCheck]) -> None:
-    for check, status in zip(checks, _read_and_release(checks)):
-        message = error_message(status, check.vocab, check.normalizer, check.op, check.objective_inputs)
-        if message is not None:
-            raise ValueError(message)
+    if message is not None:
+        raise ValueError(message)
 
 
 def poll_deferred_errors() -> None:
     """Raise the error of any finished call whose inputs were bad; never waits for the device."""
+    if not _pending:  # read without the lock: a check queued meanwhile is found by the next poll
+        return
     with _lock:
-        if not _pending:
-            return
         finished = [check for check in _pending if check.finished()]
-        for check in finished:
-            _pending.remove(check)
+        if len(finished) == len(_pending):
+            _pending.clear()
+        else:
+            for check in finished:
+                _pending.remove(check)
     _raise_first(finished)
 
 
