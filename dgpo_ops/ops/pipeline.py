@@ -22,6 +22,7 @@ the call's tensors laid out by it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,7 +67,7 @@ class CallPlan:
     # is evaluated with, made from this one and the merged workspace between the row forward and the objective.
     complete: Callable[["CallPlan", RowWorkspace], "CallPlan"] | None = None
 
-    @property
+    @functools.cached_property  # read several times per call; a plan is never changed, only replaced
     def uses_epilogue(self) -> bool:
         """Token-level methods are evaluated in the row forward's epilogue (both kernel sets), where it
         finishes its rows, when their inputs are all known before it and the kernels read them all: a call
