@@ -119,11 +119,6 @@ class _PendingCheck:
     def finished(self) -> bool:
         return self.done is None or self.done.query()
 
-    def values(self):
-        """The status's values, a numpy view of the host memory (no aten op, no sync): final once finished, and
-        until a ring's slot is freed."""
-        return self.status.numpy() if self.ring is None else self.ring.values[self.slot]
-
 
 class _PinnedRing:
     """Pinned host slots and their events for one device, made once and reused: queuing a call's
@@ -209,20 +204,18 @@ def defer_errors(errors: torch.Tensor, op: str) -> None:
     defer(status, vocab=1, normalizer=None, op=op)
 
 
-def _raise_first(checks: list[_PendingCheck]) -> None:
-    """Free the finished checks' slots and raise the first error among them. A status is read where it lies, and
-    only one with an error is copied and made a message: a clean call costs one read."""
+def _take_errors(checks: list[_PendingCheck]) -> str | None:
+    """The message of the first error among the finished ``checks`` (None if clean), their slots freed: call it
+    holding the lock. A status is read where it lies (no aten op, no sync); only one with an error is copied and
+    made a message, so a clean call costs one read."""
     message = None
     for check in checks:
-        values = check.values()
+        values = check.status.numpy() if check.ring is None else check.ring.values[check.slot]
         if message is None and values[Status.ERRORS] != 0:
             message = error_message(values.copy(), check.vocab, check.normalizer, check.op, check.objective_inputs)
-    with _lock:
-        for check in checks:
-            if check.ring is not None:
-                check.ring.busy[check.slot] = False
-    if message is not None:
-        raise ValueError(message)
+        if check.ring is not None:
+            check.ring.busy[check.slot] = False
+    return message
 
 
 def poll_deferred_errors() -> None:
@@ -236,7 +229,9 @@ def poll_deferred_errors() -> None:
         else:
             for check in finished:
                 _pending.remove(check)
-    _raise_first(finished)
+        message = _take_errors(finished)
+    if message is not None:
+        raise ValueError(message)
 
 
 def raise_deferred_errors() -> None:
@@ -251,7 +246,10 @@ def raise_deferred_errors() -> None:
     for check in checks:
         if check.done is not None:
             check.done.synchronize()
-    _raise_first(checks)
+    with _lock:
+        message = _take_errors(checks)
+    if message is not None:
+        raise ValueError(message)
 
 
 def pending_deferred_checks() -> int:
