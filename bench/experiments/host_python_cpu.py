@@ -38,16 +38,32 @@ import dgpo_ops  # noqa: E402
 from dgpo_ops.trainer.app.environment import describe  # noqa: E402
 
 LAUNCHES: list[str] = []
+FIRST_LAUNCH: list[float] = []  # this thread's CPU time at the first launch since it was last cleared
 
 
 def no_op_launches() -> None:
     def getitem(self, grid):
         def launch(*args, **kwargs):
+            if not FIRST_LAUNCH:
+                FIRST_LAUNCH.append(time.thread_time())
             LAUNCHES.append(self.fn.__name__)
 
         return launch
 
     InterpretedFunction.__getitem__ = getitem
+
+
+def before_first_launch_us(fn, calls: int) -> float:
+    """The median over ``calls`` calls of this thread's CPU time from the call's start to its first launch: the
+    host time before the first kernel, which a profiler trace on the GPU reads (with Triton's own binding of that
+    launch on top)."""
+    times = []
+    for _ in range(calls):
+        FIRST_LAUNCH.clear()
+        start = time.thread_time()
+        fn()
+        times.append((FIRST_LAUNCH[0] - start) * 1e6)
+    return statistics.median(times)
 
 
 def python_calls(fn) -> int:
@@ -62,7 +78,8 @@ def python_calls(fn) -> int:
 
 def timed(name: str, fn, calls: int, repeats: int) -> dict:
     """``name`` (``..._us``): the median over ``repeats`` loops of ``calls`` calls of this thread's CPU time per
-    call, with each loop's, the wall time, the launches of one call and its Python-level calls."""
+    call, with each loop's, the wall time, the launches of one call, its Python-level calls and its CPU time before
+    its first launch."""
     for _ in range(20):
         fn()
     LAUNCHES.clear()
@@ -79,6 +96,7 @@ def timed(name: str, fn, calls: int, repeats: int) -> dict:
     out[name.replace("_us", "_loops_us")] = loops
     out[name.replace("_us", "_wall_us")] = statistics.median(walls)
     out[name.replace("_us", "_python_calls")] = python_calls(fn)
+    out[name.replace("_us", "_before_first_launch_us")] = before_first_launch_us(fn, calls)
     return out
 
 
@@ -116,7 +134,7 @@ def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
 
     from dgpo_ops.core.inputs import LossInputs
     from dgpo_ops.core.options import LossOptions
-    from dgpo_ops.ops.logits import FusedPolicyLossFunction, logits_plan
+    from dgpo_ops.ops.logits import FusedPolicyLossFunction, cached_logits_plan
 
     def options():
         return LossOptions.build("dgpo", backend="triton", validation="deferred")
@@ -124,9 +142,9 @@ def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
     def batch():
         return options(), LossInputs(target, adv, mask, old, None, None, None)
 
-    def plan():
+    def plan():  # as the op plans: the template cached for the call's signature, the tensors and checks per call
         opts, b = batch()
-        return logits_plan(logits, b, opts, needs_grad=True)
+        return cached_logits_plan(logits, b, opts, needs_grad=True)
 
     def workspace():
         p = plan()
@@ -140,7 +158,7 @@ def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
         return FusedPolicyLossFunction.apply(logits, plan())
 
     out = {}
-    for name, fn in (("options", options), ("+ batch", batch), ("+ plan (checks, kernels, poll)", plan),
+    for name, fn in (("options", options), ("+ batch", batch), ("+ plan (signature, template, checks, poll)", plan),
                      ("+ workspace allocation", workspace), ("+ forward launches (no_grad)", function_no_grad),
                      ("+ autograd graph", forward_with_graph)):
         for _ in range(50):
@@ -181,7 +199,8 @@ def main(argv=None) -> int:
         with torch.no_grad():
             dgpo_ops.fused_dgpo_loss(logits, target, adv, mask, old, backend="triton", validation="deferred")
 
-    results = {"machine": describe(torch.device("cpu")), "shape": [B, T, V]}
+    # thread CPU time is not inflated by other load, but caches shared with it are: the load is kept with the times
+    results = {"machine": describe(torch.device("cpu")), "shape": [B, T, V], "load_average_before": os.getloadavg()}
     for name, fn in (("fwd_bwd_us", fwd_bwd), ("fwd_no_grad_us", fwd_no_grad)):
         results.update(timed(name, fn, args.calls, args.repeats))
         dgpo_ops.raise_deferred_errors()
@@ -195,6 +214,7 @@ def main(argv=None) -> int:
             liger["call"] = LIGER_CALL
             results["liger"] = liger
             results["ours_over_liger"] = results["fwd_bwd_us"] / liger["fwd_bwd_us"]
+    results["load_average_after"] = os.getloadavg()
     print(json.dumps({k: v for k, v in results.items() if k != "machine"}, indent=1))
     if args.profile:
         profile = cProfile.Profile(time.thread_time)  # this thread's CPU time: other load does not show
