@@ -94,9 +94,9 @@ def plan_call(token_shape, columns: int, dtype, device, batch: LossInputs, optio
               checked: bool = True) -> CallPlan:
     """Everything a call decides on the host for rows of ``token_shape`` over ``columns`` vocabulary columns
     (of ``dtype`` on ``device``): the layout, the kernels (for tensors like ``kernel_probe``), the validation
-    mode, the normaliser. ``checked``: immediate validation checks the values here, and deferred validation
-    raises the errors of earlier calls the device has finished (never waits); False plans from metadata
-    alone (the fake implementation of the compiled ops, which has no values)."""
+    mode, the normaliser. ``checked``: immediate validation checks the values here (deferred validation raises
+    the errors of earlier calls the device has finished in ``forward_rows``, never waiting); False plans from
+    metadata alone (the fake implementation of the compiled ops, which has no values)."""
     deferred = resolve_mode(options.validation, device) == "deferred"
     rows = RowLayout.build(layout, token_shape, columns, device, check=checked and not deferred)
     grid_batch = rows.grid_batch(batch)
@@ -124,19 +124,16 @@ class PlanTemplate:
 
     def plan(self, batch: LossInputs, grid_batch: LossInputs, checked: bool = True) -> CallPlan:
         """The call's plan from its inputs (``grid_batch``: on the objective's grid, ``RowLayout.grid_batch``), with
-        the checks of values that run on every call: immediate validation's now, or deferred validation's poll of
-        earlier calls (``checked`` False: neither)."""
+        immediate validation's checks of values, which run on every call (``checked`` False: none; deferred
+        validation's poll of earlier calls runs in ``forward_rows``, once the row forward is launched)."""
         inputs = row_inputs(grid_batch, self.grid, self.flat)
         rows = self.rows
         plan = CallPlan(inputs, self.options, self.kernels, rows.vocab,
                         normalizer_spec(grid_batch.loss_normalizer, self.device), self.deferred, self.needs_grad, rows,
                         rows.row_inputs(batch, inputs), batch.generator,
                         row_entropy_weights(batch.entropy_weights, rows.token_shape, self.layout, self.device))
-        if checked:
-            if self.deferred:
-                poll_deferred_errors()
-            else:
-                check_values(inputs, plan.vocab, grid_batch.loss_normalizer, self.value_dtype)
+        if checked and not self.deferred:
+            check_values(inputs, plan.vocab, grid_batch.loss_normalizer, self.value_dtype)
         return plan
 
 
@@ -238,8 +235,13 @@ def forward_rows(plan: CallPlan, workspace: RowWorkspace, sweep: Callable[[RowFo
     whatever the op does per tile after it). Queues the call's deferred checks."""
     uses_epilogue = plan.uses_epilogue  # the row forward's (never with CallPlan.complete)
     if prologue_first:
-        run_prologue(plan, workspace)
+        run_prologue(plan, workspace.complete(plan.inputs.grid[0]))
     sweep(row_forward(plan, workspace))
+    # Once the long pass is launched, on the host: the workspace's other buffers (RowWorkspace.allocate_rows), and
+    # the errors of earlier calls the device has finished (deferred validation; never waits).
+    workspace.complete(plan.inputs.grid[0])
+    if plan.deferred:
+        poll_deferred_errors()
     plan.rows.merge(workspace)
     if plan.complete is not None:
         plan = plan.complete(plan, workspace)
