@@ -84,6 +84,7 @@ class PlanCache:
         self.size = size
         self._templates: OrderedDict[tuple, PlanTemplate] = OrderedDict()
         self._lock = threading.Lock()
+        self._latest: PlanTemplate | None = None  # the most recently used template, last in the order
         self.hits = self.misses = 0
 
     def template(self, key: tuple, make: Callable[[], PlanTemplate]) -> PlanTemplate | None:
@@ -93,7 +94,9 @@ class PlanCache:
             with self._lock:
                 template = self._templates.get(key)
                 if template is not None:
-                    self._templates.move_to_end(key)
+                    if template is not self._latest:  # the most recent already: no second lookup to mark it so
+                        self._templates.move_to_end(key)
+                        self._latest = template
                     self.hits += 1
                     return template
         except TypeError:  # hashing the key
@@ -102,7 +105,7 @@ class PlanCache:
         template = dataclasses.replace(template, kernels=bind_launches(template.kernels))
         with self._lock:
             self.misses += 1
-            self._templates[key] = template
+            self._templates[key] = self._latest = template
             while len(self._templates) > self.size:
                 self._templates.popitem(last=False)
         return template
@@ -113,6 +116,7 @@ class PlanCache:
     def clear(self) -> None:
         with self._lock:
             self._templates.clear()
+            self._latest = None
             self.hits = self.misses = 0
 
 
