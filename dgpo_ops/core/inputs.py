@@ -248,7 +248,8 @@ def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.T
     check_normalizer_form(loss_normalizer)
     if torch.is_tensor(loss_normalizer):
         if loss_normalizer.device == device:  # read on the device, by the kernels
-            return Normalizer.TENSOR, 0.0, loss_normalizer.detach().reshape(())
+            tensor = _without_graph(loss_normalizer)
+            return Normalizer.TENSOR, 0.0, tensor if tensor.dim() == 0 else tensor.reshape(())
         if loss_normalizer.device.type != "cpu":
             raise ValueError(f"loss_normalizer is on {loss_normalizer.device} but logits are on {device}")
         loss_normalizer = loss_normalizer.detach().reshape(()).item()  # a CPU tensor beside GPU logits: no device sync
