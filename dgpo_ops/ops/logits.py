@@ -41,7 +41,8 @@ def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False
     """The forward kernels of one call: ``(workspace, loss, stats, dloss_dlogp)``; the last is None
     after an epilogue (the coefficients are in the workspace) and under no_grad."""
     dtype = compute_dtype(logits.dtype)
-    workspace = RowWorkspace.allocate_rows(logits.shape[:-1], logits.device, dtype, zero_planes)  # forward_rows completes it
+    # what the row forward writes: forward_rows makes the rest once it is launched
+    workspace = RowWorkspace.allocate_rows(logits.shape[:-1], logits.device, dtype, zero_planes)
     inv_temperature = 1.0 / plan.options.temperature
     # The row forward first: it waits for no other kernel, so the long pass over the logits
     # starts as early as the host can launch it; the small prologue (which finalizes) queues behind it.

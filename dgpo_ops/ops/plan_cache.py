@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

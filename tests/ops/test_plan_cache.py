@@ -47,7 +47,7 @@ def transposed(tensor: torch.Tensor) -> torch.Tensor:
 
 def with_input(name, make):
     def vary(inputs, options):
-        inputs[name] = make(inputs[name] if name in inputs else None, inputs)
+        inputs[name] = make(inputs.get(name), inputs)
         return inputs, options
     return vary
 
@@ -60,7 +60,8 @@ def with_option(name, value):
 
 # One thing of the base call changed per entry: a field of the input signature.
 VARIATIONS = {
-    "logits vocabulary": with_input("logits", lambda x, _: torch.cat([x.detach(), x.detach()[..., :1]], -1).requires_grad_()),
+    "logits vocabulary": with_input("logits", lambda x, _: torch.cat([x.detach(), x.detach()[..., :1]], -1)
+                                    .requires_grad_()),
     "logits tokens": lambda inputs, options: ({name: value[:, :-1].detach().contiguous().requires_grad_(
         name == "logits") if value.dim() > 1 else value for name, value in inputs.items()}, options),
     "logits strides": with_input("logits", lambda x, _: transposed(x)),
