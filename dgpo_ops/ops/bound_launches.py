@@ -12,12 +12,14 @@ arguments the wrapper found it (``args[2].per_token``). Later calls fill those s
 launch the same kernel object the same way, so Triton still binds and specialises every launch itself (a pointer's
 alignment is read from the call's tensor there): no kernel compiled for other arguments runs.
 
-What a replay takes on trust, and why it holds: every non-tensor argument of the launch is a function of what the
-template's signature fixes (shapes, strides, dtypes, devices, the options, which inputs are passed), never of a
-tensor's values or address. ``tests/ops/test_plan_cache.py`` compares replayed launches with the wrapper's own
-over the signatures the suite exercises. A first call that cannot be replayed this way (no launch or several, a
-tensor argument found nowhere in the call's arguments, an empty grid's early return) leaves the wrapper to run on
-every call.
+What a replay compares, and what it takes on trust: the wrapper's other inputs (every scalar and every None in the
+call's arguments, and which tensors were one object) are compared with the recorded call's, and on any difference
+the wrapper runs instead; the tensors' metadata (shapes, strides, dtypes, devices), from which the wrapper works out
+the rest, is taken as the recorded call's, which the template's signature guarantees. No launch argument depends
+on a tensor's values or address. ``tests/ops/test_plan_cache.py`` compares replayed launches with the wrapper's
+own over the signatures the suite exercises. A first call that cannot be replayed this way (no launch or several,
+a tensor argument found nowhere in the call's arguments, an empty grid's early return) leaves the wrapper to run
+on every call.
 """
 
 from __future__ import annotations
