@@ -9,7 +9,10 @@ what is timed (this thread's CPU time, which other processes on the machine do n
 too) is everything the host does around the launches: options, the plan, the checks from metadata,
 allocations, the autograd Function and engine, the deferred-check bookkeeping. Not timed: Triton's own
 per-launch binding (60-110 us per launch on the H100 VM, csrc_notes.md, "Host time") and the CUDA caching
-allocator. The inputs are tiny, so torch's CPU kernels for the few O(N) ops cost next to nothing.
+allocator. The inputs are tiny, so torch's CPU kernels for the few O(N) ops cost next to nothing. Beside each
+time per call: a call's CPU time from its start to its first launch, what a GPU trace reads as the host time
+before the first kernel (less Triton's binding of that launch). It measures older trees too (1e826ac: its plan
+stage then plans every call, as that tree does).
 
 ``--liger`` times Liger-Kernel's ``triton_grpo_loss`` forward + backward the same way in the same process, on the
 same inputs (its ``(B, T + 1, V)`` logits, as ``gpu_check.py`` calls it): its Triton kernels are interpreter
@@ -134,7 +137,12 @@ def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
 
     from dgpo_ops.core.inputs import LossInputs
     from dgpo_ops.core.options import LossOptions
-    from dgpo_ops.ops.logits import FusedPolicyLossFunction, cached_logits_plan
+    from dgpo_ops.ops.logits import FusedPolicyLossFunction
+
+    try:  # as the op plans: the template cached for the call's signature (a tree before 1f23387 plans every call)
+        from dgpo_ops.ops.logits import cached_logits_plan as op_plan
+    except ImportError:
+        from dgpo_ops.ops.logits import logits_plan as op_plan
 
     def options():
         return LossOptions.build("dgpo", backend="triton", validation="deferred")
@@ -142,9 +150,9 @@ def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
     def batch():
         return options(), LossInputs(target, adv, mask, old, None, None, None)
 
-    def plan():  # as the op plans: the template cached for the call's signature, the tensors and checks per call
+    def plan():
         opts, b = batch()
-        return cached_logits_plan(logits, b, opts, needs_grad=True)
+        return op_plan(logits, b, opts, needs_grad=True)
 
     def workspace():
         p = plan()
@@ -158,7 +166,7 @@ def stage_times(logits, target, adv, mask, old, calls: int) -> dict:
         return FusedPolicyLossFunction.apply(logits, plan())
 
     out = {}
-    for name, fn in (("options", options), ("+ batch", batch), ("+ plan (signature, template, checks, poll)", plan),
+    for name, fn in (("options", options), ("+ batch", batch), ("+ plan (as the op plans)", plan),
                      ("+ workspace allocation", workspace), ("+ forward launches (no_grad)", function_no_grad),
                      ("+ autograd graph", forward_with_graph)):
         for _ in range(50):
