@@ -79,27 +79,33 @@ def python_calls(fn) -> int:
     return sum(stat[1] for stat in pstats.Stats(profile).stats.values())
 
 
-def timed(name: str, fn, calls: int, repeats: int) -> dict:
-    """``name`` (``..._us``): the median over ``repeats`` loops of ``calls`` calls of this thread's CPU time per
-    call, with each loop's, the wall time, the launches of one call, its Python-level calls and its CPU time before
-    its first launch."""
-    for _ in range(20):
-        fn()
-    LAUNCHES.clear()
-    fn()
-    out = {name.replace("_us", "_launches"): list(LAUNCHES)}
-    loops, walls = [], []
-    for _ in range(repeats):
-        start, wall = time.thread_time(), time.perf_counter()
-        for _ in range(calls):
+def timed(name: str, cases: dict, calls: int, repeats: int) -> dict:
+    """For each case (label -> a call), ``name`` (``..._us``): the median over ``repeats`` loops of ``calls`` calls of
+    this thread's CPU time per call, with each loop's, the wall time, the launches of one call, its Python-level
+    calls and its CPU time before its first launch. The cases' loops take turns, so that other load on the machine
+    falls on each alike."""
+    out = {}
+    for label, fn in cases.items():
+        for _ in range(20):
             fn()
-        loops.append((time.thread_time() - start) / calls * 1e6)
-        walls.append((time.perf_counter() - wall) / calls * 1e6)
-    out[name] = statistics.median(loops)
-    out[name.replace("_us", "_loops_us")] = loops
-    out[name.replace("_us", "_wall_us")] = statistics.median(walls)
-    out[name.replace("_us", "_python_calls")] = python_calls(fn)
-    out[name.replace("_us", "_before_first_launch_us")] = before_first_launch_us(fn, calls)
+        LAUNCHES.clear()
+        fn()
+        out[label] = {name.replace("_us", "_launches"): list(LAUNCHES), "loops": [], "walls": []}
+    for _ in range(repeats):
+        for label, fn in cases.items():
+            start, wall = time.thread_time(), time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out[label]["loops"].append((time.thread_time() - start) / calls * 1e6)
+            out[label]["walls"].append((time.perf_counter() - wall) / calls * 1e6)
+    for label, fn in cases.items():
+        row = out[label]
+        loops, walls = row.pop("loops"), row.pop("walls")
+        row[name] = statistics.median(loops)
+        row[name.replace("_us", "_loops_us")] = loops
+        row[name.replace("_us", "_wall_us")] = statistics.median(walls)
+        row[name.replace("_us", "_python_calls")] = python_calls(fn)
+        row[name.replace("_us", "_before_first_launch_us")] = before_first_launch_us(fn, calls)
     return out
 
 
@@ -209,19 +215,22 @@ def main(argv=None) -> int:
 
     # thread CPU time is not inflated by other load, but caches shared with it are: the load is kept with the times
     results = {"machine": describe(torch.device("cpu")), "shape": [B, T, V], "load_average_before": os.getloadavg()}
-    for name, fn in (("fwd_bwd_us", fwd_bwd), ("fwd_no_grad_us", fwd_no_grad)):
-        results.update(timed(name, fn, args.calls, args.repeats))
-        dgpo_ops.raise_deferred_errors()
+    step = liger_step(logits, target, adv, mask, old) if args.liger else None
+    cases = {"ours": fwd_bwd} if step is None or isinstance(step, str) else {"ours": fwd_bwd, "liger": step}
+    together = timed("fwd_bwd_us", cases, args.calls, args.repeats)
+    results.update(together["ours"])
+    dgpo_ops.raise_deferred_errors()
+    results.update(timed("fwd_no_grad_us", {"ours": fwd_no_grad}, args.calls, args.repeats)["ours"])
+    dgpo_ops.raise_deferred_errors()
     results["stages_us"] = stage_times(logits, target, adv, mask, old, args.calls * 5)
-    if args.liger:
-        step = liger_step(logits, target, adv, mask, old)
-        if isinstance(step, str):
-            results["liger"] = {"unavailable": step}
-        else:
-            liger = timed("fwd_bwd_us", step, args.calls, args.repeats)
-            liger["call"] = LIGER_CALL
-            results["liger"] = liger
-            results["ours_over_liger"] = results["fwd_bwd_us"] / liger["fwd_bwd_us"]
+    if isinstance(step, str):
+        results["liger"] = {"unavailable": step}
+    elif step is not None:
+        results["liger"] = dict(together["liger"], call=LIGER_CALL)
+        results["ours_over_liger"] = results["fwd_bwd_us"] / results["liger"]["fwd_bwd_us"]
+        # each loop of ours over the loop of Liger's right after it: what drifting load leaves alike
+        results["ours_over_liger_per_loop"] = statistics.median(
+            a / b for a, b in zip(results["fwd_bwd_loops_us"], results["liger"]["fwd_bwd_loops_us"]))
     results["load_average_after"] = os.getloadavg()
     print(json.dumps({k: v for k, v in results.items() if k != "machine"}, indent=1))
     if args.profile:
