@@ -58,6 +58,8 @@ def validates_now(options: LossOptions, device) -> bool:
 POLICY_LOSS_CALL = ("policy_loss(inputs, options, *, logits=... | hidden=..., weight=... | logps=...): "
                     "inputs a LossInputs(target_ids, advantages, ...), "
                     "options a LossOptions.build(method_name, **options)")
+DEFAULT_LAYOUT = CallLayout()  # one process's whole vocabulary, the tokens as passed: most calls'
+PROJECTION_DEFAULTS = tuple((name, LossOptions.__dataclass_fields__[name].default) for name in PROJECTION_OPTIONS)
 DICT_HINTS = {"inputs": " (a dict of tensors: LossInputs(**that_dict))",
               "options": " (a dict of options: LossOptions.build(**that_dict))"}
 
@@ -95,7 +97,10 @@ def policy_loss(inputs: LossInputs, options: LossOptions, *sources, logits=None,
     (``reference_loss``; ``dgpo_ops.ops.reference``); it checks the values on the host (in a custom op under
     ``torch.compile``) whatever ``validation`` says, and reads no ``backend`` or ``inplace``."""
     check_call_objects(inputs, options, sources)
-    layout = CallLayout(options.vocab_parallel_group, inputs.cu_seqlens, inputs.max_seqlen)
+    if options.vocab_parallel_group is None and inputs.cu_seqlens is None and inputs.max_seqlen is None:
+        layout = DEFAULT_LAYOUT
+    else:
+        layout = CallLayout(options.vocab_parallel_group, inputs.cu_seqlens, inputs.max_seqlen)
     if (logits is not None) + (hidden is not None or weight is not None) + (logps is not None) != 1:
         raise ValueError("policy_loss takes one source: logits, hidden and weight (the lm_head), or logps")
     if token_scales is not None and logps is None:
@@ -105,8 +110,7 @@ def policy_loss(inputs: LossInputs, options: LossOptions, *sources, logits=None,
         raise ValueError("complete_batch applies to the loss from hidden states")
     if reference and (logits is None or options.vocab_parallel_group is not None):
         raise ValueError("reference=True is the loss from whole logits (logits=..., no vocab_parallel_group)")
-    if hidden is None and any(getattr(options, name) != LossOptions.__dataclass_fields__[name].default
-                              for name in PROJECTION_OPTIONS):
+    if hidden is None and any(getattr(options, name) != default for name, default in PROJECTION_DEFAULTS):
         raise ValueError(f"{', '.join(PROJECTION_OPTIONS)} apply to the loss from hidden states")
     if logps is not None:
         inputs = inputs._replace(target_ids=check_logps(logps, inputs, options))

@@ -70,11 +70,13 @@ class EpilogueInputs:
 class RowWorkspace:
     """What one call's kernels write: per-token planes, per-response and per-call results.
 
-    The host reads none of it on the hot path; ``status`` is read lazily (``dgpo_ops.core.validation``).
+    The host reads none of it on the hot path; ``status`` is read lazily (``dgpo_ops.core.validation``). A
+    workspace made by ``allocate_rows`` holds only what the row forward writes until ``complete`` makes the rest.
     """
 
     per_token: torch.Tensor  # fp32 (NUM_PLANES, *token_shape), planes named by Plane
     target_index: torch.Tensor  # int64 (n_tokens,): the target id, or -1 for a token not scored
+    # the per-call buffers, None between allocate_rows and complete:
     sequence_stats: torch.Tensor  # int64 (NUM_SEQUENCE_STATS, B)
     seq_scale: torch.Tensor  # fp32 (B,): the aggregation scale of each response
     status: torch.Tensor  # int64 (NUM_STATUS,), zeros before the prologue
@@ -87,17 +89,29 @@ class RowWorkspace:
         shape too, so a plane is the per-token output as it is. ``dtype`` is fp64 only for the
         torch twins on fp64 logits. Planes a route does not write stay uninitialised unless
         ``zero_planes`` (a custom op hands every plane out, and its outputs must be deterministic)."""
-        floats, int64 = dict(dtype=dtype, device=device), dict(dtype=torch.int64, device=device)
-        n_tokens = math.prod(token_shape)
-        return cls(
-            per_token=(torch.zeros if zero_planes else torch.empty)((NUM_PLANES, *token_shape), **floats),
-            target_index=torch.empty((n_tokens,), **int64),
-            sequence_stats=torch.empty((NUM_SEQUENCE_STATS, n_seqs), **int64),
-            seq_scale=torch.empty((n_seqs,), **floats),
-            status=torch.zeros((NUM_STATUS,), **int64),
-            stats=torch.empty((NUM_STATS,), dtype=torch.float32, device=device),  # fp32 on every route
-            loss=torch.empty((), **floats),
-        )
+        return cls.allocate_rows(token_shape, device, dtype, zero_planes).complete(n_seqs)
+
+    @classmethod
+    def allocate_rows(cls, token_shape, device, dtype=torch.float32, zero_planes=False) -> "RowWorkspace":
+        """``allocate``'s planes and target index only, what the row forward writes: the logits op launches its row
+        forward, the long pass over the logits, before it makes the other buffers (``complete``), so that launch
+        waits on the host for two allocations, not seven (and not for the status's zero-fill kernel)."""
+        planes = (torch.zeros if zero_planes else torch.empty)((NUM_PLANES, *token_shape), dtype=dtype, device=device)
+        target_index = torch.empty((math.prod(token_shape),), dtype=torch.int64, device=device)
+        return cls(planes, target_index, None, None, None, None, None)
+
+    def complete(self, n_seqs: int) -> "RowWorkspace":
+        """The per-call buffers for ``n_seqs`` responses where ``allocate_rows`` left them out (nothing otherwise):
+        the prologue's counts and scales, the status, the metrics and the loss. Returns the workspace."""
+        if self.status is None:
+            floats, int64 = dict(dtype=self.per_token.dtype, device=self.per_token.device), dict(
+                dtype=torch.int64, device=self.per_token.device)
+            self.sequence_stats = torch.empty((NUM_SEQUENCE_STATS, n_seqs), **int64)
+            self.seq_scale = torch.empty((n_seqs,), **floats)
+            self.status = torch.zeros((NUM_STATUS,), **int64)
+            self.stats = torch.empty((NUM_STATS,), dtype=torch.float32, device=self.per_token.device)  # every route
+            self.loss = torch.empty((), **floats)
+        return self
 
     @property
     def n_tokens(self) -> int:

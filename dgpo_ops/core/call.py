@@ -83,6 +83,10 @@ class CallSignature:
         self.source_names = self.positional[:len(self.source)] + self.keyword_source
         self.known = self.input_names | self.option_names | frozenset(self.source_names) | (
             frozenset({"method"}) if method else frozenset())
+        # made once for split, which runs on every call: the arguments a call may not leave out, and the fields
+        # this function does not take (a keyword that names one is refused, not read as a method parameter)
+        self.required = tuple(name for name in self.source + _REQUIRED_INPUTS if name in self.positional)
+        self.not_taken = frozenset(INPUT_FIELDS) - self.input_names | frozenset(OPTION_FIELDS) - self.option_names
         self.signature = inspect.Signature(self._parameters(positional))
 
     def _parameters(self, positional) -> list[inspect.Parameter]:
@@ -120,21 +124,23 @@ class CallSignature:
             if name not in self.known and (options is not None or not self.method):
                 self._refuse(function, name)
             values[name] = value
-        missing = [name for name in self.source + _REQUIRED_INPUTS
-                   if name not in values and name in self.positional]
+        missing = [name for name in self.required if name not in values]
         if missing:
             raise TypeError(f"{function}() missing required argument(s): {', '.join(map(repr, missing))}")
-        source = tuple(values.pop(name, None) for name in self.source_names)
-        fields = {name: values.pop(name) for name in INPUT_FIELDS if name in values and name in self.input_names}
-        fields.setdefault("advantages", None)  # a function without advantages (log-probs) makes its own
+        source = tuple([values.pop(name, None) for name in self.source_names])
+        fields, rest = {"advantages": None}, {}  # a function without advantages (log-probs) makes its own
+        for name, value in values.items():
+            if name in self.input_names:
+                fields[name] = value
+            else:
+                rest[name] = value
         inputs = LossInputs(**fields) if "target_ids" in self.input_names else None  # None: options only
         if options is None:
-            method = values.pop("method", self.default_method) if self.method else self.default_method
-            misplaced = [name for name in values if name in INPUT_FIELDS or name in OPTION_FIELDS
-                         and name not in self.option_names]
+            method = rest.pop("method", self.default_method) if self.method else self.default_method
+            misplaced = [name for name in rest if name in self.not_taken]
             if misplaced:  # a field this function does not take: not a method parameter either
                 self._refuse(function, misplaced[0])
-            options = LossOptions.build(method, **values)
+            options = LossOptions.build(method, **rest)
         return source, inputs, options
 
     def _refuse(self, function: str, name: str):

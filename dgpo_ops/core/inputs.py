@@ -2,8 +2,9 @@
 
 Three steps, each usable alone:
 
-* ``token_inputs``: the structure (shapes, dtypes, devices) on the host, from tensor metadata only;
-  it launches nothing and never reads a value.
+* ``token_inputs``: the structure (shapes, dtypes, devices) on the host, from tensor metadata only
+  (``check_structure``), and the inputs laid on the grid (``row_inputs``); it launches nothing and never
+  reads a value.
 * ``check_values``: the values (target ids in range, a 0/1 mask, finite per-token floats) with torch
   ops and host reads, raising ``ValueError`` at once. On CUDA tensors this synchronises, so by
   default it runs only on the CPU; on CUDA the prologue kernel checks the values on the device
@@ -95,6 +96,8 @@ OBJECTIVE_FLOATS = tuple(name for name in TOKEN_FLOATS if name not in KERNEL_FLO
 # refused under compile; the generator stays on the host).
 OP_TENSORS = tuple(name for name in LossInputs._fields
                    if name in ("target_ids", "mask") or name in TOKEN_FLOATS)
+# The fields of RowInputs that are fields of LossInputs too (the target ids, the mask, the floats the kernels read).
+_ROW_FIELDS = tuple(f.name for f in fields(RowInputs) if f.name in LossInputs._fields)
 
 
 @dataclass
@@ -165,10 +168,31 @@ def refuse_flat_source(source: str, shape, target_ids, axis: str = "V") -> None:
 
 def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregation="token_mean",
                  sequence_reason: str | None = None, source: str = "logits") -> RowInputs:
-    """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``. ``sequence_reason``:
-    why the call needs each response's tokens together (``LossOptions.sequence_reason``), None where it does
-    not; ``source``: what the errors call the tensor the shape is read from (the log-prob route's ``logps``
-    pass as ``(B, T, 1)`` logits)."""
+    """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)`` (``check_structure``)
+    and lay the inputs on the grid (``row_inputs``)."""
+    grid, flat = check_structure(logits_shape, logits_dtype, device, batch, aggregation, sequence_reason, source)
+    return row_inputs(batch, grid, flat)
+
+
+def row_inputs(batch: LossInputs, grid: tuple[int, int], flat: bool) -> RowInputs:
+    """The call's tensors as the kernels read them, on the ``(B, T)`` ``grid`` (``(1, N)`` when ``flat``), from
+    inputs whose structure ``check_structure`` passed: nothing checked, copied or converted, and detached where
+    they carry a graph (a tensor that needs no gradient has none, and its ``detach`` would only cost a tensor)."""
+    kernel_fields = {name: _without_graph(getattr(batch, name)) for name in _ROW_FIELDS}
+    return RowInputs(grid, flat, **kernel_fields,
+                     objective_inputs={name: _without_graph(getattr(batch, name)) for name in OBJECTIVE_FLOATS})
+
+
+def _without_graph(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.detach() if tensor is not None and tensor.requires_grad else tensor
+
+
+def check_structure(logits_shape, logits_dtype, device, batch: LossInputs, aggregation="token_mean",
+                    sequence_reason: str | None = None, source: str = "logits") -> tuple[tuple[int, int], bool]:
+    """Check every input's structure against the logits' shape ``(B, T, V)`` or ``(N, V)``, from metadata alone:
+    ``(grid, flat)``. ``sequence_reason``: why the call needs each response's tokens together
+    (``LossOptions.sequence_reason``), None where it does not; ``source``: what the errors call the tensor the
+    shape is read from (the log-prob route's ``logps`` pass as ``(B, T, 1)`` logits)."""
     target_ids, advantages, mask = batch.target_ids, batch.advantages, batch.mask
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits_shape)}")
@@ -205,12 +229,10 @@ def token_inputs(logits_shape, logits_dtype, device, batch: LossInputs, aggregat
             raise ValueError(f"mask must be boolean, integer or floating point, got {mask.dtype}")
     if advantages is None:
         raise ValueError("advantages are required")
-    floats = {name: _check_float_input(name, getattr(batch, name), token_shape, device,
-                                       allow_per_response=mark.per_response and not flat, source=source)
-              for name, mark in TOKEN_FLOATS.items()}
-    return RowInputs(grid=grid, flat=flat, target_ids=target_ids.detach(),
-                     mask=None if mask is None else mask.detach(),
-                     objective_inputs={name: floats.pop(name) for name in OBJECTIVE_FLOATS}, **floats)
+    for name, mark in TOKEN_FLOATS.items():
+        _check_float_input(name, getattr(batch, name), token_shape, device,
+                           allow_per_response=mark.per_response and not flat, source=source)
+    return grid, flat
 
 
 def token_float(inputs: RowInputs, name: str) -> torch.Tensor | None:
@@ -226,7 +248,8 @@ def normalizer_spec(loss_normalizer, device) -> tuple[Normalizer, float, torch.T
     check_normalizer_form(loss_normalizer)
     if torch.is_tensor(loss_normalizer):
         if loss_normalizer.device == device:  # read on the device, by the kernels
-            return Normalizer.TENSOR, 0.0, loss_normalizer.detach().reshape(())
+            tensor = _without_graph(loss_normalizer)
+            return Normalizer.TENSOR, 0.0, tensor if tensor.dim() == 0 else tensor.reshape(())
         if loss_normalizer.device.type != "cpu":
             raise ValueError(f"loss_normalizer is on {loss_normalizer.device} but logits are on {device}")
         loss_normalizer = loss_normalizer.detach().reshape(()).item()  # a CPU tensor beside GPU logits: no device sync

@@ -221,10 +221,11 @@ CORRECTION_MARK = "rollout_correction constants"  # a traced RolloutCorrection's
 
 
 def _build_eager(method, kwargs) -> LossOptions:
-    kwargs = {name: RolloutCorrection.from_constants(value[1:]) if isinstance(value, tuple) and value
-              and value[0] == CORRECTION_MARK else value for name, value in kwargs.items()}
+    if any(isinstance(value, tuple) for value in kwargs.values()):  # a traced RolloutCorrection's constants
+        kwargs = {name: RolloutCorrection.from_constants(value[1:]) if isinstance(value, tuple) and value
+                  and value[0] == CORRECTION_MARK else value for name, value in kwargs.items()}
     try:
-        key = tuple((name, type(value), value) for name, value in sorted(kwargs.items()))
+        key = tuple([(name, type(value), value) for name, value in sorted(kwargs.items())])
         return _build_cached(method, type(method), key)
     except TypeError:  # an unhashable argument: build it uncached (validation names it)
         return _build(LossOptions, method, kwargs)

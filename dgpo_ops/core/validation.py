@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -128,6 +129,7 @@ class _PinnedRing:
 
     def __init__(self, shape, dtype):
         self.host = torch.empty((self.SLOTS, *shape), dtype=dtype, pin_memory=True)
+        self.slots = self.host.unbind(0)  # each slot's tensor, made once: no indexing op per call
         self.events = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.busy = [False] * self.SLOTS
         self.next = 0
@@ -185,7 +187,7 @@ def defer(status: torch.Tensor, vocab: int, normalizer: torch.Tensor | None, op:
             ring = _rings[key] = _PinnedRing(status.shape, status.dtype)
         slot = ring.take()
     if slot >= 0:
-        host, done = ring.host[slot], ring.events[slot]
+        host, done = ring.slots[slot], ring.events[slot]
     else:  # more calls in flight than slots: a fresh pinned buffer and event (still no wait)
         ring, host, done = None, torch.empty(status.shape, dtype=status.dtype, pin_memory=True), torch.cuda.Event()
     host.copy_(status, non_blocking=True)  # on the status device's current stream
@@ -202,32 +204,41 @@ def defer_errors(errors: torch.Tensor, op: str) -> None:
     defer(status, vocab=1, normalizer=None, op=op)
 
 
-def _read_and_release(checks: list[_PendingCheck]) -> list:
-    """The finished checks' statuses as numpy copies (no aten op, no sync); their slots are freed."""
-    statuses = [check.status.numpy().copy() for check in checks]
-    with _lock:
-        for check in checks:
-            if check.ring is not None:
-                check.ring.busy[check.slot] = False
-    return statuses
+def _take_errors(checks: list[_PendingCheck]) -> str | None:
+    """The message of the first error among the finished ``checks`` (None if clean), their slots freed: call it
+    holding the lock. A status is read where it lies (no aten op, no sync); only one with an error is copied and
+    made a message, so a clean call costs one word's read."""
+    message = None
+    for check in checks:
+        if message is None and _errors_word(check.status) != 0:
+            message = error_message(check.status.numpy().copy(), check.vocab, check.normalizer, check.op,
+                                    check.objective_inputs)
+        if check.ring is not None:
+            check.ring.busy[check.slot] = False
+    return message
 
 
-def _raise_first(checks: list[_PendingCheck]) -> None:
-    for check, status in zip(checks, _read_and_release(checks)):
-        message = error_message(status, check.vocab, check.normalizer, check.op, check.objective_inputs)
-        if message is not None:
-            raise ValueError(message)
+def _errors_word(status: torch.Tensor) -> int:
+    """The ``Status.ERRORS`` word of a host (or pinned) int64 status, read from its memory: no aten op and no numpy
+    array per call (a clean call's status is read this way and nothing else)."""
+    address = status.data_ptr() + int(Status.ERRORS) * status.stride(0) * ctypes.sizeof(ctypes.c_int64)
+    return ctypes.c_int64.from_address(address).value
 
 
 def poll_deferred_errors() -> None:
     """Raise the error of any finished call whose inputs were bad; never waits for the device."""
+    if not _pending:  # read without the lock: a check queued meanwhile is found by the next poll
+        return
     with _lock:
-        if not _pending:
-            return
         finished = [check for check in _pending if check.finished()]
-        for check in finished:
-            _pending.remove(check)
-    _raise_first(finished)
+        if len(finished) == len(_pending):
+            _pending.clear()
+        else:
+            for check in finished:
+                _pending.remove(check)
+        message = _take_errors(finished)
+    if message is not None:
+        raise ValueError(message)
 
 
 def raise_deferred_errors() -> None:
@@ -242,7 +253,10 @@ def raise_deferred_errors() -> None:
     for check in checks:
         if check.done is not None:
             check.done.synchronize()
-    _raise_first(checks)
+    with _lock:
+        message = _take_errors(checks)
+    if message is not None:
+        raise ValueError(message)
 
 
 def pending_deferred_checks() -> int:

@@ -114,6 +114,8 @@ class RowLayout:
 
     def errors(self) -> torch.Tensor | None:
         """InputError bits the layout found on the device (int64 scalar), or None."""
+        if self.packed is None and self.shard is None:  # the tokens as passed: nothing to find
+            return None
         found = [bits for bits in (self.packed and self.packed.errors, self.shard and self.shard.errors)
                  if bits is not None]
         if not found:

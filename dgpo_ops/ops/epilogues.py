@@ -41,10 +41,20 @@ def kernel_params_on(config: MethodConfig, device: torch.device) -> torch.Tensor
 
 
 def epilogue_inputs(options: LossOptions, device) -> EpilogueInputs:
+    """What the Triton row forward's epilogue reads for ``options`` on ``device``: made once per pair (read only, and
+    on every call), or made anew for options that cannot be hashed."""
+    try:
+        return _epilogue_inputs(options, torch.device(device))
+    except TypeError:  # an unhashable option value
+        return _epilogue_inputs.__wrapped__(options, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _epilogue_inputs(options: LossOptions, device: torch.device) -> EpilogueInputs:
     return EpilogueInputs(
         method_id=int(options.method.method_id),
         gate_id=int(options.method.gate_id),
-        method_params=kernel_params_on(options.method, torch.device(device)),
+        method_params=kernel_params_on(options.method, device),
         beta=float(options.beta),
         entropy_coef=float(options.entropy_coef),
         kl_ratio_correction=options.kl_ratio_correction,

@@ -20,19 +20,29 @@ from dgpo_ops.core.inputs import LossInputs
 from dgpo_ops.core.metrics import LossMetrics
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.core.validation import refuse_double_backward
+from dgpo_ops.core.validation import refuse_double_backward, resolve_mode
 from dgpo_ops.kernels.interface import Plane
 from dgpo_ops.kernels.row_io import RowWorkspace, compute_dtype
 from dgpo_ops.layouts.rows import CallLayout, RowLayout
 from dgpo_ops.ops.backends import RowKernels
-from dgpo_ops.ops.pipeline import CallPlan, backward_rows, entropy_gradient, forward_rows, plan_call
+from dgpo_ops.ops.pipeline import (
+    CallPlan,
+    PlanTemplate,
+    backward_rows,
+    entropy_gradient,
+    forward_rows,
+    plan_call,
+    plan_template,
+)
+from dgpo_ops.ops.plan_cache import LOGITS_PLANS, input_signature
 
 
 def forward_pass(logits: torch.Tensor, plan: CallPlan, zero_planes: bool = False):
     """The forward kernels of one call: ``(workspace, loss, stats, dloss_dlogp)``; the last is None
     after an epilogue (the coefficients are in the workspace) and under no_grad."""
     dtype = compute_dtype(logits.dtype)
-    workspace = RowWorkspace.allocate(logits.shape[:-1], plan.inputs.grid[0], logits.device, dtype, zero_planes)
+    # what the row forward writes: forward_rows makes the rest once it is launched
+    workspace = RowWorkspace.allocate_rows(logits.shape[:-1], logits.device, dtype, zero_planes)
     inv_temperature = 1.0 / plan.options.temperature
     # The row forward first: it waits for no other kernel, so the long pass over the logits
     # starts as early as the host can launch it; the small prologue (which finalizes) queues behind it.
@@ -129,6 +139,28 @@ def logits_plan(logits, batch: LossInputs, options: LossOptions, needs_grad: boo
                      needs_grad, layout, checked)
 
 
+def cached_logits_plan(logits, batch: LossInputs, options: LossOptions, needs_grad: bool,
+                       layout: CallLayout = CallLayout()) -> CallPlan:
+    """``logits_plan``, from the template cached for the call's input signature where it has one
+    (``dgpo_ops.ops.plan_cache``); the checks of values run on every call either way."""
+    key = input_signature(logits, batch, options, needs_grad) if layout.is_default else None
+    template = None if key is None else LOGITS_PLANS.template(
+        key, lambda: logits_template(logits, batch, options, needs_grad))
+    if template is None:
+        return logits_plan(logits, batch, options, needs_grad, layout=layout)
+    return template.plan(batch, batch)
+
+
+def logits_template(logits, batch: LossInputs, options: LossOptions, needs_grad: bool) -> PlanTemplate:
+    """The plan template of a call on the default layout (one process's whole vocabulary, tokens as passed)."""
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must have shape (B, T, V) or (N, V), got {tuple(logits.shape)}")
+    layout = CallLayout()
+    deferred = resolve_mode(options.validation, logits.device) == "deferred"
+    rows = RowLayout.build(layout, logits.shape[:-1], logits.shape[-1], logits.device, check=not deferred)
+    return plan_template(rows, layout, batch, logits.dtype, logits.device, options, logits, needs_grad, deferred)
+
+
 def logits_loss(logits, batch: LossInputs, options: LossOptions, layout: CallLayout = CallLayout()) -> PolicyLossOutput:
     """The logits op, eager, on every layout (``dgpo_ops.api`` routes compiled calls)."""
     if not torch.is_tensor(logits):
@@ -136,6 +168,6 @@ def logits_loss(logits, batch: LossInputs, options: LossOptions, layout: CallLay
     if options.inplace:
         check_inplace_target(logits)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    plan = logits_plan(logits, batch, options, needs_grad, layout=layout)
+    plan = cached_logits_plan(logits, batch, options, needs_grad, layout)
     loss, per_token, stats = FusedPolicyLossFunction.apply(logits, plan)
     return PolicyLossOutput(loss, per_token[Plane.LOGP], per_token[Plane.ENTROPY], LossMetrics(stats))

@@ -16,11 +16,13 @@ order:
    term added to the loss;
 4. in backward, the gradient kernel (``RowKernels.backward``) with the ``expm1`` form of ``1 - p``.
 
-``CallPlan`` is everything a call decides on the host from metadata alone.
+``CallPlan`` is everything a call decides on the host: ``PlanTemplate`` what it decides from metadata alone, and
+the call's tensors laid out by it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,10 +33,11 @@ from dgpo_ops.core.inputs import (
     OBJECTIVE_FLOATS,
     LossInputs,
     canonical_batch,
+    check_structure,
     check_values,
     normalizer_spec,
     objective_input_errors,
-    token_inputs,
+    row_inputs,
 )
 from dgpo_ops.core.metrics import policy_metrics
 from dgpo_ops.core.objective import check_kl_inputs, entropy_weight_term, policy_objective
@@ -64,7 +67,7 @@ class CallPlan:
     # is evaluated with, made from this one and the merged workspace between the row forward and the objective.
     complete: Callable[["CallPlan", RowWorkspace], "CallPlan"] | None = None
 
-    @property
+    @functools.cached_property  # read several times per call; a plan is never changed, only replaced
     def uses_epilogue(self) -> bool:
         """Token-level methods are evaluated in the row forward's epilogue (both kernel sets), where it
         finishes its rows, when their inputs are all known before it and the kernels read them all: a call
@@ -91,25 +94,59 @@ def plan_call(token_shape, columns: int, dtype, device, batch: LossInputs, optio
               checked: bool = True) -> CallPlan:
     """Everything a call decides on the host for rows of ``token_shape`` over ``columns`` vocabulary columns
     (of ``dtype`` on ``device``): the layout, the kernels (for tensors like ``kernel_probe``), the validation
-    mode, the normaliser. ``checked``: immediate validation checks the values here, and deferred validation
-    raises the errors of earlier calls the device has finished (never waits); False plans from metadata
-    alone (the fake implementation of the compiled ops, which has no values)."""
+    mode, the normaliser. ``checked``: immediate validation checks the values here (deferred validation raises
+    the errors of earlier calls the device has finished in ``forward_rows``, never waiting); False plans from
+    metadata alone (the fake implementation of the compiled ops, which has no values)."""
     deferred = resolve_mode(options.validation, device) == "deferred"
     rows = RowLayout.build(layout, token_shape, columns, device, check=checked and not deferred)
     grid_batch = rows.grid_batch(batch)
-    inputs = token_inputs(rows.grid_logits_shape(), dtype, device, grid_batch, options.aggregation,
-                          options.sequence_reason)
-    check_kl_inputs(inputs, options)
+    template = plan_template(rows, layout, grid_batch, dtype, device, options, kernel_probe, needs_grad, deferred)
+    return template.plan(batch, grid_batch, checked)
+
+
+@dataclass(frozen=True)
+class PlanTemplate:
+    """What ``plan_call`` decides before it lays out a tensor: the checks of every input's structure passed, the
+    rows, the grid, the kernels, the validation mode. On the default layout it holds no tensor (nor anything
+    made from one), so ``dgpo_ops.ops.plan_cache`` keeps it for the calls of the same input signature;
+    ``plan`` makes each call's ``CallPlan`` from it and the call's tensors."""
+
+    options: LossOptions
+    kernels: RowKernels
+    rows: RowLayout
+    layout: CallLayout
+    grid: tuple[int, int]
+    flat: bool
+    device: torch.device
+    value_dtype: torch.dtype  # what check_values checks the per-token floats in (compute_dtype of the kernels')
+    deferred: bool
+    needs_grad: bool
+
+    def plan(self, batch: LossInputs, grid_batch: LossInputs, checked: bool = True) -> CallPlan:
+        """The call's plan from its inputs (``grid_batch``: on the objective's grid, ``RowLayout.grid_batch``), with
+        immediate validation's checks of values, which run on every call (``checked`` False: none; deferred
+        validation's poll of earlier calls runs in ``forward_rows``, once the row forward is launched)."""
+        inputs = row_inputs(grid_batch, self.grid, self.flat)
+        rows = self.rows
+        plan = CallPlan(inputs, self.options, self.kernels, rows.vocab,
+                        normalizer_spec(grid_batch.loss_normalizer, self.device), self.deferred, self.needs_grad, rows,
+                        rows.row_inputs(batch, inputs), batch.generator,
+                        row_entropy_weights(batch.entropy_weights, rows.token_shape, self.layout, self.device))
+        if checked and not self.deferred:
+            check_values(inputs, plan.vocab, grid_batch.loss_normalizer, self.value_dtype)
+        return plan
+
+
+def plan_template(rows: RowLayout, layout: CallLayout, grid_batch: LossInputs, dtype, device, options: LossOptions,
+                  kernel_probe: torch.Tensor, needs_grad: bool, deferred: bool) -> PlanTemplate:
+    """Check the structure of every input of ``grid_batch`` for ``rows`` of ``dtype`` on ``device`` and choose the
+    kernels: ``plan_call``'s decisions from metadata alone."""
+    grid, flat = check_structure(rows.grid_logits_shape(), dtype, device, grid_batch, options.aggregation,
+                                 options.sequence_reason)
+    check_kl_inputs(row_inputs(grid_batch, grid, flat), options)
     kernels = select_kernels(options.backend, kernel_probe)
-    plan = CallPlan(inputs, options, kernels, rows.vocab, normalizer_spec(grid_batch.loss_normalizer, device),
-                    deferred, needs_grad, rows, rows.row_inputs(batch, inputs), batch.generator,
-                    row_entropy_weights(batch.entropy_weights, token_shape, layout, device))
-    if checked:
-        if deferred:
-            poll_deferred_errors()
-        else:
-            check_values(inputs, plan.vocab, grid_batch.loss_normalizer, compute_dtype(kernel_probe.dtype))
-    return plan
+    return PlanTemplate(options, kernels, rows, layout, grid, flat, torch.device(device),
+                        compute_dtype(kernel_probe.dtype), deferred, needs_grad)
 
 
 def row_entropy_weights(weights, token_shape, layout: CallLayout, device) -> torch.Tensor | None:
@@ -198,8 +235,13 @@ def forward_rows(plan: CallPlan, workspace: RowWorkspace, sweep: Callable[[RowFo
     whatever the op does per tile after it). Queues the call's deferred checks."""
     uses_epilogue = plan.uses_epilogue  # the row forward's (never with CallPlan.complete)
     if prologue_first:
-        run_prologue(plan, workspace)
+        run_prologue(plan, workspace.complete(plan.inputs.grid[0]))
     sweep(row_forward(plan, workspace))
+    # Once the long pass is launched, on the host: the workspace's other buffers (RowWorkspace.allocate_rows), and
+    # the errors of earlier calls the device has finished (deferred validation; never waits).
+    workspace.complete(plan.inputs.grid[0])
+    if plan.deferred:
+        poll_deferred_errors()
     plan.rows.merge(workspace)
     if plan.complete is not None:
         plan = plan.complete(plan, workspace)
