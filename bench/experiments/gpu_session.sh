@@ -40,7 +40,9 @@
 #   passes     passes.py: the GEMM passes over the lm_head weight, per method and path, on CUDA (limit 120 s)
 # Other stages, by name only: rows (row_shapes.py: the row kernels alone across launch shapes, the forward of this
 # tree against ROWS_BASELINE_FORWARD, another version of kernels/logprob_entropy.py carried as a file, where set;
-# in the dry run too) (limit 120 s); and (not in the dry run) bench (the benchmark suite, its results JSON as bench.json),
+# in the dry run too) (limit 120 s); and (not in the dry run) plancache (plan_cache_cuda.py: the logits op's plan
+# cache where Triton compiles: cached, replayed and uncached calls bit for bit, and the synchronised time per call
+# with and without it) (limit 120 s), bench (the benchmark suite, its results JSON as bench.json),
 # onchip (on_chip_split.py: the on-chip fused linear's kernels one by one, and other tiles of its gradient kernel:
 # ONCHIP_GRAD_SHAPES, ONCHIP_SETTINGS), host (host_overhead.py), repro (the bf16 cuDNN attention repro), mainjob
 # (20 bf16 runs of the main job), trainfit (the longest completion).
@@ -181,7 +183,7 @@ STAGES=("$@")
 [ ${#STAGES[@]} = 0 ] && STAGES=(setup tests floors logits linear trainstep passes)
 [ "${STAGES[0]}" = fetch-wheels ] && { fetch_wheels; exit $?; }
 [ "${STAGES[0]}" = setup ] || { echo "setup must be the first stage" >&2; exit 2; }
-KNOWN_STAGES=" setup tests floors logits linear trainstep passes rows bench onchip host repro trainfit mainjob "
+KNOWN_STAGES=" setup tests floors logits linear trainstep passes rows plancache bench onchip host repro trainfit mainjob "
 for stage in "${STAGES[@]}"; do  # refused before the setup spends a minute of the lease
   [[ $KNOWN_STAGES == *" $stage "* ]] || { echo "unknown stage $stage (stages:$KNOWN_STAGES)" >&2; exit 2; }
 done
@@ -222,6 +224,9 @@ for stage in "${STAGES[@]}"; do
     run_stage passes 120 passes.json "$PYTHON" bench/passes.py --output passes.json "${PASSES_ARGS[@]}" ;;
   rows)
     run_stage rows 120 row_shapes.json "$PYTHON" bench/experiments/row_shapes.py --out row_shapes.json "${ROWS_ARGS[@]}" ;;
+  plancache)
+    run_stage plancache 120 plan_cache_cuda.json env TRITON_INTERPRET=0 "$PYTHON" bench/experiments/plan_cache_cuda.py \
+      --out plan_cache_cuda.json ;;
   bench)
     run_stage bench 600 bench.json bash -c "$PYTHON -m pytest bench/ --benchmark-only -q -p no:cacheprovider \
       --bench-no-report; rc=\$?; cp \$(ls -t bench/results/*.json | head -n 1) bench.json; exit \$rc" ;;
