@@ -1,7 +1,7 @@
-"""The row kernels alone, across launch shapes: the forward (log-prob and entropy) and the backward (d loss / d
-logits) at N x V bf16 logits, each shape timed with ``triton.testing.do_bench`` (median) and read as HBM
-bandwidth (the forward reads the logits once; the backward reads them and writes the gradient), beside a copy
-of the same bytes in the same process.
+"""The row kernels alone, across launch shapes: the forward (log-prob and entropy) and the backward
+(d loss / d logits) at N x V bf16 logits, each shape timed with ``triton.testing.do_bench`` (median) and
+read as HBM bandwidth (the forward reads the scored rows once; the backward reads them and writes the whole
+gradient), beside a copy of the same bytes in the same process.
 
     python bench/experiments/row_shapes.py [--tokens 8192] [--vocab 151936] [--out row_shapes.json]
         [--baseline-forward PATH]
@@ -19,11 +19,10 @@ import importlib.util
 import json
 import os
 import sys
-import time
 
 import torch
 
-if not torch.cuda.is_available():  # the dry run: the kernels under the interpreter (set before they are imported)
+if not torch.cuda.is_available():  # the dry run: the kernels under the interpreter (set before their import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dgpo_ops.kernels import logits_grad as grad_module
@@ -35,12 +34,13 @@ from dgpo_ops.trainer.app.environment import describe
 
 from dgpo_ops.core.aggregation import AGGREGATIONS
 from dgpo_ops.core.inputs import LossInputs, normalizer_spec, token_inputs
+from floors import median_ms  # bench/experiments/floors.py: do_bench's median on CUDA, one call elsewhere
 
-FORWARD_SHAPES = [LaunchShape(2048, 4, 3), LaunchShape(4096, 4, 2), LaunchShape(4096, 4, 3), LaunchShape(4096, 4, 4),
-                  LaunchShape(4096, 8, 3), LaunchShape(8192, 8, 2), LaunchShape(8192, 8, 3), LaunchShape(8192, 16, 3),
-                  LaunchShape(16384, 16, 2)]
-BACKWARD_SHAPES = [LaunchShape(4096, 4, 3), LaunchShape(4096, 8, 3), LaunchShape(8192, 8, 2), LaunchShape(8192, 8, 3),
-                   LaunchShape(8192, 16, 3), LaunchShape(16384, 16, 2)]
+FORWARD_SHAPES = [LaunchShape(*shape) for shape in ((2048, 4, 3), (4096, 4, 2), (4096, 4, 3), (4096, 4, 4),
+                                                    (4096, 8, 3), (8192, 8, 2), (8192, 8, 3), (8192, 16, 3),
+                                                    (16384, 16, 2))]
+BACKWARD_SHAPES = [LaunchShape(*shape) for shape in ((4096, 4, 3), (4096, 8, 3), (8192, 8, 2), (8192, 8, 3),
+                                                     (8192, 16, 3), (16384, 16, 2))]
 
 
 def load_baseline(path: str):
@@ -67,18 +67,9 @@ def inputs(tokens: int, vocab: int, device: str):
     return logits, batch, workspace
 
 
-def timed(fn, device: str) -> float:
-    if device != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    from triton.testing import do_bench
-
-    return do_bench(fn, return_mode="median")
-
-
 def with_shape(module, name: str, shape: LaunchShape, launch):
-    """``launch()`` with the module's ``name`` launch shape set to ``shape`` (the launchers read it per call)."""
+    """``launch()`` with the module's ``name`` launch shape set to ``shape`` (the launchers read it per
+    call)."""
     kept = getattr(module, name)
     setattr(module, name, shape)
     try:
@@ -99,21 +90,25 @@ def main(argv=None) -> int:
     grad = torch.empty_like(logits)
     logits_bytes = logits.numel() * logits.element_size()
     # A token not scored (a tenth, masked) is not read: the bandwidths count the scored rows' reads only.
-    read_bytes = int(batch.mask.sum()) * logits.shape[-1] * logits.element_size()  # every target id is in range
-    copy_ms = timed(lambda: grad.copy_(logits), args.device)
+    # every target id is in range: the scored rows are the mask's
+    read_bytes = int(batch.mask.sum()) * logits.shape[-1] * logits.element_size()
+    copy_ms = median_ms(lambda: grad.copy_(logits), args.device)
     doc = {"machine": describe(torch.device(args.device)), "tokens": args.tokens, "vocab": args.vocab,
            "copy": {"ms": copy_ms, "tb_per_s": 2 * logits_bytes / copy_ms / 1e9}, "rows": []}
-    print(f"copy of the logits: {copy_ms:.3f} ms, {doc['copy']['tb_per_s']:.2f} TB/s (read + written)", flush=True)
+    print(f"copy of the logits: {copy_ms:.3f} ms, {doc['copy']['tb_per_s']:.2f} TB/s (read + written)",
+          flush=True)
     versions = [("this tree", forward_module)]
     if args.baseline_forward:
-        versions.append((f"baseline {os.path.basename(args.baseline_forward)}", load_baseline(args.baseline_forward)))
+        name = os.path.basename(args.baseline_forward)
+        versions.append((f"baseline {name}", load_baseline(args.baseline_forward)))
     for version, module in versions:
         for shape in FORWARD_SHAPES:
             def launch(module=module, shape=shape):
                 module.logprob_entropy(logits, batch, workspace, 1.0, block_v=shape.block_v)
             row = {"kernel": "forward", "version": version, **shape.__dict__}
             try:
-                ms = with_shape(module, "FORWARD_SHAPE", shape, lambda launch=launch: timed(launch, args.device))
+                ms = with_shape(module, "FORWARD_SHAPE", shape,
+                                lambda launch=launch: median_ms(launch, args.device))
                 row.update(ms=ms, tb_per_s=read_bytes / ms / 1e9)
             except Exception as error:  # noqa: BLE001 - a shape that does not compile is a result too
                 row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
@@ -127,10 +122,11 @@ def main(argv=None) -> int:
         def launch(shape=shape, entropy_coef=entropy_coef):
             grad_module.logits_grad(logits, grad, workspace, batch.grid[1], 1.0, entropy_coef,
                                     dloss_dlogp=coefficients, block_v=shape.block_v)
-        row = {"kernel": "backward" if entropy_coef == 0.0 else "backward with entropy", "version": "this tree",
-               **shape.__dict__}
+        kernel = "backward" if entropy_coef == 0.0 else "backward with entropy"
+        row = {"kernel": kernel, "version": "this tree", **shape.__dict__}
         try:
-            ms = with_shape(grad_module, "BACKWARD_SHAPE", shape, lambda launch=launch: timed(launch, args.device))
+            ms = with_shape(grad_module, "BACKWARD_SHAPE", shape,
+                            lambda launch=launch: median_ms(launch, args.device))
             row.update(ms=ms, tb_per_s=(read_bytes + logits_bytes) / ms / 1e9)
         except Exception as error:  # noqa: BLE001
             row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
