@@ -51,4 +51,7 @@ for pin in sys.argv[1:]:
     assert versions[name] == version, (pin, versions)
 PY
 
-run_tests tests/frameworks
+# The step test's TRL rows run TRL's released code in the main suite, which installs trl; this venv has none (its
+# skips would fail the run)
+STEP_ROWS=tests/frameworks/test_data_parallel_steps.py::test_a_rows_step_over_two_ranks_is_the_frameworks
+run_tests tests/frameworks --deselect "$STEP_ROWS[trl:"
