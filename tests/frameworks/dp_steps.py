@@ -7,11 +7,11 @@ masked response and a micro-batch with no scored token; the policy is a shared l
 ranks average (``all_reduce`` / ``dp_size``: DDP's and FSDP's mean), each rank's micro-batch gradients summed
 (accumulated). ``STEPS[framework]`` is the framework's step on one rank: its trainer's scaling, its worker's dp
 factor, its backend's mean. TRL's runs ``GRPOTrainer._compute_loss`` of the installed trl (the main suite's) on a
-stand-in trainer; OpenRLHF's, SkyRL's and AReaL's are their released code read out of the installed wheels (the
-loaders of the ``test_<framework>_wheel`` modules, and ``wheel_source.load``; .ci/frameworks_cpu.sh's venv), with
-their own ``all_reduce`` of the step's counts; verl's, ROLL's and NeMo-RL's are their lines re-derived from the
-cited source (``SOURCES``): verl's released code runs in a venv of its own, ROLL and NeMo-RL are not on PyPI.
-A step whose distribution is not installed is skipped (``Step.where`` says what installs it).
+stand-in trainer; verl's its ``agg_loss`` with the global batch info (the venv of .ci/verl_cpu.sh); OpenRLHF's,
+SkyRL's and AReaL's are their released code read out of the installed wheels (the loaders of the
+``test_<framework>_wheel`` modules, and ``wheel_source.load``; .ci/frameworks_cpu.sh's venv), with their own
+``all_reduce`` of the step's counts; ROLL's and NeMo-RL's, not on PyPI, are their lines re-derived from the cited
+source (``SOURCES``). A step whose distribution is not installed is skipped (``Step.where`` says what installs it).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ DP, MICRO_BATCHES, B, T, H, V = 2, 3, 3, 6, 8, 17
 EPS = 0.2  # every framework's PPO clip, both sides
 STEPS_PER_GENERATION = MICRO_BATCHES  # TRL's generation batch is one optimizer step (its micro-batches)
 SOURCES = {  # the re-derived steps' source
-    "verl": "verl 0.9.1 verl/trainer/ppo/core_algos.py agg_loss L1170-1202 (loss / global count x dp_size)",
     "roll": "alibaba/ROLL 8eb27cc roll/utils/functionals.py agg_loss L229-282; the loss x micro-batches x dp "
             "(loss_scale), the backend's mean over micro-batches and ranks",
     "nemo_rl": "NVIDIA-NeMo/RL 7ea279a nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn L678-693 (over the "
@@ -70,7 +69,7 @@ def log_probs(W, batch):
 
 
 def ppo_token_loss(logp, batch):
-    """PPO's clipped per-token loss, as verl's, ROLL's and NeMo-RL's compute it (0 off the mask)."""
+    """PPO's clipped per-token loss, as verl's vanilla loss, ROLL's and NeMo-RL's compute it (0 off the mask)."""
     ratio = torch.exp(logp - batch["old"])
     advantages = batch["advantages"][:, None]
     loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - EPS, 1 + EPS))
@@ -217,25 +216,21 @@ def trl_step(rank, mode, W, batches):
 
 
 def verl_step(rank, mode, W, batches):
-    """verl's agg_loss with global_batch_info (dp_size, batch_num_tokens, global_batch_size: every row of the
-    step), its losses summed over the micro-batches."""
-    tokens = all_sum(sum(b["mask"].sum() for b in batches[rank]))
-    rows = all_sum(B * len(batches[rank]))
+    """verl's own ``agg_loss`` (verl/trainer/ppo/core_algos.py, verl 0.9.1) on every micro-batch's clipped PPO
+    loss, with the global batch info its FSDP engine and ``ppo_loss`` pass (config.global_batch_info): ``dp_size``,
+    ``batch_num_tokens`` (the loss mask's sum over the dp group, ``.item()``: verl/workers/engine/fsdp/
+    transformer_impl.py L730-735; verl/workers/utils/losses.py L64-68), ``global_batch_size`` (ppo_mini_batch_size x rollout.n, every rank's rows:
+    verl/trainer/ppo/ray_trainer.py L1352-1362) and ``loss_scale_factor`` None (ActorConfig's default: the
+    horizon); FSDP backpropagates each micro-batch's loss as it is, so the losses add."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    batch_num_tokens = all_sum(sum(b["mask"].sum() for b in batches[rank])).item()
+    global_batch_size = B * MICRO_BATCHES * DP
     total = 0.0
     for b in batches[rank]:
-        loss_mat, mask = ppo_token_loss(log_probs(W, b), b), b["mask"].double()
-        if mode == "token-mean":
-            loss = (loss_mat * mask).sum() / tokens * DP
-        elif mode == "token-sum":
-            loss = (loss_mat * mask).sum() * DP
-        elif mode == "seq-mean-token-mean":
-            loss = ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows * DP
-        elif mode == "seq-mean-token-sum":
-            loss = (loss_mat * mask).sum(-1).sum() / rows * DP
-        elif mode == "seq-mean-token-sum-norm":
-            loss = (loss_mat * mask).sum(-1).sum() / (rows * T) * DP
-        else:
-            raise ValueError(mode)
+        loss = agg_loss(ppo_token_loss(log_probs(W, b), b), b["mask"], mode, dp_size=DP,
+                        batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+                        loss_scale_factor=None)
         total = total + loss
     return total
 
@@ -356,7 +351,8 @@ class Step(NamedTuple):
 
 STEPS = {
     "trl": Step(trl_step, "trl", "1.16.0", 'the main suite (pip install -e ".[trl]")'),
-    "verl": Step(verl_step, None), "roll": Step(roll_step, None), "nemo_rl": Step(nemo_rl_step, None),
+    "verl": Step(verl_step, "verl", "0.9.1", ".ci/verl_cpu.sh"),
+    "roll": Step(roll_step, None), "nemo_rl": Step(nemo_rl_step, None),
     "openrlhf": Step(openrlhf_step, "openrlhf", "0.11.2", FRAMEWORKS_VENV),
     "skyrl": Step(skyrl_step, "skyrl", "0.3.0", FRAMEWORKS_VENV),
     "areal": Step(areal_step, "areal", "1.0.4", FRAMEWORKS_VENV),

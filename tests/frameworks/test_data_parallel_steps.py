@@ -2,9 +2,10 @@
 (ragged and fully masked responses, a micro-batch without a scored token), the ranks' gradients averaged as DDP
 does, dgpo-ops with ``aggregation="framework:mode"`` and the row's step normaliser (``N / dp_size``,
 ``dgpo_ops.frameworks.step_normalizer``) against the framework's own step (``dp_steps.STEPS``): the released code
-of TRL (``GRPOTrainer._compute_loss``, every loss type's objective and normalisation; the main suite's trl) and of
-OpenRLHF, SkyRL and AReaL (the venv of .ci/frameworks_cpu.sh), where installed, else skipped with what installs it;
-verl's, ROLL's and NeMo-RL's re-derived from their source."""
+of TRL (``GRPOTrainer._compute_loss``, every loss type's objective and normalisation; the main suite's trl), of verl
+(``agg_loss`` with the global batch info; the venv of .ci/verl_cpu.sh) and of OpenRLHF, SkyRL and AReaL (the venv
+of .ci/frameworks_cpu.sh), where installed, else skipped with what installs it; ROLL's and NeMo-RL's re-derived
+from their source."""
 
 from __future__ import annotations
 
