@@ -350,7 +350,7 @@ class Step(NamedTuple):
 
 
 STEPS = {
-    "trl": Step(trl_step, "trl", "1.16.0", 'the main suite (pip install -e ".[trl]")'),
+    "trl": Step(trl_step, "trl", "1.16.0", "the main suite's extra [trl]"),
     "verl": Step(verl_step, "verl", "0.9.1", ".ci/verl_cpu.sh"),
     "roll": Step(roll_step, None), "nemo_rl": Step(nemo_rl_step, None),
     "openrlhf": Step(openrlhf_step, "openrlhf", "0.11.2", FRAMEWORKS_VENV),
