@@ -219,9 +219,10 @@ def verl_step(rank, mode, W, batches):
     """verl's own ``agg_loss`` (verl/trainer/ppo/core_algos.py, verl 0.9.1) on every micro-batch's clipped PPO
     loss, with the global batch info its FSDP engine and ``ppo_loss`` pass (config.global_batch_info): ``dp_size``,
     ``batch_num_tokens`` (the loss mask's sum over the dp group, ``.item()``: verl/workers/engine/fsdp/
-    transformer_impl.py L730-735; verl/workers/utils/losses.py L64-68), ``global_batch_size`` (ppo_mini_batch_size x rollout.n, every rank's rows:
-    verl/trainer/ppo/ray_trainer.py L1352-1362) and ``loss_scale_factor`` None (ActorConfig's default: the
-    horizon); FSDP backpropagates each micro-batch's loss as it is, so the losses add."""
+    transformer_impl.py L730-735; verl/workers/utils/losses.py L64-68), ``global_batch_size``
+    (ppo_mini_batch_size x rollout.n, every rank's rows: verl/trainer/ppo/ray_trainer.py L1352-1362) and
+    ``loss_scale_factor`` None (ActorConfig's default: the horizon); FSDP backpropagates each micro-batch's loss as
+    it is, so the losses add."""
     from verl.trainer.ppo.core_algos import agg_loss
 
     batch_num_tokens = all_sum(sum(b["mask"].sum() for b in batches[rank])).item()
