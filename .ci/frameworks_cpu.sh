@@ -51,4 +51,7 @@ for pin in sys.argv[1:]:
     assert versions[name] == version, (pin, versions)
 PY
 
-run_tests tests/frameworks
+# The step test's TRL and verl rows run their released code where it is installed: TRL's in the main suite, verl's
+# in .ci/verl_cpu.sh's venv; this venv has neither (their skips would fail the run)
+STEP_ROWS=tests/frameworks/test_data_parallel_steps.py::test_a_rows_step_over_two_ranks_is_the_frameworks
+run_tests tests/frameworks --deselect "$STEP_ROWS[trl:" --deselect "$STEP_ROWS[verl:"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# dgpo-ops inside verl 0.9.1 on CPU: tests/integrations/test_verl.py and test_verl_corrections.py in a venv of their own.
+# dgpo-ops inside verl 0.9.1 on CPU: tests/integrations/test_verl.py and test_verl_corrections.py in a venv of their own,
+# and tests/frameworks/test_data_parallel_steps.py's verl rows (its step on verl's own agg_loss).
 #
 # verl 0.9.1 requires transformers >= 5.5.3, < 5.11 (the main suite runs a newer one) and ray; torch comes from
 # its extras, so the venv takes torch 2.13.0 (CPU) and triton 3.9.0 first (the Triton the main environment runs
@@ -34,3 +35,4 @@ assert "dgpo_ops.integrations.verl" in entry_points, entry_points
 PY
 
 run_tests tests/integrations/test_verl.py tests/integrations/test_verl_corrections.py
+run_tests tests/frameworks/test_data_parallel_steps.py -k verl  # its verl rows: no other framework is installed here

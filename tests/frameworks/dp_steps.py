@@ -6,10 +6,12 @@ A step is ``MICRO_BATCHES`` micro-batches on each of ``DP`` gloo ranks (real pro
 masked response and a micro-batch with no scored token; the policy is a shared lm_head ``W`` whose gradient the
 ranks average (``all_reduce`` / ``dp_size``: DDP's and FSDP's mean), each rank's micro-batch gradients summed
 (accumulated). ``STEPS[framework]`` is the framework's step on one rank: its trainer's scaling, its worker's dp
-factor, its backend's mean. OpenRLHF's, SkyRL's and AReaL's are their released code read out of the installed
-wheels (the loaders of the ``test_<framework>_wheel`` modules, and ``wheel_source.load``), with their own
-``all_reduce`` of the step's counts; TRL's, verl's, ROLL's and NeMo-RL's are their lines re-derived from the cited
-source (``SOURCES``): TRL's and verl's released code runs in venvs of their own, ROLL and NeMo-RL are not on PyPI.
+factor, its backend's mean. TRL's runs ``GRPOTrainer._compute_loss`` of the installed trl (the main suite's) on a
+stand-in trainer; verl's its ``agg_loss`` with the global batch info (the venv of .ci/verl_cpu.sh); OpenRLHF's,
+SkyRL's and AReaL's are their released code read out of the installed wheels (the loaders of the
+``test_<framework>_wheel`` modules, and ``wheel_source.load``; .ci/frameworks_cpu.sh's venv), with their own
+``all_reduce`` of the step's counts; ROLL's and NeMo-RL's, not on PyPI, are their lines re-derived from the cited
+source (``SOURCES``). A step whose distribution is not installed is skipped (``Step.where`` says what installs it).
 """
 
 from __future__ import annotations
@@ -27,11 +29,8 @@ from dgpo_ops.kernels.interface import Denominator
 
 DP, MICRO_BATCHES, B, T, H, V = 2, 3, 3, 6, 8, 17
 EPS = 0.2  # every framework's PPO clip, both sides
-STEPS_PER_GENERATION = MICRO_BATCHES  # TRL's generation batch is one optimizer step
-SOURCES = {
-    "trl": "trl 1.16.0 trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss L3153-3184 (its Trainer leaves the "
-           "loss unscaled: the micro-batches' gradients add, the ranks' are averaged)",
-    "verl": "verl 0.9.1 verl/trainer/ppo/core_algos.py agg_loss L1170-1202 (loss / global count x dp_size)",
+STEPS_PER_GENERATION = MICRO_BATCHES  # TRL's generation batch is one optimizer step (its micro-batches)
+SOURCES = {  # the re-derived steps' source
     "roll": "alibaba/ROLL 8eb27cc roll/utils/functionals.py agg_loss L229-282; the loss x micro-batches x dp "
             "(loss_scale), the backend's mean over micro-batches and ranks",
     "nemo_rl": "NVIDIA-NeMo/RL 7ea279a nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn L678-693 (over the "
@@ -70,7 +69,7 @@ def log_probs(W, batch):
 
 
 def ppo_token_loss(logp, batch):
-    """PPO's clipped per-token loss, as TRL's, verl's, ROLL's and NeMo-RL's compute it (0 off the mask)."""
+    """PPO's clipped per-token loss, as verl's vanilla loss, ROLL's and NeMo-RL's compute it (0 off the mask)."""
     ratio = torch.exp(logp - batch["old"])
     advantages = batch["advantages"][:, None]
     loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - EPS, 1 + EPS))
@@ -90,6 +89,23 @@ RAW_COUNTS = {  # what each denominator counts in one micro-batch, before any cl
 }
 
 
+# TRL's loss types of an objective of their own (FRAMEWORKS["trl"].loss_types): dgpo-ops' method and the parameters
+# that match trl_trainer's config; every other row is PPO's clip at EPS (dgpo-ops' grpo) on both sides.
+TRL_OBJECTIVES = {
+    "sapo": {"method": "sapo", "tau_pos": 1.0, "tau_neg": 1.05},  # GRPOConfig's sapo_temperature_pos / _neg
+    "cispo": {"method": "cispo", "eps_low": 1.0, "eps_high": EPS},  # no floor; the cap epsilon_high = 1 + EPS
+    "vespo": {"method": "vespo", "k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0},  # vespo_*
+}
+
+
+def objective(name: str) -> dict:
+    """The per-token objective ``ours`` runs for a row (the framework's step runs the same one)."""
+    framework, mode = name.split(":", 1)
+    if framework == "trl" and mode in TRL_OBJECTIVES:
+        return TRL_OBJECTIVES[mode]
+    return {"method": "grpo", "eps_low": EPS, "eps_high": EPS}
+
+
 def ours(rank: int, name: str, W, batches):
     """dgpo-ops on this rank: every micro-batch one call with ``aggregation=name`` and the row's step normaliser
     (the count over the step summed over the ranks, or the micro-batch's own, at least 1)."""
@@ -103,8 +119,8 @@ def ours(rank: int, name: str, W, batches):
         counted = step_total if row.scope is Scope.STEP else max(float(count(b["mask"])), 1.0)
         normalizer = step_normalizer(row, float(counted), micro_batches=MICRO_BATCHES, dp_size=DP)
         out = dgpo_ops.reference_loss(b["hidden"] @ W.T, b["targets"], b["advantages"], mask=b["mask"],
-                                      old_logps=b["old"], method="grpo", eps_low=EPS, eps_high=EPS,
-                                      aggregation=name, loss_normalizer=normalizer)
+                                      old_logps=b["old"], **objective(name), aggregation=name,
+                                      loss_normalizer=normalizer)
         total = total + out.loss
     return total
 
@@ -112,51 +128,110 @@ def ours(rank: int, name: str, W, batches):
 # ---- the frameworks' steps: (rank, mode, W, batches) -> this rank's loss, whose gradient it backpropagates ----
 
 
+class _Accelerator:
+    """The ``accelerator`` that ``_compute_loss`` calls, on this process's gloo group: ``gather`` concatenates every
+    process's tensor along dim 0 (a scalar as one row, as accelerate's does), ``reduce`` sums."""
+
+    num_processes = DP
+    sync_gradients = True
+
+    @staticmethod
+    def gather(tensor):
+        tensor = tensor.detach().reshape(-1) if tensor.dim() == 0 else tensor.detach()
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    gather_for_metrics = gather
+
+    @staticmethod
+    def reduce(tensor, reduction="sum"):
+        assert reduction == "sum", reduction
+        return all_sum(tensor.detach())
+
+
+def trl_trainer(mode):
+    """A ``GRPOTrainer`` built without ``__init__``: the config fields ``_compute_loss`` reads (``GRPOConfig``'s own
+    defaults, the clip at ``EPS``, CISPO's cap ``1 + EPS``, ``steps_per_generation`` and
+    ``max_completion_length``), and the attributes ``__init__`` sets from them (grpo_trainer.py L782-1080)."""
+    import dataclasses
+    from collections import defaultdict
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    defaults = {field.name: field.default for field in dataclasses.fields(GRPOConfig)}
+    args = SimpleNamespace(**{**defaults, "loss_type": mode, "epsilon": EPS,
+                              "epsilon_high": 1 + EPS if mode == "cispo" else EPS,
+                              "steps_per_generation": STEPS_PER_GENERATION, "max_completion_length": T})
+    trainer = object.__new__(GRPOTrainer)
+    trainer.args, trainer.loss_type, trainer.beta = args, args.loss_type, args.beta
+    trainer.epsilon_low, trainer.epsilon_high = args.epsilon, args.epsilon_high
+    trainer.importance_sampling_level, trainer.max_completion_length = args.importance_sampling_level, T
+    trainer.off_policy_mask_threshold, trainer.top_entropy_quantile = (args.off_policy_mask_threshold,
+                                                                       args.top_entropy_quantile)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = (args.use_vllm,
+                                                                     args.vllm_importance_sampling_correction)
+    trainer.entropy_coef, trainer.use_adaptive_entropy = args.entropy_coef, args.use_adaptive_entropy
+    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0 or trainer.use_adaptive_entropy
+    trainer.aux_loss_enabled = False  # no router
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer.model = SimpleNamespace(training=True)  # mode "train"
+    trainer.accelerator = _Accelerator()
+    trainer.current_gradient_accumulation_steps = MICRO_BATCHES  # the step's micro-batches
+    return trainer
+
+
 def trl_step(rank, mode, W, batches):
-    """GRPOTrainer._compute_loss per micro-batch (gradient_accumulation_steps = steps_per_generation = the
-    micro-batches, num_items_in_batch the generation batch's tokens over every process)."""
-    accumulation = MICRO_BATCHES  # mode "train"
-    num_items = all_sum(sum(b["mask"].sum() for b in batches[rank]))
+    """TRL's own ``GRPOTrainer._compute_loss`` on every micro-batch of this process's generation batch (the
+    loss type ``mode``: its per-token objective and its normalisation), on ``trl_trainer``'s stand-in ``self``
+    whose ``_get_per_token_logps_and_entropies`` returns the micro-batch's log-probs of ``W``. The generation batch
+    carries ``num_items_in_batch`` as _generate_and_score_completions makes it (grpo_trainer.py L2497-2498: the
+    loss mask's sum gathered over the processes) and is split into the micro-batches by TRL's
+    ``split_tensor_dict`` (``_prepare_inputs``, L1544; its ``shuffle_sequence_dict`` left out, so that the
+    micro-batches are the ones dgpo-ops sees). Its Trainer leaves the loss unscaled (``loss_is_scaled_for_ga``):
+    the micro-batches' losses add."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import split_tensor_dict
+
+    assert GRPOTrainer.loss_is_scaled_for_ga is True  # transformers' training_step then does not divide
+    trainer = trl_trainer(mode)
+    mine = batches[rank]
+    completion_mask = torch.cat([b["mask"] for b in mine]).long()
+    rows = completion_mask.shape[0]
+    loss_mask = completion_mask  # no tool mask
+    num_items_in_batch = trainer.accelerator.gather(loss_mask.sum()).sum()
+    generation_batch = {
+        "prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1, dtype=torch.long),
+        "completion_ids": torch.cat([b["targets"] for b in mine]), "completion_mask": completion_mask,
+        "advantages": torch.cat([b["advantages"] for b in mine]), "num_items_in_batch": num_items_in_batch,
+        "old_per_token_logps": torch.cat([b["old"] for b in mine]),
+    }
     total = 0.0
-    for b in batches[rank]:
-        per_token_loss, mask = ppo_token_loss(log_probs(W, b), b), b["mask"].double()
-        if mode in ("grpo", "sapo"):
-            loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-        elif mode == "bnpo":
-            loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
-        elif mode == "dr_grpo":
-            loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * T) / accumulation
-        elif mode in ("cispo", "dapo", "vespo"):
-            normalizer = num_items.clamp(min=1.0) / DP * accumulation / STEPS_PER_GENERATION
-            loss = (per_token_loss * mask).sum() / normalizer
-        elif mode == "luspo":
-            loss = (per_token_loss * mask).sum(-1).mean() / accumulation
-        else:
-            raise ValueError(mode)
-        total = total + loss
+    for b, inputs in zip(mine, split_tensor_dict(generation_batch, STEPS_PER_GENERATION), strict=True):
+        assert torch.equal(inputs["completion_mask"].bool(), b["mask"])
+        logp = log_probs(W, b)
+        trainer._get_per_token_logps_and_entropies = lambda *_, logp=logp, **__: (logp, torch.zeros_like(logp), None)
+        total = total + GRPOTrainer._compute_loss(trainer, None, inputs)
     return total
 
 
 def verl_step(rank, mode, W, batches):
-    """verl's agg_loss with global_batch_info (dp_size, batch_num_tokens, global_batch_size: every row of the
-    step), its losses summed over the micro-batches."""
-    tokens = all_sum(sum(b["mask"].sum() for b in batches[rank]))
-    rows = all_sum(B * len(batches[rank]))
+    """verl's own ``agg_loss`` (verl/trainer/ppo/core_algos.py, verl 0.9.1) on every micro-batch's clipped PPO
+    loss, with the global batch info its FSDP engine and ``ppo_loss`` pass (config.global_batch_info): ``dp_size``,
+    ``batch_num_tokens`` (the loss mask's sum over the dp group, ``.item()``: verl/workers/engine/fsdp/
+    transformer_impl.py L730-735; verl/workers/utils/losses.py L64-68), ``global_batch_size``
+    (ppo_mini_batch_size x rollout.n, every rank's rows: verl/trainer/ppo/ray_trainer.py L1352-1362) and
+    ``loss_scale_factor`` None (ActorConfig's default: the horizon); FSDP backpropagates each micro-batch's loss as
+    it is, so the losses add."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    batch_num_tokens = all_sum(sum(b["mask"].sum() for b in batches[rank])).item()
+    global_batch_size = B * MICRO_BATCHES * DP
     total = 0.0
     for b in batches[rank]:
-        loss_mat, mask = ppo_token_loss(log_probs(W, b), b), b["mask"].double()
-        if mode == "token-mean":
-            loss = (loss_mat * mask).sum() / tokens * DP
-        elif mode == "token-sum":
-            loss = (loss_mat * mask).sum() * DP
-        elif mode == "seq-mean-token-mean":
-            loss = ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows * DP
-        elif mode == "seq-mean-token-sum":
-            loss = (loss_mat * mask).sum(-1).sum() / rows * DP
-        elif mode == "seq-mean-token-sum-norm":
-            loss = (loss_mat * mask).sum(-1).sum() / (rows * T) * DP
-        else:
-            raise ValueError(mode)
+        loss = agg_loss(ppo_token_loss(log_probs(W, b), b), b["mask"], mode, dp_size=DP,
+                        batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+                        loss_scale_factor=None)
         total = total + loss
     return total
 
@@ -265,16 +340,23 @@ def areal_step(rank, mode, W, batches):
     return total
 
 
+FRAMEWORKS_VENV = ".ci/frameworks_cpu.sh"
+
+
 class Step(NamedTuple):
     run: object  # (rank, mode, W, batches) -> this rank's loss
-    distribution: str | None  # the wheel it reads, None: re-derived (SOURCES)
+    distribution: str | None  # the distribution whose released code it runs, None: re-derived (SOURCES)
     version: str | None = None
+    where: str | None = None  # what installs it: the script of its venv, or the main suite's extra
 
 
 STEPS = {
-    "trl": Step(trl_step, None), "verl": Step(verl_step, None), "roll": Step(roll_step, None),
-    "nemo_rl": Step(nemo_rl_step, None), "openrlhf": Step(openrlhf_step, "openrlhf", "0.11.2"),
-    "skyrl": Step(skyrl_step, "skyrl", "0.3.0"), "areal": Step(areal_step, "areal", "1.0.4"),
+    "trl": Step(trl_step, "trl", "1.16.0", "the main suite's extra [trl]"),
+    "verl": Step(verl_step, "verl", "0.9.1", ".ci/verl_cpu.sh"),
+    "roll": Step(roll_step, None), "nemo_rl": Step(nemo_rl_step, None),
+    "openrlhf": Step(openrlhf_step, "openrlhf", "0.11.2", FRAMEWORKS_VENV),
+    "skyrl": Step(skyrl_step, "skyrl", "0.3.0", FRAMEWORKS_VENV),
+    "areal": Step(areal_step, "areal", "1.0.4", FRAMEWORKS_VENV),
 }
 
 

@@ -1,9 +1,11 @@
 """Every framework row over a whole data-parallel step: two gloo ranks (real processes) of three micro-batches each
 (ragged and fully masked responses, a micro-batch without a scored token), the ranks' gradients averaged as DDP
 does, dgpo-ops with ``aggregation="framework:mode"`` and the row's step normaliser (``N / dp_size``,
-``dgpo_ops.frameworks.step_normalizer``) against the framework's own step (``dp_steps.STEPS``: the released code
-of OpenRLHF, SkyRL and AReaL where installed, the venv of .ci/frameworks_cpu.sh; TRL's, verl's, ROLL's and
-NeMo-RL's re-derived from their source)."""
+``dgpo_ops.frameworks.step_normalizer``) against the framework's own step (``dp_steps.STEPS``): the released code
+of TRL (``GRPOTrainer._compute_loss``, every loss type's objective and normalisation; the main suite's trl), of verl
+(``agg_loss`` with the global batch info; the venv of .ci/verl_cpu.sh) and of OpenRLHF, SkyRL and AReaL (the venv
+of .ci/frameworks_cpu.sh), where installed, else skipped with what installs it; ROLL's and NeMo-RL's re-derived
+from their source."""
 
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def test_a_rows_step_over_two_ranks_is_the_frameworks(name):
     framework = name.split(":", 1)[0]
     step = dp_steps.STEPS[framework]
     if not installed(step):
-        pytest.skip(f"{step.distribution} is not installed (.ci/frameworks_cpu.sh installs "
+        pytest.skip(f"{step.distribution} is not installed ({step.where} installs "
                     f"{step.distribution}=={step.version})")
     ours, theirs = world_gradients(framework)[name]
     assert theirs.abs().max() > 1e-3  # a step that moves the weights
