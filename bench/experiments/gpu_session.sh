@@ -160,12 +160,12 @@ if [ "$DRY" = 1 ]; then
   # one process: on the CPU every CUDA test skips, and 8 workers (each importing torch) on the 2 cores of a CI
   # machine took 30-80 s to start; the stage's command line is the same but for the number
   TEST_WORKERS=0
-  LOGITS_ARGS=(--device cpu --vocab 1000 --tokens 256 --trace-vocab 1000)
+  LOGITS_ARGS=(--device cpu --vocab 1000 --tokens 64 --trace-vocab 1000)
   FLOORS_ARGS=(--device cpu --elements 100000 --shapes 64x32x500)
   LINEAR_ARGS=(--sizes 64x32x500 --settings fp32 --competitors ours gemm_floor --repeats 1)
   TRAINSTEP_ARGS=(--model tiny --completions 16 --paths dgpo_linear)
   PASSES_ARGS=(--methods gspo --options all --paths dgpo_linear)
-  ROWS_ARGS=(--tokens 64 --vocab 1000)
+  ROWS_ARGS=(--tokens 64 --vocab 1000 --shapes 2)
 else
   TESTS=(tests)
   TEST_WORKERS=8

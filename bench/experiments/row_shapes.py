@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--baseline-forward", default=None)
     parser.add_argument("--out", default="row_shapes.json")
+    parser.add_argument("--shapes", type=int, default=None,
+                        help="only the first SHAPES of each kernel's list (the dry run: every code path, fewer runs)")
     args = parser.parse_args(argv)
     logits, batch, workspace = inputs(args.tokens, args.vocab, args.device)
     grad = torch.empty_like(logits)
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
         name = os.path.basename(args.baseline_forward)
         versions.append((f"baseline {name}", load_baseline(args.baseline_forward)))
     for version, module in versions:
-        for shape in FORWARD_SHAPES:
+        for shape in FORWARD_SHAPES[: args.shapes]:
             def launch(module=module, shape=shape):
                 module.logprob_entropy(logits, batch, workspace, 1.0, block_v=shape.block_v)
             row = {"kernel": "forward", "version": version, **shape.__dict__}
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     # Every scored token with a nonzero coefficient: a row whose coefficients are all 0 is not read (run 22's
     # backward rows had none, so they timed the zero-filling of the gradient alone).
     coefficients = torch.full((workspace.n_tokens,), 1e-4, device=args.device)
-    for shape, entropy_coef in [(shape, coef) for coef in (0.0, 0.01) for shape in BACKWARD_SHAPES]:
+    for shape, entropy_coef in [(shape, coef) for coef in (0.0, 0.01) for shape in BACKWARD_SHAPES[: args.shapes]]:
         def launch(shape=shape, entropy_coef=entropy_coef):
             grad_module.logits_grad(logits, grad, workspace, batch.grid[1], 1.0, entropy_coef,
                                     dloss_dlogp=coefficients, block_v=shape.block_v)

@@ -11,6 +11,9 @@ cd "$(dirname "$0")/../.."
 name=$1 busy=$2
 shift 2
 log=docs/timing/$name.log
+# Written beside and moved into place at the end: a command that reads the logs (the test suite's check of the
+# README's table) sees the last complete one while this one is written.
+partial=$(mktemp "docs/timing/.$name.XXXXXX")
 loops=()
 for _ in $(seq 1 "$busy"); do
   bash -c 'while :; do :; done' &
@@ -21,10 +24,11 @@ trap '[ ${#loops[@]} -gt 0 ] && kill "${loops[@]}" 2>/dev/null' EXIT
 {
   echo "# commit $(git rev-parse --short HEAD), busy loops $busy: $*"
   echo "# $(uptime)  (uptime before)"
-} > "$log"
-/usr/bin/time -f "WALL %e s" bash -c "$*" >> "$log" 2>&1
+} > "$partial"
+/usr/bin/time -f "WALL %e s" bash -c "$*" >> "$partial" 2>&1
 status=$?
-echo "# $(uptime)  (uptime after)" >> "$log"
-echo "# exit $status" >> "$log"
+echo "# $(uptime)  (uptime after)" >> "$partial"
+echo "# exit $status" >> "$partial"
+mv "$partial" "$log"
 tail -n 4 "$log"
 exit $status
