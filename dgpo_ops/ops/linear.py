@@ -19,9 +19,9 @@ tile in the operands' dtype, so each logit element costs 8 bytes of HBM traffic 
 operand reads (2 written by the GEMM, 2 + 2 read by the row kernels, 2 written back) for bf16,
 16 for fp32 (csrc_notes.md, "Memory traffic per token"). With ``softcap`` the tile is fp32 (tanh of the unrounded product).
 
-With more than one chunk and the weight multiplied whole, the tile budget is split into two buffers and each
-tile's row kernels run on a side stream beside the previous tile's gradient GEMMs (``TileSchedule``,
-``PIPELINE_TILES``): the row kernels move bytes while the GEMMs compute.
+With ``PIPELINE_TILES`` (off until a GPU run has timed it), more than one chunk and the weight multiplied whole,
+the tile budget is split into two buffers and each tile's row kernels run on a side stream beside the previous
+tile's gradient GEMMs (``TileSchedule``): the row kernels move bytes while the GEMMs compute.
 
 Every token goes through the GEMMs (picking the unmasked ones would need their count on the
 host); rows not scored read nothing in the row kernels and get a zero gradient. Peak extra memory:
@@ -188,10 +188,12 @@ def vocab_block_rows(memory_budget: int, weight: torch.Tensor) -> int:
     return rows - rows % 128
 
 
-# A tile's row kernels run on a side stream beside the GEMMs of the tile before it (``TileSchedule``), over two
-# tile buffers of half the budget each, where the weight is multiplied whole (a weight cast per vocabulary block
-# would be cast twice as often). False: one buffer, every launch on the caller's stream, one after the other.
-PIPELINE_TILES = True
+# True: a tile's row kernels run on a side stream beside the GEMMs of the tile before it (``TileSchedule``), over
+# two tile buffers of half the budget each, where the weight is multiplied whole (a weight cast per vocabulary
+# block would be cast twice as often). False: one buffer, every launch on the caller's stream, one after the
+# other. Off until a GPU run has timed it against the serial sweep (the benchmark's ``ours_pipelined``; csrc_notes.md,
+# "Before run 23"): its streams and events have run on no GPU yet.
+PIPELINE_TILES = False
 
 
 @dataclass

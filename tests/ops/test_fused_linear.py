@@ -508,10 +508,13 @@ def test_the_pipelined_sweep_equals_the_serial_one(monkeypatch, level):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_a_weight_cast_per_vocabulary_block_is_not_pipelined():
+def test_a_weight_cast_per_vocabulary_block_is_not_pipelined(monkeypatch):
     # Twice the chunks would cast every weight block twice as often (autocast over fp32 weights on CUDA; bf16
     # weights multiplied in fp32 on the CPU).
+    from dgpo_ops.ops import linear as linear_module
     from dgpo_ops.ops.linear import Precision, TileProjection, pipelined
+
+    monkeypatch.setattr(linear_module, "PIPELINE_TILES", True)
 
     weight = torch.randn(600, 48).to(torch.bfloat16)
     cast = TileProjection(weight, None, Precision.resolve(weight, None, None), memory_budget=2**16)
