@@ -113,6 +113,13 @@ class RowWorkspace:
             self.loss = torch.empty((), **floats)
         return self
 
+    def for_backward(self) -> "RowWorkspace":
+        """The buffers the gradient kernel reads, for the autograd context: this workspace without the loss, which
+        is the op's output. The output's ``grad_fn`` holds the context, so a context holding the output would be a
+        reference cycle, freed (with the logits it saved) only when Python's garbage collector next runs."""
+        return RowWorkspace(self.per_token, self.target_index, self.sequence_stats, self.seq_scale, self.status,
+                            self.stats, None)
+
     @property
     def n_tokens(self) -> int:
         return self.target_index.shape[0]

@@ -77,7 +77,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
             # The planes are saved too: out.logps and out.entropy are views of them, so editing those
             # in place before backward fails loudly instead of changing the gradient.
             ctx.save_for_backward(logits, workspace.per_token)
-            ctx.plan, ctx.workspace, ctx.coefficient = plan, workspace, coefficient
+            ctx.plan, ctx.workspace, ctx.coefficient = plan, workspace.for_backward(), coefficient
         ctx.mark_non_differentiable(workspace.per_token, stats)
         return loss, workspace.per_token, stats
 
