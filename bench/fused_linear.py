@@ -37,6 +37,9 @@ COMPETITORS = {
     # The tile path with two tile buffers, each tile's row kernels on a side stream beside the previous tile's
     # GEMMs (ops/linear.py, PIPELINE_TILES): what that overlap gains over ``ours``, side by side.
     "ours_pipelined": "dgpo_ops.fused_linear_dgpo_loss, row kernels beside the GEMMs (PIPELINE_TILES = True)",
+    # Under autocast over fp32 weights, each vocabulary block's cast on a side stream beside the previous block's
+    # GEMM (ops/linear.py, OVERLAP_WEIGHT_CASTS); with bf16 weights nothing is cast and it runs as ``ours``.
+    "ours_overlapped_casts": "dgpo_ops.fused_linear_dgpo_loss, weight casts beside the GEMMs (OVERLAP_WEIGHT_CASTS = True)",
     "trl": "TRL 1.16 ChunkedLogProbFunction + TRL loss",
     "liger": "Liger-Kernel LigerFusedLinearGRPOLoss (dapo)",
     "eager": "whole logits + log_softmax + TRL loss",
@@ -88,12 +91,13 @@ def step_fn(competitor, inputs, setting):
     def context():
         return torch.autocast(device, dtype=torch.bfloat16, enabled=autocast)
 
-    if competitor in ("ours", "ours_on_chip", "ours_pipelined"):
+    if competitor in ("ours", "ours_on_chip", "ours_pipelined", "ours_overlapped_casts"):
         import dgpo_ops
         from dgpo_ops.ops import linear as linear_module
 
         def step():
             linear_module.PIPELINE_TILES = competitor == "ours_pipelined"  # per call: competitors share a process
+            linear_module.OVERLAP_WEIGHT_CASTS = competitor == "ours_overlapped_casts"
             with context():
                 out = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, target, advantages, mask, old_logps,
                                                       method="grpo", eps_low=EPS_LOW, eps_high=EPS_HIGH,

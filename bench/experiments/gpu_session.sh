@@ -33,7 +33,8 @@
 #              and of Liger's under torch.profiler (host time before the first kernel, idle time between)
 #                                                                                                 (limit 90 s)
 #   linear     fused_linear.py at N = 8192, V = 151,936, H = 1,536 and 4,096, autocast and bf16: ours, ours with
-#              the side stream (ours_pipelined), ours on chip, TRL's chunked head, Liger's fused linear, the three-GEMM
+#              the row kernels on the side stream (ours_pipelined), ours with the weight casts on it
+#              (ours_overlapped_casts), ours on chip, TRL's chunked head, Liger's fused linear, the three-GEMM
 #              floor (LINEAR_COMPETITORS, words, replaces the list)                                (limit 120 s)
 #   trainstep  train_step.py: one update of Qwen2.5-1.5B's architecture at completions of 2k and 8k,
 #              DGPOTrainer(fused="linear") and GRPOTrainer                                        (limit 170 s)
@@ -171,7 +172,7 @@ else
   TEST_WORKERS=8
   LOGITS_ARGS=(--vocab 151936 32000 --tokens 8192 --trace-vocab 151936)
   FLOORS_ARGS=()
-  read -r -a LINEAR_COMPETITORS <<< "${LINEAR_COMPETITORS:-ours ours_pipelined ours_on_chip trl liger gemm_floor}"
+  read -r -a LINEAR_COMPETITORS <<< "${LINEAR_COMPETITORS:-ours ours_pipelined ours_overlapped_casts ours_on_chip trl liger gemm_floor}"
   LINEAR_ARGS=(--competitors "${LINEAR_COMPETITORS[@]}" --repeats 3)
   TRAINSTEP_ARGS=(--completions 2048,8192 --paths dgpo_linear,trl)
   PASSES_ARGS=()

@@ -21,14 +21,16 @@ operand reads (2 written by the GEMM, 2 + 2 read by the row kernels, 2 written b
 
 With ``PIPELINE_TILES`` (off until a GPU run has timed it), more than one chunk and the weight multiplied whole,
 the tile budget is split into two buffers and each tile's row kernels run on a side stream beside the previous
-tile's gradient GEMMs (``TileSchedule``): the row kernels move bytes while the GEMMs compute.
+tile's gradient GEMMs (``TileSchedule``): the row kernels move bytes while the GEMMs compute. With
+``OVERLAP_WEIGHT_CASTS`` (off likewise) a weight cast per vocabulary block casts the next block on that side stream
+while the current one is multiplied.
 
 Every token goes through the GEMMs (picking the unmasked ones would need their count on the
 host); rows not scored read nothing in the row kernels and get a zero gradient. Peak extra memory:
 the tile buffers (``memory_budget`` bytes), the fp32 gradient accumulators, one vocabulary block of
 the weight cast to the compute dtype when it differs from the weight's (autocast over fp32 weights:
-an eighth of ``memory_budget``, ``vocab_block_rows``; no copy of the whole weight), and O(N)
-per-token vectors. ``bench/outside_gemms.py`` counts every pass outside the GEMMs and row kernels.
+an eighth of ``memory_budget``, ``vocab_block_rows``, two with ``OVERLAP_WEIGHT_CASTS``; no copy of the whole
+weight), and O(N) per-token vectors. ``bench/outside_gemms.py`` counts every pass outside the GEMMs and row kernels.
 
 ``logits_on_chip=True`` replaces the tiles with the Triton kernels of ``kernels/linear_logits.py``
 and ``kernels/linear_grad.py``: the logits only ever in registers, operands rounded to the compute
@@ -109,11 +111,41 @@ class TileProjection:
     def weight_blocks(self, cast: bool = True):
         """``(start, stop, block)``: the weight's vocabulary blocks in the GEMMs' dtype (rounded to the
         operand dtype first), each cast as it is reached; the whole weight, uncast, when it needs no cast.
-        ``cast=False``: the ranges alone (block None), for a sweep whose products do not read the weight."""
-        for start in range(0, self.vocab, self.block_rows):
-            stop = min(start + self.block_rows, self.vocab)
+        ``cast=False``: the ranges alone (block None), for a sweep whose products do not read the weight.
+        With ``OVERLAP_WEIGHT_CASTS`` and several blocks, ``overlapped_casts``."""
+        ranges = [(start, min(start + self.block_rows, self.vocab)) for start in range(0, self.vocab, self.block_rows)]
+        if cast and OVERLAP_WEIGHT_CASTS and len(ranges) > 1:
+            yield from self.overlapped_casts(ranges)
+            return
+        for start, stop in ranges:
             yield start, stop, (self.weight[start:stop].to(self.precision.operand).to(self.gemm_dtype)
                                 if cast else None)
+
+    def overlapped_casts(self, ranges):
+        """The blocks of ``weight_blocks``, cast into two buffers in turn, each one block ahead: on CUDA the next
+        block's cast runs on the side stream (``TileSchedule``) while the caller's stream multiplies this one, the
+        memory-bound cast beside the compute-bound GEMM. A buffer is written again only after the GEMM that read
+        it: the side stream waits for everything the caller's stream has queued before each cast. Elsewhere the
+        casts run in order on the caller's stream, the same numbers."""
+        schedule = TileSchedule(self.weight.device, slots=2)
+        buffers = [torch.empty((self.block_rows, self.weight.shape[1]), dtype=self.gemm_dtype,
+                               device=self.weight.device) for _ in range(2)]
+
+        def cast_ahead(index):
+            start, stop = ranges[index]
+            block = buffers[index % 2][: stop - start]
+            # the CPU multiplies in fp32 what the GPU multiplies in the operand dtype: rounded to it first
+            source = self.weight[start:stop]
+            rounded = source if self.precision.operand == self.gemm_dtype else source.to(self.precision.operand)
+            return block, schedule.on_side(lambda: block.copy_(rounded))
+
+        pending = cast_ahead(0)
+        for index, (start, stop) in enumerate(ranges):
+            block, done = pending
+            if index + 1 < len(ranges):  # launched before this block's GEMM is queued: it runs beside it
+                pending = cast_ahead(index + 1)
+            schedule.wait(done)
+            yield start, stop, block
 
     def _matmul(self, a, b, out, accumulate: bool, whole_operand: bool = False):
         """``out = a @ b`` (``accumulate``: ``out += a @ b``), accumulated in ``out``'s dtype. ``whole_operand``:
@@ -194,6 +226,12 @@ def vocab_block_rows(memory_budget: int, weight: torch.Tensor) -> int:
 # other. Off until a GPU run has timed it against the serial sweep (the benchmark's ``ours_pipelined``; csrc_notes.md,
 # "Before run 23"): its streams and events have run on no GPU yet.
 PIPELINE_TILES = False
+
+# True: where the weight is cast per vocabulary block (autocast over fp32 weights), the next block's cast runs on a
+# side stream beside the current block's GEMM, into two block buffers (``TileProjection.overlapped_casts``). False:
+# each block is cast on the caller's stream just before its GEMM. Off until a GPU run has timed it against the serial
+# casts (the benchmark's ``ours_overlapped_casts``; csrc_notes.md, "Before run 23").
+OVERLAP_WEIGHT_CASTS = False
 
 
 @dataclass
@@ -339,10 +377,14 @@ class TileSchedule:
             done.record(self.side)
         return done
 
-    def after(self, done, launch: Callable[[], None]) -> None:
-        """``launch()`` on the caller's stream once the side-stream work of ``done`` is finished."""
+    def wait(self, done) -> None:
+        """The caller's stream waits for the side-stream work of ``done`` (an ``on_side`` handle)."""
         if done is not None:
             torch.cuda.current_stream(self.side.device).wait_event(done)
+
+    def after(self, done, launch: Callable[[], None]) -> None:
+        """``launch()`` on the caller's stream once the side-stream work of ``done`` is finished."""
+        self.wait(done)
         launch()
 
     def join(self) -> None:

@@ -135,6 +135,40 @@ def test_the_pipelined_linear_op_never_synchronises_and_equals_the_serial_one(mo
     dgpo_ops.raise_deferred_errors()
 
 
+def test_overlapped_weight_casts_never_synchronise_and_equal_the_serial_ones(monkeypatch):
+    # fp32 weights under bf16 autocast, cast per vocabulary block: with OVERLAP_WEIGHT_CASTS the next block's cast
+    # runs on the side stream beside this block's GEMM (ops/linear.py, TileProjection.overlapped_casts); the same
+    # operands multiplied in the same order, so the same numbers bit for bit.
+    from dgpo_ops.ops import linear as linear_module
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    hidden = torch.randn(4, 64, 256, device="cuda", generator=g)
+    weight = torch.randn(32000, 256, device="cuda", generator=g) * 0.05
+    inputs = cuda_inputs()
+    inputs.pop("logits")
+    budget = 32000 * 2 * 64  # vocab_block_rows: 384 rows a block, 84 blocks
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = dgpo_ops.fused_linear_dgpo_loss(*leaves, **inputs, memory_budget=budget)
+        return (out.loss, *torch.autograd.grad(out.loss, leaves))
+
+    assert linear_module.vocab_block_rows(budget, weight) < 32000
+    monkeypatch.setattr(linear_module, "OVERLAP_WEIGHT_CASTS", False)
+    serial = step()
+    monkeypatch.setattr(linear_module, "OVERLAP_WEIGHT_CASTS", True)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    overlapped = step()
+    torch.cuda.set_sync_debug_mode(0)
+    assert linear_module._SIDE_STREAMS  # the casts did run on a side stream
+    for got, want in zip(overlapped, serial):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    dgpo_ops.raise_deferred_errors()
+
+
 def test_deferred_errors_on_the_device():
     inputs = cuda_inputs(V=1000)
     inputs["target_ids"][1, 3] = 1000

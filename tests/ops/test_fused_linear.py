@@ -508,6 +508,68 @@ def test_the_pipelined_sweep_equals_the_serial_one(monkeypatch, level):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_overlapped_weight_casts_hand_out_each_block_cast_one_ahead_in_two_buffers(monkeypatch):
+    # OVERLAP_WEIGHT_CASTS: block i + 1's cast is launched (on CUDA: on the side stream) before block i is handed to
+    # its GEMM, so that it runs beside it; the blocks alternate between two buffers, so a buffer is written again
+    # only after the GEMM of the block it held was queued.
+    from dgpo_ops.ops import linear as linear_module
+    from dgpo_ops.ops.linear import Precision, TileProjection, TileSchedule
+
+    monkeypatch.setattr(linear_module, "OVERLAP_WEIGHT_CASTS", True)
+    log = []
+    on_side = TileSchedule.on_side
+
+    def recording(self, launch):
+        log.append("cast")
+        return on_side(self, launch)
+
+    monkeypatch.setattr(TileSchedule, "on_side", recording)
+    weight = torch.randn(600, 48).to(torch.bfloat16)  # the CPU multiplies bf16 in fp32: cast per block
+    projection = TileProjection(weight, None, Precision.resolve(weight, None, None), memory_budget=2**16)
+    rows = projection.block_rows
+    assert rows < 600 and 600 % rows != 0  # several blocks, the last one short
+    ranges, buffers = [], []
+    for start, stop, block in projection.weight_blocks():
+        log.append("gemm")
+        ranges.append((start, stop))
+        buffers.append(block.data_ptr())
+        torch.testing.assert_close(block, weight[start:stop].float(), rtol=0, atol=0)
+    assert ranges == [(start, min(start + rows, 600)) for start in range(0, 600, rows)]
+    assert log == ["cast"] + ["cast", "gemm"] * (len(ranges) - 1) + ["gemm"]
+    assert len(set(buffers)) == 2 and all(a != b for a, b in zip(buffers, buffers[1:]))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("setting", ["bf16", "autocast"])
+def test_overlapped_weight_casts_give_the_serial_numbers(monkeypatch, level, setting):
+    # The same products of the same blocks, only cast into two buffers one block ahead: bit for bit the serial
+    # casts' loss and gradients. The CPU casts per vocabulary block to multiply in fp32: bf16 weights, and fp32
+    # weights under bf16 autocast, rounded to bf16 first.
+    import contextlib
+
+    from dgpo_ops.ops import linear as linear_module
+
+    dtype = torch.bfloat16 if setting == "bf16" else torch.float32
+    (hidden, weight, bias), inputs = linear_case(V=300, seed=5, dtype=dtype)  # three blocks of 128 rows
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if setting == "autocast" else contextlib.nullcontext()
+    used = []
+    overlapped_casts = linear_module.TileProjection.overlapped_casts
+    monkeypatch.setattr(linear_module.TileProjection, "overlapped_casts",
+                        lambda self, ranges: used.append(len(ranges)) or overlapped_casts(self, ranges))
+    results = {}
+    for overlapped in (True, False):
+        monkeypatch.setattr(linear_module, "OVERLAP_WEIGHT_CASTS", overlapped)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        with autocast:
+            out = dgpo_ops.fused_linear_dgpo_loss(leaves[0], leaves[1], **inputs, bias=leaves[2], method="grpo",
+                                                  importance_sampling_level=level, memory_budget=16 * 8 * 16 * 4)
+        results[overlapped] = (out.loss, *torch.autograd.grad(out.loss, leaves))
+        assert bool(used) == overlapped and all(blocks == 3 for blocks in used)
+        used.clear()
+    for got, want in zip(results[True], results[False]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_weight_cast_per_vocabulary_block_is_not_pipelined(monkeypatch):
     # Twice the chunks would cast every weight block twice as often (autocast over fp32 weights on CUDA; bf16
     # weights multiplied in fp32 on the CPU).
