@@ -104,6 +104,22 @@ def test_linear_op_never_synchronises(autocast, on_chip):
     dgpo_ops.raise_deferred_errors()
 
 
+def serial_then_switched_on(monkeypatch, switch: str, step):
+    """``step()`` with the fused linear's ``switch`` (a module flag of ops/linear.py) off, then on: once to warm
+    up, then once where any host synchronisation raises."""
+    from dgpo_ops.ops import linear as linear_module
+
+    monkeypatch.setattr(linear_module, switch, False)
+    serial = step()
+    monkeypatch.setattr(linear_module, switch, True)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    switched = step()
+    torch.cuda.set_sync_debug_mode(0)
+    return serial, switched
+
+
 def test_the_pipelined_linear_op_never_synchronises_and_equals_the_serial_one(monkeypatch):
     # Eight chunks over two tile buffers: each tile's row kernels on the side stream beside the previous tile's
     # gradient GEMMs (ops/linear.py, TileSchedule); the same numbers as one buffer on the caller's stream.
@@ -120,14 +136,7 @@ def test_the_pipelined_linear_op_never_synchronises_and_equals_the_serial_one(mo
         out = dgpo_ops.fused_linear_dgpo_loss(*leaves, **inputs, memory_budget=32000 * 2 * 64)
         return (out.loss, *torch.autograd.grad(out.loss, leaves))
 
-    monkeypatch.setattr(linear_module, "PIPELINE_TILES", False)
-    serial = step()
-    monkeypatch.setattr(linear_module, "PIPELINE_TILES", True)
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    pipelined = step()
-    torch.cuda.set_sync_debug_mode(0)
+    serial, pipelined = serial_then_switched_on(monkeypatch, "PIPELINE_TILES", step)
     assert linear_module._SIDE_STREAMS  # the row kernels did run on a side stream
     torch.testing.assert_close(pipelined[0], serial[0], rtol=1e-5, atol=1e-6)
     for got, want in zip(pipelined[1:], serial[1:]):  # the fp32 sums regroup, then round to bf16
@@ -155,14 +164,7 @@ def test_overlapped_weight_casts_never_synchronise_and_equal_the_serial_ones(mon
         return (out.loss, *torch.autograd.grad(out.loss, leaves))
 
     assert linear_module.vocab_block_rows(budget, weight) < 32000
-    monkeypatch.setattr(linear_module, "OVERLAP_WEIGHT_CASTS", False)
-    serial = step()
-    monkeypatch.setattr(linear_module, "OVERLAP_WEIGHT_CASTS", True)
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    overlapped = step()
-    torch.cuda.set_sync_debug_mode(0)
+    serial, overlapped = serial_then_switched_on(monkeypatch, "OVERLAP_WEIGHT_CASTS", step)
     assert linear_module._SIDE_STREAMS  # the casts did run on a side stream
     for got, want in zip(overlapped, serial):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
