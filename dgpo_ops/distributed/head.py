@@ -39,6 +39,26 @@ from torch import nn
 from dgpo_ops.layouts.vocab import FUSED_LINEAR_ON_MODEL, IN_HEAD_FORWARD
 
 
+def refuse_own_forward(head: nn.Module) -> None:
+    """``ValueError`` for a head whose output is not ``hidden @ weight.T + bias``: a PEFT adapter layer (LoRA on the
+    lm_head: its output adds the adapter's product, and the adapter would get no gradient) or an ``nn.Linear`` /
+    ``nn.Embedding`` subclass with a forward of its own (a quantised layer, a scaled output). The fused op reads
+    ``weight`` and ``bias`` alone. A sharding engine's subclass (FSDP2's) keeps the base class's forward."""
+    name = f"{type(head).__module__}.{type(head).__qualname__}"
+    if hasattr(head, "get_base_layer") or hasattr(head, "base_layer"):
+        what = f"a PEFT adapter layer ({name})"
+    elif isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward:
+        what = f"an nn.Linear subclass with its own forward ({name})"
+    elif isinstance(head, nn.Embedding) and type(head).forward is not nn.Embedding.forward:
+        what = f"an nn.Embedding subclass with its own forward ({name})"
+    else:
+        return
+    raise ValueError(f"the lm_head is {what}: the fused linear op computes hidden @ weight.T + bias from its weight "
+                     "and bias alone, so its output and gradients would not be the head's. Leave the lm_head out of "
+                     "the adapter's target_modules, or compute the logits with the head and use fused_dgpo_loss "
+                     "(DGPOTrainer: fused='logits')")
+
+
 def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, *args) -> Any:
     """``fn(hidden, head.weight, head.bias, *args)``, run as ``head``'s forward (``head(hidden)``
     with its forward redirected), so the engine that shards ``head`` has its parameters whole when
@@ -52,6 +72,7 @@ def head_forward(head: nn.Module, fn: Callable[..., Any], hidden: torch.Tensor, 
     if not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(f"head ({type(head).__name__}) has no weight tensor: pass the lm_head module (an nn.Linear "
                          "or the tied nn.Embedding), whose weight is (V, H)")
+    refuse_own_forward(head)
     had_own_forward = "forward" in head.__dict__
     own_forward = head.__dict__.get("forward")
     unit_groups = []  # the head's FSDP2 parameter groups when the call continues its unit's forward
