@@ -32,6 +32,9 @@ LOGP_ABOVE_ZERO_TOLERANCE = 1e-2
 # The per-token inputs the prologue checks as log-probs (the rollout-correction stage checks rollout_logps,
 # which it reads before any kernel).
 LOG_PROBABILITY_INPUTS = ("old_logps", "ref_logps")
+# The per-token inputs the prologue checks as importance weights: finite and >= 0 (a log-ratio passed for a ratio
+# flips or zeroes the policy term of its tokens).
+WEIGHT_INPUTS = ("rollout_weights",)
 
 
 # Host-side launch arithmetic. triton.next_power_of_2 and triton.cdiv are ConstexprFunction objects

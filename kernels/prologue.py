@@ -54,6 +54,14 @@ def _check_log_probability(errors, ptr, stride_b, stride_t, b, t, scored, ERROR:
 
 
 @triton.jit
+def _check_weight(errors, ptr, stride_b, stride_t, b, t, scored, ERROR: tl.constexpr):
+    """``_check_finite``'s check of an importance weight (``WEIGHT_INPUTS``), which also refuses a value below 0."""
+    values = tl.load(ptr + b * stride_b + t * stride_t, mask=scored, other=0.0).to(tl.float32)
+    bad = scored & (_non_finite(values) | (values < 0.0))
+    return errors | tl.where(tl.sum(bad.to(tl.int32), axis=0) > 0, ERROR, 0)
+
+
+@triton.jit
 def token_prologue_kernel(
     target_ids_ptr,
     mask_ptr,
@@ -126,7 +134,7 @@ def token_prologue_kernel(
             errors = _check_log_probability(errors, ref_logps_ptr, ref_stride_b, ref_stride_t, b, t, scored,
                                             codes.ERR_REF_LOGPS)
         if HAS_ROLLOUT_WEIGHTS:
-            errors = _check_finite(errors, rollout_weights_ptr, rw_stride_b, rw_stride_t, b, t, scored,
+            errors = _check_weight(errors, rollout_weights_ptr, rw_stride_b, rw_stride_t, b, t, scored,
                                    codes.ERR_ROLLOUT_WEIGHTS)
     bad_value = tl.load(target_ids_ptr + b * target_stride_b + first_bad * target_stride_t,
                         mask=first_bad != codes.NO_TOKEN, other=0).to(tl.int64)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from .interface import (FIXED_DENOMINATORS, IGNORE_INDEX, LOG_PROBABILITY_INPUTS, LOGP_ABOVE_ZERO_TOLERANCE,
-                        Denominator, InputError, Normalizer, Plane, Region, SequenceStat, Status, fixed_denominator)
+                        WEIGHT_INPUTS, Denominator, InputError, Normalizer, Plane, Region, SequenceStat, Status,
+                        fixed_denominator)
 from .row_io import compute_dtype, on_token_grid
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk (16 MiB)
@@ -71,6 +72,17 @@ def not_log_probabilities(values: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(values) | above_zero(values)
 
 
+def bad_token_values(name: str, values: torch.Tensor) -> torch.Tensor:
+    """Where the per-token input ``name`` holds a value the loss cannot take: no log-probability for the log-prob
+    inputs, no importance weight (NaN, infinite or below 0) for the weights (``WEIGHT_INPUTS``), a non-finite value
+    for the rest; the prologue's checks."""
+    if name in LOG_PROBABILITY_INPUTS:
+        return not_log_probabilities(values)
+    if name in WEIGHT_INPUTS:
+        return ~torch.isfinite(values) | (values < 0)
+    return ~torch.isfinite(values)
+
+
 def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, aggregation_codes,
                          normalizer, finalize=None) -> None:
     """Twin of ``token_prologue``: counts, scales and error bits, all on the device; ``finalize``: ``(workspace,
@@ -89,7 +101,7 @@ def token_prologue_torch(batch, sequence_stats, seq_scale, status, vocab: int, a
         value = getattr(batch, name)
         if value is not None:  # finite where the loss is computed (fp32, or fp64 for fp64 logits)
             value = _grid_view(batch, value).to(seq_scale.dtype)
-            bad = not_log_probabilities(value) if name in LOG_PROBABILITY_INPUTS else ~torch.isfinite(value)
+            bad = bad_token_values(name, value)
             errors = errors | torch.where((scored & bad).any(), int(bit), 0)
     counts = valid.sum(dim=1)
     total = counts.sum()

@@ -26,9 +26,9 @@ from dgpo_ops.core.aggregation import (
     token_scales,
 )
 from dgpo_ops.core.validation import MESSAGES
-from dgpo_ops.kernels.interface import IGNORE_INDEX, LOG_PROBABILITY_INPUTS, InputError, Normalizer
+from dgpo_ops.kernels.interface import IGNORE_INDEX, InputError, Normalizer
 from dgpo_ops.kernels.row_io import RowInputs, compute_dtype, on_token_grid
-from dgpo_ops.kernels.torch_twins import not_log_probabilities
+from dgpo_ops.kernels.torch_twins import bad_token_values
 from dgpo_ops.methods.table import METHODS
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -261,7 +261,8 @@ def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torc
     """Check the values now (host reads: a sync on CUDA tensors), with the errors the prologue
     kernel would report later. Per-token floats must be finite in the per-token compute ``dtype``
     (fp32, or fp64 for fp64 logits): an fp64 1e39 would be inf where the loss is computed; log-prob inputs
-    (``LOG_PROBABILITY_INPUTS``) also at most 0, beyond rounding."""
+    (``LOG_PROBABILITY_INPUTS``) also at most 0, beyond rounding, and weights (``WEIGHT_INPUTS``) at least 0
+    (``bad_token_values``)."""
     target_ids = inputs.target_ids
     out_of_range = (target_ids != IGNORE_INDEX) & ((target_ids < 0) | (target_ids >= vocab))
     if out_of_range.any():
@@ -276,7 +277,7 @@ def check_values(inputs: RowInputs, vocab: int, loss_normalizer=None, dtype=torc
         if value is None:
             continue
         value = on_token_grid(value, inputs.flat, inputs.grid)[scored].to(dtype)
-        bad = not_log_probabilities(value) if name in LOG_PROBABILITY_INPUTS else ~torch.isfinite(value)
+        bad = bad_token_values(name, value)
         if bad.any():
             raise ValueError(non_finite_message(name))
     kind, _, tensor = normalizer_spec(loss_normalizer, target_ids.device)

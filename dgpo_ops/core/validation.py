@@ -63,7 +63,8 @@ MESSAGES = {
     InputError.OLD_LOGPS: log_probability_message("old_logps"),
     InputError.REF_LOGPS: log_probability_message("ref_logps"),
     InputError.ROLLOUT_WEIGHTS: "rollout_weights (given, or computed by a rollout_correction from rollout_logps) "
-                                "has non-finite values on unmasked tokens",
+                                "has non-finite or negative values on unmasked tokens: importance weights are "
+                                ">= 0 (exp(old_logps - rollout_logps), not the log-ratio)",
     InputError.LOSS_NORMALIZER: "loss_normalizer must be a finite number > 0, within float32's normal range "
                                 "(1.2e-38 to 3.4e38, so that it and its inverse are finite and not 0), got {normalizer}",
     InputError.CU_SEQLENS: "cu_seqlens must start at 0, be non-decreasing, end at the number of packed tokens and "

@@ -20,9 +20,9 @@ from dgpo_ops.core.objective import masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
 from dgpo_ops.core.validation import defer_errors, poll_deferred_errors
-from dgpo_ops.kernels.interface import LOG_PROBABILITY_INPUTS, InputError
+from dgpo_ops.kernels.interface import LOG_PROBABILITY_INPUTS, WEIGHT_INPUTS, InputError
 from dgpo_ops.kernels.row_io import compute_dtype
-from dgpo_ops.kernels.torch_twins import not_log_probabilities
+from dgpo_ops.kernels.torch_twins import bad_token_values
 
 WHY_NO_ENTROPY = "log-probs carry no entropy (a framework that passes log-probs adds its entropy term itself)"
 
@@ -69,20 +69,20 @@ def logps_loss(logps: torch.Tensor, inputs: LossInputs, options: LossOptions, to
         for value in batch.objective_inputs.values():
             if value is not None:
                 loss = loss * torch.where(torch.isfinite(value).all(), 1.0, float("nan"))
-        loss = loss * torch.where(defer_log_probability_errors(batch) != 0, float("nan"), 1.0)
+        loss = loss * torch.where(defer_value_errors(batch) != 0, float("nan"), 1.0)
     return PolicyLossOutput(loss, logp.detach().float(), None, metrics)
 
 
-def defer_log_probability_errors(batch: TokenBatch) -> torch.Tensor:
-    """The ``InputError`` bits (an int64 scalar on the device) of log-prob inputs holding no log-probability
-    on a scored token: a log-prob above 0 would give a finite, quietly wrong loss. Eager, the bits are queued
-    as the fused ops' status is, so the next call or ``raise_deferred_errors`` names the input; no host
-    read."""
+def defer_value_errors(batch: TokenBatch) -> torch.Tensor:
+    """The ``InputError`` bits (an int64 scalar on the device) of log-prob inputs holding no log-probability and
+    weights holding no importance weight on a scored token (``bad_token_values``): a log-prob above 0 or a
+    negative weight would give a finite, quietly wrong loss. Eager, the bits are queued as the fused ops' status
+    is, so the next call or ``raise_deferred_errors`` names the input; no host read."""
     errors = torch.zeros((), dtype=torch.int64, device=batch.mask.device)
-    for name in LOG_PROBABILITY_INPUTS:
+    for name in (*LOG_PROBABILITY_INPUTS, *WEIGHT_INPUTS):
         value = getattr(batch, name)
         if value is not None:
-            bad = (batch.mask & not_log_probabilities(value)).any()
+            bad = (batch.mask & bad_token_values(name, value)).any()
             errors = errors | torch.where(bad, int(InputError[name.upper()]), 0)
     if not torch.compiler.is_compiling():
         poll_deferred_errors()  # an earlier call's, as the fused ops' plans do: the queue is read as it grows

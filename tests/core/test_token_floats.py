@@ -13,6 +13,7 @@ from dgpo_ops.kernels.interface import (
     LOG_PROBABILITY_INPUTS,
     LOGP_ABOVE_ZERO_TOLERANCE,
     NUM_STATUS,
+    WEIGHT_INPUTS,
     InputError,
     Status,
 )
@@ -43,7 +44,7 @@ def inputs(seed=0) -> dict:
         batch[name] = batch[name] - 0.25
     g = torch.Generator().manual_seed(seed + 1)
     for name in TOKEN_FLOATS:
-        batch.setdefault(name, torch.rand(B, T, generator=g) * 2 - 0.5)
+        batch.setdefault(name, torch.rand(B, T, generator=g) * 2 - (0 if name in WEIGHT_INPUTS else 0.5))
     for b, length in enumerate(LENGTHS):  # nothing beyond each response's length (the packed layout drops it)
         batch["target_ids"][b, length:] = -100
     return batch
@@ -93,7 +94,7 @@ def test_each_is_read_and_checked_on_every_route(route, name):
         ROUTES[route](dict(batch, **{name: batch[name].to(torch.int64)}))
     bad = batch[name].clone()
     bad[1, 1] = float("inf")
-    with pytest.raises(ValueError, match=f"^{name} .*non-finite values on unmasked tokens"):
+    with pytest.raises(ValueError, match=f"^{name} .*non-finite (or negative )?values on unmasked tokens"):
         ROUTES[route](dict(batch, **{name: bad}))
 
 
@@ -189,7 +190,7 @@ def test_deferred_a_non_finite_value_gives_nan_now_and_names_it_later(route, nam
     assert torch.isnan(loss) and torch.isnan(grad).any()
     if route == "logps":  # as the frameworks' own losses: no error queued, a NaN loss
         return
-    with pytest.raises(ValueError, match=f"^{name} .*non-finite values on unmasked tokens"):
+    with pytest.raises(ValueError, match=f"^{name} .*non-finite (or negative )?values on unmasked tokens"):
         dgpo_ops.raise_deferred_errors()
 
 
@@ -303,4 +304,33 @@ def test_deferred_a_log_prob_above_zero_gives_nan_now_and_names_it_later(route, 
     loss, grad = deferred(route, dict(batch, **{name: bad}), backend=backend)
     assert torch.isnan(loss) and torch.isnan(grad).any()
     with pytest.raises(ValueError, match=f"^{name} .*values above 0 .*found on the device in an earlier"):
+        dgpo_ops.raise_deferred_errors()
+
+
+@pytest.mark.parametrize("name", WEIGHT_INPUTS)
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_weight_below_zero_is_refused_on_every_route(route, name):
+    """An importance weight is >= 0: a log-ratio passed for a ratio would flip or zero its tokens' policy terms.
+    Where no token is scored it is no error; 0 is a weight."""
+    batch = inputs(seed=9)
+    batch["mask"] = batch["mask"].clone()
+    batch["mask"][1, 0] = False
+    weights = batch[name].clone()
+    weights[1, 0], weights[0, 1] = -0.5, 0.0  # not scored; a zero weight
+    assert torch.isfinite(ROUTES[route](dict(batch, **{name: weights})))
+    weights[1, 1] = -1e-6  # a scored token
+    with pytest.raises(ValueError, match=rf"^{name} .*negative values on unmasked tokens: importance weights are >= 0"):
+        ROUTES[route](dict(batch, **{name: weights}))
+
+
+@pytest.mark.usefixtures("no_pending_checks")
+@pytest.mark.parametrize("name", WEIGHT_INPUTS)
+@pytest.mark.parametrize("route", DEFERRED_ROUTES)
+def test_deferred_a_weight_below_zero_gives_nan_now_and_names_it_later(route, name):
+    batch = inputs(seed=11)
+    weights = batch[name].clone()
+    weights[1, 1] = -0.5
+    loss, _ = deferred(route, dict(batch, **{name: weights}))
+    assert torch.isnan(loss)
+    with pytest.raises(ValueError, match=rf"^{name} .*negative values on unmasked tokens"):
         dgpo_ops.raise_deferred_errors()
