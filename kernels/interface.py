@@ -174,6 +174,9 @@ class InputError(enum.IntFlag):
     # Found by the rollout-correction stage (dgpo_ops.corrections.stage), by torch ops on the device:
     # rollout_logps above 0 beyond rounding on a scored token
     ROLLOUT_LOGPS = 1024
+    # Found by the loss from log-probs (dgpo_ops.ops.from_logps), by torch ops on the device: the log-probs it is
+    # given (the policy's own) above 0 beyond rounding on a scored token
+    LOGPS = 2048
 
 
 class Plane(enum.IntEnum):

@@ -75,6 +75,9 @@ MESSAGES = {
     InputError.ROLLOUT_LOGPS: f"rollout_logps has values above 0 on unmasked tokens (beyond rounding: > "
                               f"{LOGP_ABOVE_ZERO_TOLERANCE:g}): pass the inference engine's "
                               "log-probabilities of the sampled tokens, log p <= 0, not probabilities",
+    InputError.LOGPS: f"logps has values above 0 on unmasked tokens (beyond rounding: > "
+                      f"{LOGP_ABOVE_ZERO_TOLERANCE:g}): pass the policy's log-probabilities of the sampled tokens, "
+                      "log p <= 0, not probabilities",
 }
 
 # A layout's errors first: a wrong vocabulary share or grid also makes in-range targets look out of range.

@@ -19,10 +19,10 @@ from dgpo_ops.core.inputs import LossInputs, TokenBatch, _check_float_input, pre
 from dgpo_ops.core.objective import masked_objective
 from dgpo_ops.core.options import LossOptions
 from dgpo_ops.core.output import PolicyLossOutput
-from dgpo_ops.core.validation import defer_errors, poll_deferred_errors
+from dgpo_ops.core.validation import MESSAGES, defer_errors, poll_deferred_errors
 from dgpo_ops.kernels.interface import LOG_PROBABILITY_INPUTS, WEIGHT_INPUTS, InputError
 from dgpo_ops.kernels.row_io import compute_dtype
-from dgpo_ops.kernels.torch_twins import bad_token_values
+from dgpo_ops.kernels.torch_twins import above_zero, bad_token_values
 
 WHY_NO_ENTROPY = "log-probs carry no entropy (a framework that passes log-probs adds its entropy term itself)"
 
@@ -42,6 +42,10 @@ def check_logps(logps, inputs: LossInputs, options: LossOptions) -> torch.Tensor
     if inputs.cu_seqlens is not None or inputs.max_seqlen is not None or options.vocab_parallel_group is not None:
         raise ValueError("cu_seqlens, max_seqlen and vocab_parallel_group describe logits; log-probs are one "
                          "(batch, response_length) grid")
+    if options.temperature != 1.0 or options.inplace:
+        raise ValueError("temperature and inplace apply to logits: logps are the sampled tokens' log-probs as your "
+                         "model gave them (from logits already divided by the sampling temperature, where it uses "
+                         "one): leave temperature=1.0 and inplace=False")
     return torch.zeros(logps.shape, dtype=torch.int64, device=logps.device)
 
 
@@ -63,22 +67,24 @@ def logps_loss(logps: torch.Tensor, inputs: LossInputs, options: LossOptions, to
         if check and not torch.isfinite(scales[batch.mask]).all():
             raise ValueError("token_scales has non-finite values on unmasked tokens")
         batch.scale = torch.where(batch.mask, scales.to(dtype), 0.0)
+    if check and (batch.mask & above_zero(logps.detach())).any():  # a NaN is the model's, as a NaN logit is
+        raise ValueError(MESSAGES[InputError.LOGPS])
     entropy = torch.zeros(logps.shape, dtype=dtype, device=logps.device)
     loss, logp, _, metrics = masked_objective(logps.to(dtype), entropy, batch, options, inputs.generator)
     if not check:  # a score is compared, not multiplied in: a non-finite one makes the loss NaN here
         for value in batch.objective_inputs.values():
             if value is not None:
                 loss = loss * torch.where(torch.isfinite(value).all(), 1.0, float("nan"))
-        loss = loss * torch.where(defer_value_errors(batch) != 0, float("nan"), 1.0)
+        loss = loss * torch.where(defer_value_errors(batch, logps.detach()) != 0, float("nan"), 1.0)
     return PolicyLossOutput(loss, logp.detach().float(), None, metrics)
 
 
-def defer_value_errors(batch: TokenBatch) -> torch.Tensor:
+def defer_value_errors(batch: TokenBatch, logps: torch.Tensor) -> torch.Tensor:
     """The ``InputError`` bits (an int64 scalar on the device) of log-prob inputs holding no log-probability and
-    weights holding no importance weight on a scored token (``bad_token_values``): a log-prob above 0 or a
-    negative weight would give a finite, quietly wrong loss. Eager, the bits are queued as the fused ops' status
-    is, so the next call or ``raise_deferred_errors`` names the input; no host read."""
-    errors = torch.zeros((), dtype=torch.int64, device=batch.mask.device)
+    weights holding no importance weight on a scored token (``bad_token_values``), and of ``logps`` above 0: a
+    log-prob above 0 or a negative weight would give a finite, quietly wrong loss. Eager, the bits are queued as
+    the fused ops' status is, so the next call or ``raise_deferred_errors`` names the input; no host read."""
+    errors = torch.where((batch.mask & above_zero(logps)).any(), int(InputError.LOGPS), 0)
     for name in (*LOG_PROBABILITY_INPUTS, *WEIGHT_INPUTS):
         value = getattr(batch, name)
         if value is not None:

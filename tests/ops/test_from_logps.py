@@ -110,6 +110,9 @@ REFUSALS = {
     "two_sources": ({}, {}, dict(logits=True), "one source"),
     "scales_of_another_shape": ({}, {}, dict(token_scales_shape=(3, 8)), "token_scales must have shape"),
     "mask_elsewhere": (dict(mask_on_meta=True), {}, {}, "mask is on meta but logps are on cpu"),
+    # the log-probs are the model's as it gave them: a temperature here would be applied to nothing
+    "temperature": ({}, dict(temperature=0.7), {}, "temperature and inplace apply to logits"),
+    "inplace": ({}, dict(inplace=True), {}, "temperature and inplace apply to logits"),
 }
 
 
@@ -172,6 +175,29 @@ def test_values_checked_when_immediate_and_not_when_deferred(bad):
         with pytest.raises(ValueError, match="old_logps has non-finite values .*found on the device in an "
                                              "earlier policy_loss call"):
             dgpo_ops.raise_deferred_errors()
+
+
+@pytest.mark.usefixtures("no_pending_checks")
+def test_logps_above_zero_are_refused_now_or_named_later():
+    """Probabilities passed as the policy's log-probs give a finite, wrong loss: refused on a scored token (now, or
+    NaN now and named later under deferred validation). Above 0 where nothing is scored, and a NaN (the model's,
+    as a NaN logit is), are no error."""
+    _, batch, logps, mask = case()
+    inputs = LossInputs(None, batch["advantages"], mask, batch["old_logps"].double())
+    unscored = logps.detach().clone()
+    unscored[~mask] = 0.5
+    unscored[tuple(mask.nonzero()[0].tolist())] = float("nan")
+    for validation in ("immediate", "deferred"):
+        out = policy_loss(inputs, LossOptions.build("grpo", validation=validation), logps=unscored)
+        assert torch.isnan(out.loss)
+    dgpo_ops.raise_deferred_errors()
+    probabilities = logps.detach().exp()
+    with pytest.raises(ValueError, match=r"^logps has values above 0 on unmasked tokens"):
+        policy_loss(inputs, LossOptions.build("grpo", validation="immediate"), logps=probabilities)
+    out = policy_loss(inputs, LossOptions.build("grpo", validation="deferred"), logps=probabilities)
+    assert torch.isnan(out.loss)
+    with pytest.raises(ValueError, match=r"^logps has values above 0 .*found on the device in an earlier policy_loss"):
+        dgpo_ops.raise_deferred_errors()
 
 
 SEQUENCE_KL = dict(importance_sampling_level="sequence", aggregation="seq_mean_token_mean", beta=0.05)
