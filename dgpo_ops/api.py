@@ -15,6 +15,7 @@ rollout weights and a mask, so every route runs one copy of it.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -33,6 +34,7 @@ from dgpo_ops.distributed.head import head_forward
 from dgpo_ops.layouts.rows import CallLayout
 from dgpo_ops.layouts.vocab import check_unsharded, local_vocab_shard
 from dgpo_ops.methods.base import MethodConfig
+from dgpo_ops.methods.table import METHODS
 from dgpo_ops.ops.compiled import compiled_fused_linear_loss, compiled_fused_loss
 from dgpo_ops.ops.from_logps import check_logps, logps_loss
 from dgpo_ops.ops.linear import flatten_tokens, linear_loss
@@ -677,6 +679,17 @@ class DGPOLoss(torch.nn.Module):
         super().__init__()
         _, _, self.options = DGPOLOSS_OPTIONS.split("DGPOLoss", (), {"method": method, **options})
 
+    def __setattr__(self, name, value):
+        # Liger's loss modules read their hyperparameters from attributes on every call (a beta schedule sets
+        # loss.beta); this one reads self.options alone, so such an attribute would change nothing.
+        if name in _OPTION_NAMES:
+            raise AttributeError(
+                f"DGPOLoss reads its options from self.options, so setting DGPOLoss.{name} would change nothing: "
+                f"set loss.options = dataclasses.replace(loss.options, {name}=...) for an option, "
+                f"loss.options = LossOptions.build(method, ...) for a method or its parameters, or build a new "
+                "DGPOLoss")
+        super().__setattr__(name, value)
+
     def forward(self, *args, **kwargs) -> PolicyLossOutput:
         (logits,), inputs, options = DGPOLOSS_INPUTS.split("DGPOLoss.forward", args, kwargs, self.options)
         return policy_loss(inputs, options, logits=logits)
@@ -684,6 +697,10 @@ class DGPOLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return repr(self.options)
 
+
+# What DGPOLoss refuses as an attribute: its options' fields and every method's parameters.
+_OPTION_NAMES = frozenset(LossOptions.__dataclass_fields__) | frozenset(
+    field.name for spec in METHODS.values() for field in dataclasses.fields(spec.config))
 
 # Both signatures and docstrings come from the call object's fields, as every public function's do.
 _SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)

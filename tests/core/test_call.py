@@ -3,6 +3,7 @@
 public function goes through."""
 
 import ast
+import dataclasses
 import inspect
 import pathlib
 
@@ -170,3 +171,18 @@ def test_each_public_function_is_a_definition_with_the_call_objects_fields(modul
         # every field the call takes is a parameter of the definition, and nothing else but its source
         taken = {*public.call.input_names, *public.call.option_names, *public.call.source_names}
         assert set(declared.parameters) - {"method", "method_params"} == taken, name
+
+
+@pytest.mark.parametrize("name", ["beta", "eps_high", "temperature", "method", "n", "dro_beta"])
+def test_a_module_option_set_as_an_attribute_is_refused(name):
+    """``DGPOLoss`` reads ``self.options`` alone: an option or a method parameter set as an attribute (as Liger's
+    loss modules read theirs: a beta schedule) would change nothing, so it is refused and the message says how."""
+    module = dgpo_ops.DGPOLoss("grpo", eps_high=0.28)
+    options = module.options
+    with pytest.raises(AttributeError, match=rf"setting DGPOLoss\.{name} would change nothing: .*dataclasses\.replace"):
+        setattr(module, name, 0.5)
+    assert module.options is options and name not in module.__dict__
+    module.options = dataclasses.replace(options, beta=0.5)  # the way it names
+    assert module.options.beta == 0.5
+    module.step = 3  # an attribute of the caller's own
+    assert module.step == 3
