@@ -59,6 +59,8 @@ def logps_loss(logps: torch.Tensor, inputs: LossInputs, options: LossOptions, to
     if token_scales is not None and inputs.loss_normalizer is not None:
         raise ValueError("token_scales replace the aggregation and its loss_normalizer: pass one of them")
     check = immediate and not torch.compiler.is_compiling()  # compiled, nothing is read on the host
+    if not torch.compiler.is_compiling():
+        poll_deferred_errors()  # earlier deferred calls' errors, as the fused ops read them: whatever this call's mode
     batch = prepare_batch((*logps.shape, 1), logps.dtype, logps.device, inputs, options.aggregation,
                           options.sequence_reason, check=check, source="logps")
     dtype = compute_dtype(logps.dtype)
@@ -91,6 +93,5 @@ def defer_value_errors(batch: TokenBatch, logps: torch.Tensor) -> torch.Tensor:
             bad = (batch.mask & bad_token_values(name, value)).any()
             errors = errors | torch.where(bad, int(InputError[name.upper()]), 0)
     if not torch.compiler.is_compiling():
-        poll_deferred_errors()  # an earlier call's, as the fused ops' plans do: the queue is read as it grows
         defer_errors(errors, "policy_loss")
     return errors

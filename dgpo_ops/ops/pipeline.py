@@ -238,10 +238,10 @@ def forward_rows(plan: CallPlan, workspace: RowWorkspace, sweep: Callable[[RowFo
         run_prologue(plan, workspace.complete(plan.inputs.grid[0]))
     sweep(row_forward(plan, workspace))
     # Once the long pass is launched, on the host: the workspace's other buffers (RowWorkspace.allocate_rows), and
-    # the errors of earlier calls the device has finished (deferred validation; never waits).
+    # the errors of earlier deferred calls the device has finished (read by every call, whatever its own
+    # validation; never waits).
     workspace.complete(plan.inputs.grid[0])
-    if plan.deferred:
-        poll_deferred_errors()
+    poll_deferred_errors()
     plan.rows.merge(workspace)
     if plan.complete is not None:
         plan = plan.complete(plan, workspace)

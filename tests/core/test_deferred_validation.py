@@ -37,6 +37,8 @@ def bad_inputs(kind: str, ref_logps: bool = False) -> dict:
         inputs["ref_logps"][1, 0] = float("-inf")
     elif kind == "rollout_weights":
         inputs["rollout_weights"][0, 0] = float("nan")
+    elif kind == "negative_rollout_weights":  # a log-ratio where the ratio belongs
+        inputs["rollout_weights"][1, 4] = -0.25
     elif kind == "loss_normalizer":
         inputs["loss_normalizer"] = torch.tensor(0.0)
     elif kind in TOKEN_FLOATS:  # any other per-token float (each response's score): found by its mark alone
@@ -49,9 +51,10 @@ def bad_inputs(kind: str, ref_logps: bool = False) -> dict:
 
 
 KINDS = ["target_ids", "negative_target_ids", "mask", "advantages", "per_token_advantages", "old_logps", "ref_logps",
-         "rollout_weights", "loss_normalizer"]
+         "rollout_weights", "negative_rollout_weights", "loss_normalizer"]
 KINDS += [name for name in TOKEN_FLOATS if name not in KINDS]
-ARGUMENT = {"negative_target_ids": "target_ids", "per_token_advantages": "advantages"}
+ARGUMENT = {"negative_target_ids": "target_ids", "per_token_advantages": "advantages",
+            "negative_rollout_weights": "rollout_weights"}
 
 
 def immediate_message(inputs) -> str:
@@ -80,13 +83,15 @@ def test_bad_value_gives_nan_now_and_the_named_error_later(backend, kind):
     assert pending_deferred_checks() == 0
 
 
+@pytest.mark.parametrize("next_validation", ["deferred", "immediate"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_next_call_raises_an_earlier_calls_error(backend):
+def test_the_next_call_raises_an_earlier_calls_error(backend, next_validation):
+    # whatever the next call's own validation: a call that checks its values now still reads the queue
     inputs = bad_inputs("target_ids")
     dgpo_ops.fused_dgpo_loss(**inputs, backend=backend, validation="deferred")
     clean = logits_batch(2, 5, 30, seed=22)
     with pytest.raises(ValueError, match="target_ids must be in \\[0, 30\\) or -100; found 30"):
-        dgpo_ops.fused_dgpo_loss(**clean, backend=backend, validation="deferred")
+        dgpo_ops.fused_dgpo_loss(**clean, backend=backend, validation=next_validation)
     out = dgpo_ops.fused_dgpo_loss(**clean, backend=backend, validation="deferred")  # raised once, then clean
     assert torch.isfinite(out.loss)
 
