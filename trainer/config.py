@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from dgpo_ops.core.aggregation import AGGREGATIONS
-from dgpo_ops.core.options import LossOptions
+from dgpo_ops.core.options import DEFAULT_MEMORY_BUDGET, LossOptions
 from dgpo_ops.frameworks import trl
 from dgpo_ops.methods.base import MethodConfig
 from dgpo_ops.methods.catalog import POLICY_LOSSES, method_params
@@ -147,6 +147,10 @@ class DGPOConfig(GRPOConfig):
             raise ValueError(f"fused_logits_on_chip must be True or False, got {self.fused_logits_on_chip!r}")
         if self.fused_logits_on_chip and self.fused != "linear":
             raise ValueError(f"fused_logits_on_chip=True applies to fused='linear', not fused={self.fused!r}")
+        if self.fused_memory_budget != DEFAULT_MEMORY_BUDGET and self.fused != "linear":
+            raise ValueError(f"fused_memory_budget applies to fused='linear' (its logits tiles), not "
+                             f"fused={self.fused!r}, which reads whole logits")
+        self._refuse_unread_advantage_fields()
         if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) or \
                 self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {self.max_nonfinite_steps!r}")
@@ -161,6 +165,19 @@ class DGPOConfig(GRPOConfig):
             self._build_method(method, fields_only=True)
         self._check_delta()
         self._refuse_unread_fields()
+
+    def _refuse_unread_advantage_fields(self) -> None:
+        """DCPO's smooth advantages are standardised from each prompt's weighted reward sum
+        (``trainer/scores.py``): TRL's reward scaling and multi-objective aggregation, which only its group
+        advantages read, would be set and ignored."""
+        if self.advantage_estimator != "dcpo":
+            return
+        for name, default in (("scale_rewards", "group"), ("multi_objective_aggregation", "sum_then_normalize")):
+            value = getattr(self, name, default)
+            if value != default:
+                raise ValueError(f"{name}={value!r} shapes TRL's group advantages; advantage_estimator='dcpo' makes "
+                                 f"its own smooth advantages from the weighted reward sum and reads no {name}: "
+                                 f"leave it at {default!r}, or use advantage_estimator='grpo'")
 
     def _resolve_objective(self) -> None:
         """``policy_loss`` from ``loss_type`` when unset, and the check of the two (the class docstring's rule)."""

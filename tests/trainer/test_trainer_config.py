@@ -42,6 +42,30 @@ def test_a_bad_field_fails_when_the_config_is_made(tmp_path, field, value, messa
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("fields, message", [
+    # read by fused='linear' alone
+    (dict(fused="logits", fused_memory_budget=2**20), "fused_memory_budget applies to fused='linear'"),
+    # DCPO's smooth advantages are made from the weighted reward sum: TRL's scaling and aggregation would do nothing
+    (dict(advantage_estimator="dcpo", scale_rewards="batch"), "scale_rewards='batch' shapes TRL's group advantages"),
+    (dict(advantage_estimator="dcpo", scale_rewards="none"), "scale_rewards='none' shapes TRL's group advantages"),
+    (dict(advantage_estimator="dcpo", multi_objective_aggregation="normalize_then_sum"),
+     "multi_objective_aggregation='normalize_then_sum' shapes TRL's group advantages"),
+])
+def test_a_field_the_other_settings_never_read_fails_when_the_config_is_made(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        make(tmp_path, **fields)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(fused="logits"), dict(fused="linear", fused_memory_budget=2**20),
+    dict(advantage_estimator="dcpo"), dict(advantage_estimator="grpo", scale_rewards="batch",
+                                           multi_objective_aggregation="normalize_then_sum"),
+])
+def test_the_same_fields_where_they_are_read_are_taken(tmp_path, fields):
+    config = make(tmp_path, **fields)
+    assert all(getattr(config, name) == value for name, value in fields.items())
+
+
 def test_the_aggregation_texts_list_every_aggregation():
     """loss_aggregation's help and DGPOConfig's docstring name every aggregation the package has."""
     import dataclasses
