@@ -140,12 +140,15 @@ class TileProjection:
             return block, schedule.on_side(lambda: block.copy_(rounded))
 
         pending = cast_ahead(0)
-        for index, (start, stop) in enumerate(ranges):
-            block, done = pending
-            if index + 1 < len(ranges):  # launched before this block's GEMM is queued: it runs beside it
-                pending = cast_ahead(index + 1)
-            schedule.wait(done)
-            yield start, stop, block
+        try:
+            for index, (start, stop) in enumerate(ranges):
+                block, done = pending
+                if index + 1 < len(ranges):  # launched before this block's GEMM is queued: it runs beside it
+                    pending = cast_ahead(index + 1)
+                schedule.wait(done)
+                yield start, stop, block
+        finally:  # a sweep left early (an error): the buffers are freed only after the side stream's last cast
+            schedule.join()
 
     def _matmul(self, a, b, out, accumulate: bool, whole_operand: bool = False):
         """``out = a @ b`` (``accumulate``: ``out += a @ b``), accumulated in ``out``'s dtype. ``whole_operand``:
