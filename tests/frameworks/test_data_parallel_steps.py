@@ -21,6 +21,10 @@ from worlds import start_world
 
 from dgpo_ops.frameworks import FRAMEWORK_AGGREGATIONS, FRAMEWORKS
 
+# One world per framework for the module (world_gradients, cached in the test process): the tests run on one
+# xdist worker, or a framework's rows on both workers started its world twice, side by side.
+pytestmark = pytest.mark.xdist_group("data_parallel_step_worlds")
+
 
 def installed(step: dp_steps.Step) -> bool:
     if step.distribution is None:
