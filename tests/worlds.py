@@ -19,6 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# The xdist group of every test that starts a world: one worker runs them all, so that one forkserver starts (its
+# imports, about 5 s, once a run rather than once a worker) and no two worlds run side by side on two cores.
+XDIST_GROUP = "forkserver_worlds"
+
 # What a rank of the suite's worlds imports before its work (a module that fails to import is left out, as
 # multiprocessing does: the rank then imports it itself and fails as it would have)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.device_mesh",

@@ -17,11 +17,11 @@ deepspeed = pytest.importorskip("deepspeed")
 
 import deepspeed_workers as workers
 import fsdp_workers
-from worlds import start_world
+from worlds import XDIST_GROUP, start_world
 
 # The tests read one world that ran every job (zero3_runs): they run on one xdist worker.
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("deepspeed_zero3"), pytest.mark.early]
+              pytest.mark.xdist_group(XDIST_GROUP), pytest.mark.early]
 
 WORLD = 2
 

@@ -12,14 +12,14 @@ import functools
 import fsdp_workers as workers
 import pytest
 import torch
-from worlds import start_world
+from worlds import XDIST_GROUP, start_world
 
 from dgpo_ops.ops.backends import triton_is_interpreted
 
 # One start of each world for the module (runs_of): the tests run on one xdist worker, so each world starts
 # once and the two one after the other (side by side, their gloo processes on two cores waited on each other).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("fsdp_worlds"), pytest.mark.early]
+              pytest.mark.xdist_group(XDIST_GROUP), pytest.mark.early]
 
 FP32_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if not mixed]
 BF16_CASES = [case for case, (_, mixed, _) in workers.CASES.items() if mixed]

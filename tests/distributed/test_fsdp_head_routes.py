@@ -20,11 +20,11 @@ import fsdp_head_route_workers as workers
 import fsdp_workers
 import pytest
 import torch
-from worlds import start_world
+from worlds import XDIST_GROUP, start_world
 
 # The module's cases share one pair of processes (cases_run): its tests run on one xdist worker.
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("fsdp_head_route_pairs"), pytest.mark.early]
+              pytest.mark.xdist_group(XDIST_GROUP), pytest.mark.early]
 
 WORLD = 2
 DEADLINE_S = 120  # for each case, from the end of the one before (the first: from the processes' start)

@@ -17,9 +17,13 @@ import tempfile
 import dp_steps
 import pytest
 import torch
-from worlds import start_world
+from worlds import XDIST_GROUP, start_world
 
 from dgpo_ops.frameworks import FRAMEWORK_AGGREGATIONS, FRAMEWORKS
+
+# One world per framework for the module (world_gradients, cached in the test process): the tests run on one
+# xdist worker, or a framework's rows on both workers started its world twice, side by side.
+pytestmark = pytest.mark.xdist_group(XDIST_GROUP)
 
 
 def installed(step: dp_steps.Step) -> bool:

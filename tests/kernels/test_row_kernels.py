@@ -260,60 +260,114 @@ def test_long_completions_launch_on_grid_axis_zero(monkeypatch):
     assert recorder.grids == [(70_000,), (1,), (70_000,)]  # rows, prologue per response (it finalizes), rows
 
 
-def test_an_unknown_method_id_does_not_compile():
+# Three checks that need Triton's real compiler, not the interpreter, run by one process without TRITON_INTERPRET
+# (uninterpreted, below): a process of their own each spent most of its time importing torch, Triton and the
+# package. Each check runs in its own try, its outcome (printed lines, or the traceback) kept for its test.
+UNINTERPRETED_CHECKS = """
+import contextlib, io, json, traceback
+
+
+def outcome(check):
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            check()
+    except Exception:
+        return {"lines": out.getvalue().splitlines(), "error": traceback.format_exc()}
+    return {"lines": out.getvalue().splitlines(), "error": None}
+
+
+def cpu_message():  # first: before anything but torch and the package is imported, as a user's script
+    import torch, dgpo_ops
+    try:
+        dgpo_ops.fused_dgpo_loss(torch.randn(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), torch.ones(1),
+                                 backend='triton')
+    except ValueError as e:
+        print(e)
+
+
+def first_cause(error):
+    cause = error
+    while cause.__cause__ is not None:  # the assert sits in a helper the kernel calls
+        cause = cause.__cause__
+    return cause
+
+
+def method_ids():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from bench import aot
+    spec = aot._forward('fp32')
+    for method in (int(aot.MethodId.SAPO), 99):
+        try:
+            triton.compile(aot._source(spec, {'METHOD': method}), target=GPUTarget('cuda', 90, 32),
+                           options=aot.LAUNCH['forward'])
+            print(method, 'compiled')
+        except Exception as error:
+            cause = first_cause(error)
+            print(method, 'failed', type(cause).__name__, 'unknown METHOD id' in str(cause))
+
+
+def denominators():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from bench import aot
+    spec = aot._prologue(False)
+    for name, value in (('DENOMINATOR', int(aot.Denominator.ONE)), ('DENOMINATOR', 99), ('NORMALIZER', 99)):
+        try:
+            triton.compile(aot._source(spec, {name: value}), target=GPUTarget('cuda', 90, 32),
+                           options=aot.LAUNCH['prologue'])
+            print(name, value, 'compiled')
+        except Exception as error:
+            cause = first_cause(error)
+            print(name, value, 'failed', type(cause).__name__, f'unknown {name}' in str(cause))
+
+
+print(json.dumps({check.__name__: outcome(check) for check in (cpu_message, method_ids, denominators)}))
+"""
+
+
+# the tests that read the process: one xdist worker runs it, once
+UNINTERPRETED_GROUP = pytest.mark.xdist_group("row_kernels_uninterpreted")
+
+
+@pytest.fixture(scope="module")
+def uninterpreted() -> dict:
+    """Each of UNINTERPRETED_CHECKS' checks: its printed lines, and its traceback or None."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", UNINTERPRETED_CHECKS], env=env, cwd=REPO, capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def checked(outcome: dict) -> list[str]:
+    assert outcome["error"] is None, outcome["error"]
+    return outcome["lines"]
+
+
+@UNINTERPRETED_GROUP
+def test_an_unknown_method_id_does_not_compile(uninterpreted):
     # kernel_token_terms names every MethodId and static_asserts otherwise: no silent fall-through to a method.
     # The compile report's specialisations (bench/aot.py) build the kernel source.
     from bench import aot
 
     spec = aot._forward("fp32")
-    code = (
-        "import os, triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from bench import aot\n"
-        "spec = aot._forward('fp32')\n"
-        "for method in (int(aot.MethodId.SAPO), 99):\n"
-        "    try:\n"
-        "        triton.compile(aot._source(spec, {'METHOD': method}), target=GPUTarget('cuda', 90, 32),\n"
-        "                       options=aot.LAUNCH['forward'])\n"
-        "        print(method, 'compiled')\n"
-        "    except Exception as error:\n"
-        "        cause = error\n"
-        "        while cause.__cause__ is not None:  # the assert sits in a helper the kernel calls\n"
-        "            cause = cause.__cause__\n"
-        "        print(method, 'failed', type(cause).__name__, 'unknown METHOD id' in str(cause))\n"
-    )
     assert spec.kernel == "forward"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout
-    assert out.splitlines() == ["6 compiled", "99 failed CompileTimeAssertionFailure True"], out
+    out = checked(uninterpreted["method_ids"])
+    assert out == ["6 compiled", "99 failed CompileTimeAssertionFailure True"], out
 
 
-def test_an_unknown_denominator_or_normalizer_does_not_compile():
+@UNINTERPRETED_GROUP
+def test_an_unknown_denominator_or_normalizer_does_not_compile(uninterpreted):
     # The prologue's DENOMINATOR and NORMALIZER branches name every member and static_assert otherwise: a new
     # Denominator is a compile error, never another one's count.
-    code = (
-        "import triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from bench import aot\n"
-        "spec = aot._prologue(False)\n"
-        "for name, value in (('DENOMINATOR', int(aot.Denominator.ONE)), ('DENOMINATOR', 99), ('NORMALIZER', 99)):\n"
-        "    try:\n"
-        "        triton.compile(aot._source(spec, {name: value}), target=GPUTarget('cuda', 90, 32),\n"
-        "                       options=aot.LAUNCH['prologue'])\n"
-        "        print(name, value, 'compiled')\n"
-        "    except Exception as error:\n"
-        "        cause = error\n"
-        "        while cause.__cause__ is not None:\n"
-        "            cause = cause.__cause__\n"
-        "        print(name, value, 'failed', type(cause).__name__, f'unknown {name}' in str(cause))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout
-    assert out.splitlines() == [f"DENOMINATOR {int(Denominator.ONE)} compiled",
-                                "DENOMINATOR 99 failed CompileTimeAssertionFailure True",
-                                "NORMALIZER 99 failed CompileTimeAssertionFailure True"], out
+    out = checked(uninterpreted["denominators"])
+    assert out == [f"DENOMINATOR {int(Denominator.ONE)} compiled",
+                   "DENOMINATOR 99 failed CompileTimeAssertionFailure True",
+                   "NORMALIZER 99 failed CompileTimeAssertionFailure True"], out
 
 
 def test_every_denominator_has_one_size_in_the_twins(monkeypatch):
@@ -328,18 +382,9 @@ def test_every_denominator_has_one_size_in_the_twins(monkeypatch):
         torch_twins.check_denominators()
 
 
-def test_triton_backend_on_cpu_without_the_interpreter_says_how_to_enable_it():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (
-        "import torch, dgpo_ops\n"
-        "try:\n"
-        "    dgpo_ops.fused_dgpo_loss(torch.randn(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), torch.ones(1),"
-        " backend='triton')\n"
-        "except ValueError as e:\n"
-        "    print(e)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert "TRITON_INTERPRET=1" in out
+@UNINTERPRETED_GROUP
+def test_triton_backend_on_cpu_without_the_interpreter_says_how_to_enable_it(uninterpreted):
+    assert "TRITON_INTERPRET=1" in "\n".join(checked(uninterpreted["cpu_message"]))
 
 
 @pytest.mark.parametrize("inplace", [False, True])

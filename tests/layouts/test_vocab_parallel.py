@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 import vocab_parallel_workers as workers
-from worlds import start_world
+from worlds import XDIST_GROUP, start_world
 
 import dgpo_ops
 
@@ -23,7 +23,7 @@ import dgpo_ops
 # once and the two one after the other (side by side, five gloo processes on two cores waited on each other
 # longer than they ran).
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed"),
-              pytest.mark.xdist_group("vocab_parallel_worlds"), pytest.mark.early]
+              pytest.mark.xdist_group(XDIST_GROUP), pytest.mark.early]
 JOBS = workers.jobs()
 _RUNS: dict[int, list[dict]] = {}
 

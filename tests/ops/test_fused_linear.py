@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import (ROUTE_VARIANTS, for_method, largest_allocations, linear_case, logits_batch, make_logits,
                      variant_id)
+from worlds import XDIST_GROUP, start_world
 
 import dgpo_ops
 
@@ -259,12 +260,11 @@ def _dtensor_weight_worker(rank, world_size, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.xdist_group(XDIST_GROUP)  # its world forks from the worker that starts the others (worlds.py)
 def test_dtensor_weights_replicated_are_used_sharded_are_refused(tmp_path):
     # A replicated DTensor is the whole weight on every process: used as it is, its gradient a
     # replicated DTensor equal to the plain op's. A Shard(0) DTensor may be FSDP's storage sharding
     # or a tensor-parallel vocabulary split; the op does not guess (tests/distributed/test_fsdp.py has FSDP2).
-    from worlds import start_world
-
     start_world(_dtensor_weight_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     (hidden, weight, bias), inputs = linear_case(seed=7, ref_logps=True)
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]

@@ -17,6 +17,7 @@ Gemma3.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from unittest import mock
@@ -356,35 +357,60 @@ def _close(ours, theirs, rtol, what):
     assert ours == pytest.approx(theirs, rel=rtol, abs=rtol * 1e-2), what
 
 
-def _first_updates(case: Case, model_dir, tmp_path, fused="linear"):
+def _first_updates(case: Case, model_dir, tmp_path, fused="linear", trl_side=None):
+    """GRPOTrainer's and DGPOTrainer's first micro-batches of ``case`` on the same batch: ``(theirs, ours, steps)``,
+    each step ``((loss, grads) of theirs, (loss, grads) of ours)``.
+
+    ``trl_side``: a dict that keeps GRPOTrainer's side (the trainer, the batch, its steps and off-policy masks),
+    which does not depend on ``fused``: given the dict that a call for the other route filled, this call makes
+    and steps DGPOTrainer alone, on a copy of the same batch, and takes GRPOTrainer's side from it."""
     from dgpo_ops.trainer import DGPOConfig, DGPOTrainer
     from trl import GRPOConfig, GRPOTrainer
 
-    theirs = make_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", **case.fields)
+    kept = trl_side.pop("kept", None) if trl_side is not None else None
+    theirs = kept["trainer"] if kept else make_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl",
+                                                       **case.fields)
     ours = make_trainer(DGPOTrainer, DGPOConfig, model_dir, tmp_path / "ours", fused=fused, **case.fields)
     for trainer in (theirs, ours):
         trainer.use_vllm = trainer.use_vllm or case.vllm
-    inputs = first_update_batch(theirs, **case.batch)
-    steps, masks = [], []
-    real = GRPOTrainer.get_off_policy_mask
+    inputs = copy.deepcopy(kept["inputs"]) if kept else first_update_batch(theirs, **case.batch)
+    pristine = None if kept else copy.deepcopy(inputs)
+    steps, masks = [], {"theirs": [], "ours": []}
+    real, side = GRPOTrainer.get_off_policy_mask, ["theirs"]
 
     def off_policy_mask(*args, **kwargs):
-        masks.append(real(*args, **kwargs))
-        return masks[-1]
+        masks[side[0]].append(real(*args, **kwargs))
+        return masks[side[0]][-1]
 
     with mock.patch.object(GRPOTrainer, "get_off_policy_mask", side_effect=off_policy_mask):
-        for _ in range(case.steps):
-            steps.append((loss_and_grads(theirs, inputs), loss_and_grads(ours, inputs)))
+        for step in range(case.steps):
+            side[0] = "theirs"
+            theirs_step = kept["steps"][step] if kept else loss_and_grads(theirs, inputs)
+            side[0] = "ours"
+            steps.append((theirs_step, loss_and_grads(ours, inputs)))
+    if kept:
+        masks["theirs"] = kept["masks"]
+    elif trl_side is not None:
+        trl_side["kept"] = {"trainer": theirs, "inputs": pristine, "steps": [step[0] for step in steps],
+                            "masks": masks["theirs"]}
     if case.fields.get("off_policy_mask_threshold") is not None:  # the mask drops a sequence, on both sides
-        assert len(masks) == 2 * case.steps and all(0 < mask.sum() < mask.numel() for mask in masks), masks
+        both = masks["theirs"] + masks["ours"]
+        assert len(masks["theirs"]) == len(masks["ours"]) == case.steps, masks
+        assert all(0 < mask.sum() < mask.numel() for mask in both), both
     return theirs, ours, steps
+
+
+# GRPOTrainer's side of each case, made by the case's first route and taken by its second (they run one after the
+# other): building and stepping TRL's trainer was half of each test, and it is the same for both routes.
+_TRL_SIDES: dict[str, dict] = {}
 
 
 @pytest.mark.parametrize("fused", ["linear", "logits"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_first_update_matches_grpo_trainer(name, fused, model_dirs, tmp_path):
     case = CASES[name]
-    theirs, ours, steps = _first_updates(case, model_dirs[case.model], tmp_path, fused)
+    theirs, ours, steps = _first_updates(case, model_dirs[case.model], tmp_path, fused,
+                                         trl_side=_TRL_SIDES.setdefault(name, {}))
     for step, ((loss_trl, grads_trl), (loss_ours, grads_ours)) in enumerate(steps):
         _close(loss_ours.item(), loss_trl.item(), case.rtol, f"loss, step {step}")
         assert grads_ours.keys() == grads_trl.keys()

