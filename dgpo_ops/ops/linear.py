@@ -574,6 +574,10 @@ def flatten_tokens(hidden, weight, bias):
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
     if bias is not None and (not torch.is_tensor(bias) or bias.shape != weight.shape[:1] or bias.device != weight.device):
         raise ValueError(f"bias must be a tensor of shape ({weight.shape[0]},) on {weight.device}")
+    if bias is not None and bias.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        # as torch.nn.functional.linear refuses it: the op would round the bias to the weight's dtype unasked
+        raise ValueError(f"bias ({bias.dtype}) and weight ({weight.dtype}) must have the same dtype "
+                         "(or run under torch.autocast, which casts both)")
     logits_shape = torch.Size((*hidden.shape[:-1], weight.shape[0]))
     return hidden.reshape(-1, hidden.shape[-1]), logits_shape
 

@@ -222,6 +222,8 @@ def test_no_allocation_of_n_by_v_elements():
     "change, match",
     [(dict(weight=torch.randn(70, 15)), "weight"), (dict(weight=torch.randn(70, 16).double()), "dtype"),
      (dict(bias=torch.randn(69)), "bias"), (dict(inplace=True), "inplace"), (dict(softcap=-1.0), "softcap"),
+     # as torch.nn.functional.linear: outside autocast the bias is in the weight's dtype
+     (dict(bias=torch.randn(70).bfloat16()), r"bias \(torch.bfloat16\) and weight \(torch.float32\) must have the same"),
      (dict(logit_scale=0.0), "logit_scale"), (dict(target_ids=torch.full((3, 6), 70)), "target_ids")],
 )
 def test_bad_inputs_raise(change, match):
@@ -583,3 +585,12 @@ def test_a_weight_cast_per_vocabulary_block_is_not_pipelined(monkeypatch):
     whole = TileProjection(weight.float(), None, Precision.resolve(weight.float(), None, None), memory_budget=2**16)
     assert cast.block_rows < 600 and not pipelined(cast)
     assert pipelined(whole)
+
+
+def test_a_bias_in_another_dtype_runs_under_autocast_as_the_models_head():
+    # F.linear under autocast casts hidden, weight and bias alike: so does the op
+    (hidden, weight, bias), inputs = linear_case()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, bias=bias.bfloat16()).loss
+        want = dgpo_ops.fused_linear_dgpo_loss(hidden, weight, **inputs, bias=bias).loss
+    torch.testing.assert_close(got, want)
