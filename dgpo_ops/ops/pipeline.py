@@ -94,8 +94,8 @@ def plan_call(token_shape, columns: int, dtype, device, batch: LossInputs, optio
               checked: bool = True) -> CallPlan:
     """Everything a call decides on the host for rows of ``token_shape`` over ``columns`` vocabulary columns
     (of ``dtype`` on ``device``): the layout, the kernels (for tensors like ``kernel_probe``), the validation
-    mode, the normaliser. ``checked``: immediate validation checks the values here (deferred validation raises
-    the errors of earlier calls the device has finished in ``forward_rows``, never waiting); False plans from
+    mode, the normaliser. ``checked``: immediate validation checks the values here (every call raises the errors
+    of earlier deferred calls the device has finished in ``forward_rows``, never waiting); False plans from
     metadata alone (the fake implementation of the compiled ops, which has no values)."""
     deferred = resolve_mode(options.validation, device) == "deferred"
     rows = RowLayout.build(layout, token_shape, columns, device, check=checked and not deferred)
@@ -124,8 +124,8 @@ class PlanTemplate:
 
     def plan(self, batch: LossInputs, grid_batch: LossInputs, checked: bool = True) -> CallPlan:
         """The call's plan from its inputs (``grid_batch``: on the objective's grid, ``RowLayout.grid_batch``), with
-        immediate validation's checks of values, which run on every call (``checked`` False: none; deferred
-        validation's poll of earlier calls runs in ``forward_rows``, once the row forward is launched)."""
+        immediate validation's checks of values, which run on every call (``checked`` False: none; the poll of earlier
+        deferred calls runs in ``forward_rows``, once the row forward is launched)."""
         inputs = row_inputs(grid_batch, self.grid, self.flat)
         rows = self.rows
         plan = CallPlan(inputs, self.options, self.kernels, rows.vocab,

@@ -6,8 +6,8 @@ The signature is everything the template and the bound launches read: each input
 and ``requires_grad`` (or None, absent), a number normaliser's value, the generator's device, the options (a frozen
 dataclass), whether the call needs a gradient, and the autocast state of the logits' device. Never a tensor's
 identity, address or values: a call with other tensors of the same signature gets the same template, and its
-values are checked on every call all the same (immediate validation's checks, deferred validation's poll:
-``PlanTemplate.plan``). The cache holds templates only, no tensor of any call, in a bounded LRU.
+values are checked on every call all the same (immediate validation's checks in ``PlanTemplate.plan``; the poll
+of earlier deferred checks in ``pipeline.forward_rows``). The cache holds templates only, no tensor of any call, in a bounded LRU.
 
 Not cached, planned on every call as before: a vocabulary split or packed sequences (their layouts are made from
 the call's tensors), a tensor subclass, a normaliser on another device than the logits (its value is read on the
